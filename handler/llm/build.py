@@ -1,0 +1,91 @@
+"""Build a ready engine from a model folder: the cold-start recipe in named steps.
+
+    read_config → build_model → load_weights (+coverage) → allocate_kv → load_tokenizer → Engine
+
+The init phase (snapshot/) times each of these as a stage; here they are plain functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import DTYPES, ModelConfig
+from .engine.engine import Engine, SchedulerConfig
+from .engine.kv_pool import KVPool, bytes_per_page
+from .errors import BadRequest
+from .kernels import get_backend
+from .loader import LoadReport, load_weights
+from .models import model_class
+from .models.base import CausalLM
+from .sharding import ParallelConfig
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to run a model. `num_pages=None` sizes the pool from `kv_cache_bytes`."""
+
+    device: str = "cpu"
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype (fp8 checkpoints: bfloat16)
+    backend: str = "auto"
+    num_pages: int | None = None
+    kv_cache_bytes: int = 256 << 20
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def resolve_dtype(config: ModelConfig, requested: str) -> torch.dtype:
+    if requested == "auto":
+        return config.dtype
+    if requested not in DTYPES:
+        raise BadRequest(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
+
+
+def build_model(config: ModelConfig, opts: EngineOptions) -> CausalLM:
+    backend = get_backend(opts.backend, opts.device)
+    dtype = resolve_dtype(config, opts.dtype)
+    cls = model_class(config.arch)
+    return cls(config, backend, dtype=dtype, device=opts.device, parallel=opts.parallel)
+
+
+def plan_num_pages(model: CausalLM, opts: EngineOptions) -> int:
+    if opts.num_pages is not None:
+        return opts.num_pages
+    per_page = bytes_per_page(model.kv_buffer_specs(), opts.scheduler.page_size, model.dtype)
+    return max(1, opts.kv_cache_bytes // per_page)
+
+
+def allocate_kv(model: CausalLM, num_pages: int, page_size: int) -> KVPool:
+    return KVPool(model.kv_buffer_specs(), num_pages, page_size, model.dtype, model.device)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    if not (model_dir / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_dir(model_dir)
+
+
+@dataclass
+class LoadedEngine:
+    engine: Engine
+    config: ModelConfig
+    load_report: LoadReport
+
+
+def build_engine(model_dir: Path | str, opts: EngineOptions | None = None) -> LoadedEngine:
+    opts = opts or EngineOptions()
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    ckpt = Checkpoint.open(model_dir)
+    model = build_model(config, opts)
+    report = load_weights(model, ckpt)
+    kv = allocate_kv(model, plan_num_pages(model, opts), opts.scheduler.page_size)
+    tokenizer = load_tokenizer(model_dir)
+    eos = set(config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
+    engine = Engine(model, kv, opts.scheduler, tokenizer, frozenset(eos))
+    return LoadedEngine(engine, config, report)

@@ -1,0 +1,221 @@
+"""The LLM engine: a loaded model, its KV pool, a scheduler and a sampler, stepped in a loop.
+
+`Engine.step()` runs one forward over the scheduled batch and returns per-request outputs
+(the streaming unit); `generate()` drives it to completion for a list of prompts.
+Prompts longer than `max_req_input_len` are refused before any work is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import BadRequest
+from ..models.base import CausalLM
+from ..tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from .batch import ForwardBatch
+from .kv_pool import KVPool
+from .request import GenerationResult, Request, RequestOutput, SamplingParams
+from .sampler import make_generator, sample
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVPool,
+        sched: SchedulerConfig,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        cfg: ModelConfig = model.config
+        self.max_model_len = min(
+            sched.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.scheduler = Scheduler(
+            kv.allocator,
+            kv.page_size,
+            sched.max_running_requests,
+            sched.max_num_batched_tokens,
+            self.max_model_len,
+        )
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def max_req_input_len(self) -> int:
+        """Longest prompt accepted: one token of room must remain in the model length and the pool."""
+        return min(self.max_model_len, self.kv.capacity_tokens) - 1
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        params.validate()
+        self._check_prompt(prompt_ids)
+        req = Request(list(prompt_ids), params)
+        if request_id is not None:
+            req.request_id = request_id
+        req.generator = make_generator(params.seed)
+        if self.scheduler.pages_needed(req) > self.kv.num_pages:
+            raise BadRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more "
+                f"KV cache than the whole pool holds ({self.kv.capacity_tokens} tokens); lower max_new_tokens"
+            )
+        with self._lock:
+            if req.request_id in self._requests:
+                raise BadRequest(f"request id {req.request_id!r} is already in use")
+            self._requests[req.request_id] = req
+            if self.tokenizer is not None:
+                self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.scheduler.add(req)
+        return req.request_id
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty: give at least one token")
+        if len(prompt_ids) > self.max_req_input_len:
+            raise BadRequest(
+                f"prompt has {len(prompt_ids)} tokens, more than the {self.max_req_input_len} this engine "
+                "accepts (max_req_input_len); shorten the prompt"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"prompt token ids out of range [0, {vocab}): {bad[:8]}")
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request and free its pages. False if it is unknown or already finished."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.finished:
+                return False
+            self.scheduler.finish(req, "cancelled")
+            self._forget(req)
+            return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+            if scheduled is None:
+                return []
+            batch = ForwardBatch.build(
+                scheduled.token_ids,
+                scheduled.start_positions,
+                [r.pages for r in scheduled.requests],
+                self.kv.page_size,
+                self.model.device,
+            )
+            logits = self.model(batch, self.kv)
+            return self._advance(scheduled.requests, [len(t) for t in scheduled.token_ids], logits)
+
+    def _advance(
+        self, requests: list[Request], num_new: list[int], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        ready = []
+        for row, (req, n) in enumerate(zip(requests, num_new, strict=True)):
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:  # prompt fully cached: next token is due
+                ready.append(row)
+        if not ready:
+            return []
+        ready_reqs = [requests[r] for r in ready]
+        tokens, logprobs = sample(logits[ready], ready_reqs)
+        return [
+            self._append(req, t, lp)
+            for req, t, lp in zip(ready_reqs, tokens, logprobs, strict=True)
+        ]
+
+    def _append(self, req: Request, token: int, logprob: float) -> RequestOutput:
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        delta = self._detokenize(req, token)
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            delta = self._flush(req, delta) if reason != "stop_string" else delta
+            self.scheduler.finish(req, "stop" if reason == "stop_string" else reason)
+            self._forget(req)
+        return RequestOutput(
+            req.request_id, (token,), (logprob,), delta, req.finished, req.finish_reason
+        )
+
+    def _detokenize(self, req: Request, token: int) -> str:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            return ""
+        before = len(req.text)
+        req.text += detok.push(token)
+        if req.params.stop:
+            cut = find_stop(
+                req.text, req.params.stop, max(0, before - max(map(len, req.params.stop)))
+            )
+            if cut is not None:
+                req.text = req.text[:cut]
+                req.finish_reason = "stop_string"
+        return req.text[before:] if len(req.text) > before else ""
+
+    def _flush(self, req: Request, delta: str) -> str:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            return delta
+        rest = detok.flush()
+        req.text += rest
+        return delta + rest
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if req.finish_reason == "stop_string":
+            return "stop_string"
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run prompts to completion together (continuous batching) and return them in order."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = []
+        for ids, p in zip(prompts, per_prompt, strict=True):
+            rid = self.add_request(ids, p)
+            reqs.append(self._requests[rid])
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [_result(r) for r in reqs]
+
+
+def _result(req: Request) -> GenerationResult:
+    return GenerationResult(
+        request_id=req.request_id,
+        prompt_ids=tuple(req.prompt_ids),
+        token_ids=tuple(req.output_ids),
+        logprobs=tuple(req.logprobs),
+        text=req.text,
+        finish_reason=req.finish_reason or "unknown",
+    )

@@ -1,0 +1,186 @@
+"""`snapfn generate`: load a model (default: the embedded one), generate, print text or JSON.
+
+Timing figures (load, prefill, decode ms/token) go to stderr so `--json` output stays clean.
+`--batch-size N` runs N copies of the prompt together, which is how decode speed at batch N
+is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BadRequest
+
+
+@dataclass(frozen=True)
+class GenerateDefaults:
+    prompt: str = "Once upon a time"
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+    batch_size: int = 1
+    kv_cache_mb: int = 256
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = GenerateDefaults()
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help=f"prompt text (default: {d.prompt!r})")
+    src.add_argument("--prompt-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens"
+    )
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16 or float16")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="run N copies of the prompt together"
+    )
+    p.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb, help="KV pool size in MiB")
+    p.add_argument(
+        "--json", action="store_true", help='print {"token_ids", "text", "logprobs"} as JSON'
+    )
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError as exc:
+            raise BadRequest(f"--prompt-ids must be comma-separated integers ({exc})") from exc
+    if tokenizer is None:
+        raise BadRequest(
+            "this model folder has no tokenizer.json: pass --prompt-ids instead of --prompt"
+        )
+    text = args.prompt if args.prompt is not None else GenerateDefaults().prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .build import EngineOptions, build_engine
+    from .embedded import embedded_model_dir
+    from .engine.request import SamplingParams
+
+    if args.batch_size < 1:
+        raise BadRequest(f"--batch-size must be >= 1, got {args.batch_size}")
+    model_dir = args.model or embedded_model_dir()
+    t0 = time.perf_counter()
+    opts = EngineOptions(
+        device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20
+    )
+    loaded = build_engine(model_dir, opts)
+    engine = loaded.engine
+    load_s = time.perf_counter() - t0
+    ids = _prompt_ids(args, engine.tokenizer)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    timing = _timed_generate(engine, [ids] * args.batch_size, params)
+    result = timing.pop("results")[0]
+    _report(args, model_dir, loaded, load_s, timing)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "token_ids": list(result.token_ids),
+                    "text": result.text,
+                    "logprobs": list(result.logprobs),
+                }
+            )
+        )
+    else:
+        print(result.text if engine.tokenizer else " ".join(map(str, result.token_ids)))
+    return 0
+
+
+def _timed_generate(engine, prompts: list[list[int]], params) -> dict:
+    """Generate, timing the first step (prefill) apart from the decode steps."""
+    from .engine.request import GenerationResult  # noqa: F401 (type of the results)
+
+    _sync(engine)
+    for ids in prompts:
+        engine.add_request(ids, params)
+    t0 = time.perf_counter()
+    first, steps, results = None, 0, {}
+    while engine.has_work():
+        outs = engine.step()
+        _sync(engine)
+        steps += 1
+        if first is None and outs:
+            first = time.perf_counter() - t0
+        for out in outs:
+            results.setdefault(out.request_id, []).append(out)
+    total = time.perf_counter() - t0
+    decode_steps = max(steps - 1, 1)
+    return {
+        "first_token_s": first or total,
+        "decode_ms_per_step": (total - (first or 0)) / decode_steps * 1e3,
+        "decode_steps": decode_steps,
+        "results": _collect(engine, results),
+    }
+
+
+def _collect(engine, outputs: dict) -> list:
+    from .engine.request import GenerationResult
+
+    collected = []
+    for rid, outs in outputs.items():
+        collected.append(
+            GenerationResult(
+                request_id=rid,
+                prompt_ids=(),
+                token_ids=tuple(t for o in outs for t in o.new_token_ids),
+                logprobs=tuple(lp for o in outs for lp in o.new_logprobs),
+                text="".join(o.text_delta for o in outs),
+                finish_reason=outs[-1].finish_reason or "unknown",
+            )
+        )
+    return collected
+
+
+def _sync(engine) -> None:
+    if engine.model.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.model.device)
+
+
+def _report(args, model_dir, loaded, load_s: float, timing: dict) -> None:
+    rep = loaded.load_report
+    print(
+        f"[snapfn] model {model_dir} ({loaded.config.model_type}, {loaded.engine.model.dtype}) on {args.device}: "
+        f"load {load_s:.2f} s ({rep.num_bytes / 1e9:.2f} GB at {rep.gb_per_s:.2f} GB/s); "
+        f"batch {args.batch_size}: first token {timing['first_token_s'] * 1e3:.1f} ms, "
+        f"decode {timing['decode_ms_per_step']:.2f} ms/step over {timing['decode_steps']} steps",
+        file=sys.stderr,
+    )

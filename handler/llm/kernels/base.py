@@ -1,0 +1,109 @@
+"""The backend seam: every attention, GEMM and MoE call of the models goes through a Backend.
+
+A backend is chosen by name from a registry (`kernels.get_backend`), never by sniffing paths.
+The torch reference backend runs on CPU and CUDA and is the oracle the faster ones (FlashInfer,
+Triton, DeepGEMM, DeepEP — a later issue) are checked against. A new backend subclasses
+`Backend`, overrides what it accelerates and inherits the rest.
+
+Tensor conventions: tokens are flattened across requests (`T` rows, see `ForwardBatch`);
+caches are one layer's `[num_pages, page_size, *token_shape]` view of the KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.batch import ForwardBatch
+
+
+@dataclass
+class ExpertWeights:
+    """One MoE layer's local experts, stacked: expert `first_expert + i` is row `i`."""
+
+    gate: torch.Tensor  # [E_local, I, H]
+    up: torch.Tensor  # [E_local, I, H]
+    down: torch.Tensor  # [E_local, H, I]
+    gate_scale_inv: torch.Tensor | None = None  # [E_local, ceil(I/128), ceil(H/128)] for fp8
+    up_scale_inv: torch.Tensor | None = None
+    down_scale_inv: torch.Tensor | None = None
+    first_expert: int = 0
+
+    @property
+    def num_local(self) -> int:
+        return self.gate.shape[0]
+
+
+class Backend:
+    """Interface and registry entry. Subclasses implement every method below."""
+
+    name = "abstract"
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale_inv: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`x @ W.T + b`; W may be fp8 with a 128x128 block `weight_scale_inv`."""
+        raise NotImplementedError
+
+    def store_kv(self, cache: torch.Tensor, values: torch.Tensor, batch: ForwardBatch) -> None:
+        """Write `values [T, *token_shape]` into `cache` at `batch.slot_mapping`."""
+        raise NotImplementedError
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [P, S, Hkv, D]
+        v_cache: torch.Tensor,  # [P, S, Hkv, Dv]
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        """Causal attention of the new tokens over each request's cached tokens."""
+        raise NotImplementedError
+
+    def gather_seq(self, cache: torch.Tensor, batch: ForwardBatch, seq: int) -> torch.Tensor:
+        """The first `seq_lens[seq]` cached tokens of request `seq`: `[L, *token_shape]`."""
+        raise NotImplementedError
+
+    def moe(
+        self,
+        x: torch.Tensor,  # [T, H]
+        experts: ExpertWeights,
+        topk_ids: torch.Tensor,  # [T, k] global expert ids
+        topk_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H], contributions of the local experts only
+        """Routed-expert SwiGLU MLPs weighted by the router; experts off this rank add nothing."""
+        raise NotImplementedError
+
+    def dsa_topk(
+        self,
+        q: torch.Tensor,  # [T, Hi, Di] rotated indexer queries
+        weights: torch.Tensor,  # [T, Hi] float32 per-head weights (already times Hi^-0.5)
+        k_cache: torch.Tensor,  # [P, S, Di] indexer keys
+        batch: ForwardBatch,
+        topk: int,
+        scale: float,
+    ) -> torch.Tensor:  # [T, topk] int32 key positions within the request, -1 = no key
+        """DSA indexer: per query, the `topk` causal keys scoring highest on
+        `sum_h weights[h] * relu(scale * q[h] . k)`; a query with fewer causal keys gets them
+        all, padded with -1 (the FlashMLA sparse-index layout)."""
+        raise NotImplementedError
+
+    def mla_attention(
+        self,
+        q: torch.Tensor,  # [T, H, Dn + Dr] (nope | rotated rope)
+        latent_cache: torch.Tensor,  # [P, S, R + Dr] (normalised kv latent | rotated k_rope)
+        kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R], maybe fp8
+        kv_b_scale_inv: torch.Tensor | None,
+        batch: ForwardBatch,
+        scale: float,
+        topk_indices: torch.Tensor | None = None,  # [T, topk] int32 from `dsa_topk`; None = dense
+    ) -> torch.Tensor:  # [T, H, Dv]
+        """Causal multi-head latent attention over each request's cached latents, restricted
+        to the `topk_indices` keys when given. `kv_b` expands a latent into per-head
+        `k_nope | v`; every head shares the latent's `k_rope`."""
+        raise NotImplementedError

@@ -1,0 +1,152 @@
+"""Torch reference backend: plain PyTorch ops, CPU and CUDA, the oracle for faster backends.
+
+Attention loops over requests and gathers each one's pages; softmax runs in float32 like
+Hugging Face's eager attention, so parity tests against transformers can use tight tolerances.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import dequantize_fp8_block
+from .base import Backend, ExpertWeights
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def linear(self, x, weight, bias=None, weight_scale_inv=None):
+        if weight_scale_inv is not None:
+            weight = dequantize_fp8_block(weight, weight_scale_inv, x.dtype)
+        elif weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def store_kv(self, cache, values, batch):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, batch.slot_mapping, values.to(cache.dtype))
+
+    def gather_seq(self, cache, batch, seq):
+        seq_len = batch.seq_lens_cpu[seq]
+        num_pages = -(-seq_len // batch.page_size)
+        pages = batch.page_table[seq, :num_pages].long()
+        return cache[pages].flatten(0, 1)[:seq_len]
+
+    def paged_attention(self, q, k_cache, v_cache, batch, scale):
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+        start = 0
+        for b, (q_len, seq_len) in enumerate(
+            zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
+        ):
+            k = self.gather_seq(k_cache, batch, b)  # [L, Hkv, D]
+            v = self.gather_seq(v_cache, batch, b)
+            qb = q[start : start + q_len]  # [q, Hq, D]
+            out[start : start + q_len] = causal_attention(qb, k, v, seq_len - q_len, scale)
+            start += q_len
+        return out
+
+    def moe(self, x, experts: ExpertWeights, topk_ids, topk_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        local_ids = topk_ids - experts.first_expert
+        hit = torch.unique(local_ids[(local_ids >= 0) & (local_ids < experts.num_local)])
+        for e in hit.tolist():
+            token_idx, slot = torch.where(local_ids == e)
+            h = x[token_idx]
+            gate = self.linear(h, experts.gate[e], None, _row(experts.gate_scale_inv, e))
+            up = self.linear(h, experts.up[e], None, _row(experts.up_scale_inv, e))
+            y = self.linear(
+                F.silu(gate) * up, experts.down[e], None, _row(experts.down_scale_inv, e)
+            )
+            out.index_add_(0, token_idx, (y * topk_weights[token_idx, slot, None]).float())
+        return out.to(x.dtype)
+
+    def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+        start = 0
+        for b, (q_len, seq_len) in enumerate(
+            zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
+        ):
+            k = self.gather_seq(k_cache, batch, b)  # [L, Di]
+            rows = slice(start, start + q_len)
+            out[rows] = _topk_one_seq(q[rows], weights[rows], k, seq_len - q_len, topk, scale)
+            start += q_len
+        return out
+
+    def mla_attention(
+        self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
+    ):
+        num_heads, rank = q.shape[1], kv_b_weight.shape[1]
+        rope_dim = latent_cache.shape[-1] - rank
+        nope_dim = q.shape[-1] - rope_dim
+        v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
+        out = q.new_empty(q.shape[0], num_heads, v_dim)
+        start = 0
+        for b, (q_len, seq_len) in enumerate(
+            zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
+        ):
+            latent = self.gather_seq(latent_cache, batch, b)  # [L, R + Dr]
+            kv = self.linear(
+                latent[:, :rank], kv_b_weight, None, kv_b_scale_inv
+            )  # [L, H * (Dn + Dv)]
+            k_nope, v = kv.view(seq_len, num_heads, -1).split([nope_dim, v_dim], dim=-1)
+            k_rope = latent[:, None, rank:].expand(seq_len, num_heads, rope_dim)
+            k = torch.cat([k_nope, k_rope], dim=-1)  # [L, H, Dn + Dr]
+            rows = slice(start, start + q_len)
+            mask = None if topk_indices is None else topk_mask(topk_indices[rows], seq_len)
+            out[rows] = causal_attention(q[rows], k, v, seq_len - q_len, scale, mask)
+            start += q_len
+        return out
+
+
+def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if t is None else t[e]
+
+
+def causal_attention(
+    q: torch.Tensor,  # [q, Hq, D]
+    k: torch.Tensor,  # [L, Hkv, D]
+    v: torch.Tensor,  # [L, Hkv, Dv]
+    q_offset: int,
+    scale: float,
+    extra_mask: torch.Tensor | None = None,  # [q, L] bool, True = may attend
+) -> torch.Tensor:  # [q, Hq, Dv]
+    """Softmax attention where query `i` (absolute position `q_offset + i`) sees keys `<= i`."""
+    num_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(num_rep, dim=1)
+    v = v.repeat_interleave(num_rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k).float() * scale  # [Hq, q, L]
+    q_pos = torch.arange(q.shape[0], device=q.device) + q_offset
+    allowed = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    if extra_mask is not None:
+        allowed = allowed & extra_mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _topk_one_seq(q, weights, k, q_offset, topk, scale):
+    # op order as Hugging Face's GlmMoeDsaIndexer, so ties and near-ties resolve alike
+    scores = torch.matmul(q.float(), k.float().T) * scale  # [q, Hi, L]
+    scores = F.relu(scores)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [q, L]
+    causal = _causal_mask(q.shape[0], k.shape[0], q_offset, q.device)  # [q, L]
+    index_scores = index_scores.masked_fill(~causal, float("-inf"))
+    picked = index_scores.topk(min(topk, k.shape[0]), dim=-1).indices  # [q, k']
+    # rows with fewer causal keys than topk pick masked keys too: drop them
+    picked = picked.masked_fill(~causal.gather(1, picked), -1)
+    return F.pad(picked, (0, topk - picked.shape[1]), value=-1).to(torch.int32)  # [q, topk]
+
+
+def _causal_mask(num_q: int, num_k: int, q_offset: int, device: torch.device) -> torch.Tensor:
+    q_pos = torch.arange(num_q, device=device) + q_offset
+    return torch.arange(num_k, device=device)[None, :] <= q_pos[:, None]  # [q, L]
+
+
+def topk_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """`[q, topk]` key indices (-1 = none) as a `[q, num_keys]` bool mask, True = selected."""
+    slots = topk_indices.long().masked_fill(topk_indices < 0, num_keys)  # -1 -> a spare column
+    mask = torch.zeros(
+        topk_indices.shape[0], num_keys + 1, dtype=torch.bool, device=topk_indices.device
+    )
+    return mask.scatter_(1, slots, True)[:, :num_keys]

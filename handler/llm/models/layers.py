@@ -1,0 +1,169 @@
+"""Building blocks shared by the models: Linear (bf16/fp32 or FP8 block), RMSNorm, RoPE.
+
+Parameters are created empty on the target device and filled by the loader; a parameter the
+loader never fills is a coverage error, so uninitialised memory never reaches a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from ..config import QuantConfig, RopeConfig
+from ..kernels import Backend
+from ..quant import FP8_DTYPE, scale_shape
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def is_quantized(module_name: str, quant: QuantConfig | None) -> bool:
+    """Whether the Linear at `module_name` holds FP8 weights under `quant`.
+
+    `lm_head` never does; otherwise a module is excluded when any `modules_to_not_convert`
+    entry equals it, is a dotted component run inside it, or matches it as a regex.
+    """
+    if quant is None or module_name.endswith("lm_head"):
+        return False
+    for pattern in quant.modules_to_not_convert:
+        if pattern == module_name or f".{pattern}." in f".{module_name}.":
+            return False
+        if re.fullmatch(pattern, module_name):
+            return False
+    return True
+
+
+class Linear(nn.Module):
+    """`y = x W^T (+ b)` through the backend; W is `dtype` or FP8 with `weight_scale_inv`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        backend: Backend,
+        *,
+        bias: bool = False,
+        fp8: bool = False,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight = _param((out_features, in_features), FP8_DTYPE if fp8 else dtype, device)
+        self.weight_scale_inv = (
+            _param(scale_shape((out_features, in_features)), torch.float32, device) if fp8 else None
+        )
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias, self.weight_scale_inv)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight applied after casting back (as Hugging Face does)."""
+
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[dim/2]` and the attention scaling factor, per RoPE type."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, dim, max_positions)
+    return inv_freq, 1.0
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_ctx = rope.original_max_position_embeddings or 8192
+    low_wavelen = old_ctx / rope.low_freq_factor
+    high_wavelen = old_ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    base, factor = rope.theta, rope.factor
+    old_ctx = rope.original_max_position_embeddings or max_positions
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, computed once; applied half-split or interleaved."""
+
+    def __init__(
+        self,
+        rope: RopeConfig,
+        dim: int,
+        max_positions: int,
+        device: torch.device | str,
+        interleaved: bool = False,
+    ) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(rope, dim, max_positions)
+        self.interleaved = interleaved
+        self.max_positions = max_positions
+        self.attention_scaling = attention_scaling
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, dim/2]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `x [T, H, dim]` by per-token `cos/sin [T, dim/2]`."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,88 @@
+"""config.json parsing: transformers 4.x and 5.x spellings, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.errors import UnsupportedModel
+
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
+LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_transformers4_and_5_rope_spellings_agree():
+    v4 = ModelConfig.from_hf(
+        {**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}}
+    )
+    v5 = ModelConfig.from_hf(
+        {**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}}
+    )
+    old = ModelConfig.from_hf(
+        {**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}}
+    )
+    assert v4.rope == v5.rope == old.rope
+    assert v5.rope.theta == 500000.0 and v5.rope.rope_type == "llama3"
+    assert v5.head_dim == 16 and v5.dtype.is_floating_point
+
+
+def test_dtype_from_v5_dtype_key():
+    cfg = ModelConfig.from_hf({**BASE, "dtype": "float32"})
+    assert cfg.torch_dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "update, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope"}}, "rope type 'longrope'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+            "weight_block_size",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"torch_dtype": "int8"}, "dtype 'int8'"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(update, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelConfig.from_hf({**BASE, **update})
+
+
+def test_glm_indexer_types_must_start_full():
+    glm = {
+        **BASE,
+        "model_type": "glm_moe_dsa",
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "indexer_types": ["shared", "full"],
+    }
+    with pytest.raises(UnsupportedModel, match="indexer_types\\[0\\] must be 'full'"):
+        ModelConfig.from_hf(glm)
+    cfg = ModelConfig.from_hf({**glm, "indexer_types": ["full", "shared"]})
+    assert cfg.arch == "glm_moe_dsa" and cfg.dsa.indexer_types == ("full", "shared")
