@@ -83,7 +83,9 @@ class Engine:
                 raise BadRequest(f"request id {req.request_id!r} is already in use")
             self._requests[req.request_id] = req
             if self.tokenizer is not None:
-                self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+                self._detok[req.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, context_ids=req.prompt_ids[-6:]
+                )
             self.scheduler.add(req)
         return req.request_id
 

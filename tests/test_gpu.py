@@ -1,0 +1,42 @@
+"""The same parity checks on a CUDA device. Skipped on machines without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import greedy, hf_greedy, hf_logits, hf_model, random_prompts
+
+from snapfn.handler.llm.build import EngineOptions, build_engine
+from snapfn.handler.llm.engine.engine import SchedulerConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+    ),
+]
+
+
+def cuda_engine(model_dir, dtype="float32"):
+    opts = EngineOptions(
+        device="cuda", dtype=dtype, num_pages=256, scheduler=SchedulerConfig(page_size=4)
+    )
+    return build_engine(model_dir, opts).engine
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_cuda_greedy_matches_transformers(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    prompts = random_prompts(256, [4, 19, 11], seed=5)
+    results = cuda_engine(model_dir).generate(prompts, greedy(32))
+    hf = hf_model(model_dir)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert list(result.token_ids) == hf_greedy(hf, prompt, 32)
+
+
+def test_cuda_bf16_logits_close_to_fp32_reference(tiny_llama_dir):
+    engine = cuda_engine(tiny_llama_dir, dtype="bfloat16")
+    (ids,) = random_prompts(256, [17], seed=6)
+    (result,) = engine.generate([ids], greedy(1))
+    ref = torch.log_softmax(hf_logits(hf_model(tiny_llama_dir), ids)[-1], -1)
+    assert result.logprobs[0] == pytest.approx(float(ref[result.token_ids[0]]), abs=5e-2)
