@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import greedy, hf_greedy, hf_logits, hf_model, random_prompts
-
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine.engine import SchedulerConfig
 
@@ -40,3 +39,20 @@ def test_cuda_bf16_logits_close_to_fp32_reference(tiny_llama_dir):
     (result,) = engine.generate([ids], greedy(1))
     ref = torch.log_softmax(hf_logits(hf_model(tiny_llama_dir), ids)[-1], -1)
     assert result.logprobs[0] == pytest.approx(float(ref[result.token_ids[0]]), abs=5e-2)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_graph_replay_matches_eager(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    prompts = random_prompts(256, [4, 19, 11], seed=5)
+    eager = cuda_engine(model_dir).generate(prompts, greedy(16))
+    engine = cuda_engine(model_dir)
+    stats = engine.capture_graphs([1, 2, 4], max_seq_len=256)
+    graphed = engine.generate(prompts, greedy(16))
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert [r.logprobs for r in graphed] == pytest.approx([r.logprobs for r in eager], abs=1e-5)
+    assert stats.replays > 0 and stats.eager_fallbacks == 0
+    # five requests exceed the largest bucket (4): decode runs eagerly and is counted
+    more = random_prompts(256, [3, 5, 7, 9, 2], seed=6)
+    engine.generate(more, greedy(4))
+    assert stats.eager_fallbacks > 0

@@ -27,11 +27,10 @@ def test_double_free_is_caught():
 def test_pool_shapes_and_bytes():
     specs = [KVBufferSpec("latent", 3, (40,)), KVBufferSpec("index_k", 2, (16,))]
     pool = KVPool(specs, num_pages=5, page_size=4, dtype=torch.bfloat16, device="cpu")
-    assert pool.layer("latent", 2).shape == (5, 4, 40)
-    assert pool.layer("index_k", 1).shape == (5, 4, 16)
-    assert (
-        pool.num_bytes
-        == 5 * bytes_per_page(specs, 4, torch.bfloat16)
-        == 5 * 4 * (3 * 40 + 2 * 16) * 2
-    )
+    assert pool.layer("latent", 2).shape == (6, 4, 40)  # 5 pages + the scratch page
+    assert pool.layer("index_k", 1).shape == (6, 4, 16)
+    assert pool.scratch_page == 5 and pool.allocator.num_pages == 5
+    per_page = bytes_per_page(specs, 4, torch.bfloat16)
+    assert per_page == 4 * (3 * 40 + 2 * 16) * 2
+    assert pool.num_bytes == 6 * per_page
     assert pool.capacity_tokens == 20 and pool.pages_for(9) == 3

@@ -17,6 +17,7 @@ from ..errors import BadRequest
 from ..models.base import CausalLM
 from ..tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from .batch import ForwardBatch
+from .graphs import DecodeGraphs, GraphStats
 from .kv_pool import KVPool
 from .request import GenerationResult, Request, RequestOutput, SamplingParams
 from .sampler import make_generator, sample
@@ -58,6 +59,22 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._lock = threading.Lock()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, buckets: list[int], max_seq_len: int) -> GraphStats:
+        """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
+        graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.stats
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.replay(batch, bucket)
+        if self.graphs is not None and batch.is_decode:
+            self.graphs.stats.eager_fallbacks += 1
+        return self.model(batch, self.kv)
 
     @property
     def max_req_input_len(self) -> int:
@@ -128,7 +145,7 @@ class Engine:
                 self.kv.page_size,
                 self.model.device,
             )
-            logits = self.model(batch, self.kv)
+            logits = self._forward(batch)
             return self._advance(scheduled.requests, [len(t) for t in scheduled.token_ids], logits)
 
     def _advance(

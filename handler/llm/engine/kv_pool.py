@@ -83,12 +83,18 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.allocator = PageAllocator(num_pages)
+        # NOTE: one physical page more than the allocator hands out: the scratch page that
+        # padded rows of a CUDA-graph batch read and write, so padding never touches real pages.
         self.buffers: dict[str, torch.Tensor] = {
             s.name: torch.zeros(
-                (s.num_layers, num_pages, page_size, *s.token_shape), dtype=dtype, device=device
+                (s.num_layers, num_pages + 1, page_size, *s.token_shape), dtype=dtype, device=device
             )
             for s in specs
         }
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
 
     @property
     def capacity_tokens(self) -> int:

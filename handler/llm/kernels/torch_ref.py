@@ -34,6 +34,8 @@ class TorchBackend(Backend):
         return cache[pages].flatten(0, 1)[:seq_len]
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
+        if batch.is_decode:
+            return decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
         start = 0
         for b, (q_len, seq_len) in enumerate(
@@ -150,3 +152,25 @@ def topk_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
         topk_indices.shape[0], num_keys + 1, dtype=torch.bool, device=topk_indices.device
     )
     return mask.scatter_(1, slots, True)[:, :num_keys]
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one new token per request
+    k_cache: torch.Tensor,  # [P, S, Hkv, D]
+    v_cache: torch.Tensor,  # [P, S, Hkv, Dv]
+    page_table: torch.Tensor,  # [B, W] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, Dv]
+    """Vectorised decode attention with fixed shapes (no host syncs): CUDA-graph capturable."""
+    b, hq, d = q.shape
+    pages = page_table.long()
+    k = k_cache[pages].flatten(1, 2)  # [B, W*S, Hkv, D]
+    v = v_cache[pages].flatten(1, 2)  # [B, W*S, Hkv, Dv]
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, rep, D]
+    scores = torch.einsum("bgrd,blgd->bgrl", qg, k).float() * scale  # [B, Hkv, rep, L]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("bgrl,blgd->bgrd", probs, v).reshape(b, hq, v.shape[-1])

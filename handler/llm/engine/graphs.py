@@ -1,0 +1,126 @@
+"""CUDA graphs of the decode step, one per batch-size bucket, sharing one memory pool.
+
+Capture happens once per process (init or restore). A decode batch of `b` requests replays the
+smallest bucket `>= b`: its inputs are copied into static buffers, padded rows point at the KV
+pool's scratch page (they read and write nothing real), and the first `b` logits rows are
+returned. A batch larger than the largest bucket, or one whose page table is wider than the
+captured width, runs eagerly and counts as an eager fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import ForwardBatch
+from .kv_pool import KVPool
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, … up to `max_batch` (which is always included)."""
+    buckets, b = [], 1
+    while b < max_batch:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_batch]
+
+
+@dataclass
+class GraphStats:
+    buckets: list[int] = field(default_factory=list)
+    replays: int = 0
+    eager_fallbacks: int = 0
+    capture_s: float = 0.0
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: torch.nn.Module, kv: KVPool, buckets: list[int], max_seq_len: int
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.buckets = sorted(set(buckets))
+        self.width = kv.pages_for(max_seq_len)  # page-table columns captured
+        self.stats = GraphStats(buckets=self.buckets)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._alloc_static(max(self.buckets), model.device)
+
+    def _alloc_static(self, n: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(n, dtype=torch.int64)
+        self.positions = zeros(n, dtype=torch.int64)
+        self.slot_mapping = zeros(n, dtype=torch.int64)
+        self.seq_lens = zeros(n, dtype=torch.int32)
+        self.page_table = zeros(n, self.width, dtype=torch.int32)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self._reset_padding(0)
+
+    def _reset_padding(self, start: int) -> None:
+        """Rows from `start` on become padding: one token at slot 0 of the scratch page."""
+        scratch = self.kv.scratch_page
+        self.input_ids[start:] = 0
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = scratch * self.kv.page_size
+        self.seq_lens[start:] = 1
+        self.page_table[start:] = scratch
+
+    def _static_batch(self, n: int) -> ForwardBatch:
+        ones = torch.ones(n, dtype=torch.int32, device=self.input_ids.device)
+        return ForwardBatch(
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            seq_lens=self.seq_lens[:n],
+            q_lens=ones,
+            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=ones.device),
+            page_table=self.page_table[:n],
+            slot_mapping=self.slot_mapping[:n],
+            logits_indices=self.logits_indices[:n],
+            page_size=self.kv.page_size,
+            seq_lens_cpu=(1,) * n,
+            q_lens_cpu=(1,) * n,
+        )
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared graph memory pool."""
+        import time
+
+        start = time.perf_counter()
+        pool = None
+        for n in sorted(self.buckets, reverse=True):
+            batch = self._static_batch(n)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up outside the graph (allocator, lazy kernel loads)
+                    self.model(batch, self.kv)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[n] = self.model(batch, self.kv)
+            pool = graph.pool()
+            self._graphs[n] = graph
+        torch.cuda.synchronize()
+        self.stats.capture_s = time.perf_counter() - start
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        """The bucket that can replay this batch, or None (then it runs eagerly)."""
+        if not batch.is_decode or batch.page_table.shape[1] > self.width:
+            return None
+        return next((n for n in self.buckets if n >= batch.num_seqs), None)
+
+    def replay(self, batch: ForwardBatch, n: int) -> torch.Tensor:
+        b, w = batch.num_seqs, batch.page_table.shape[1]
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.slot_mapping[:b].copy_(batch.slot_mapping)
+        self.seq_lens[:b].copy_(batch.seq_lens)
+        self.page_table[:b, :w].copy_(batch.page_table)
+        self.page_table[:b, w:] = self.kv.scratch_page
+        self._reset_padding(b)
+        self._graphs[n].replay()
+        self.stats.replays += 1
+        return self._outputs[n][:b]
