@@ -16,13 +16,28 @@ EXIT_USAGE = 2
 
 
 def _subcommands() -> dict[str, tuple[str, Callable, Callable]]:
-    from .llm import generate, make_model
+    from .llm import bench, generate, make_model, snapshot_cli
 
     return {
+        "init": (
+            "run the init phase and write a portable snapshot",
+            snapshot_cli.add_init_arguments,
+            snapshot_cli.run_init,
+        ),
+        "inspect": (
+            "print a snapshot's startup manifest (and plot its waterfall)",
+            snapshot_cli.add_inspect_arguments,
+            snapshot_cli.run_inspect,
+        ),
         "generate": (
             "generate text with a model (default: the embedded model)",
             generate.add_arguments,
             generate.run,
+        ),
+        "bench": (
+            "measure cold-start modes side by side (HF, safetensors, cold init, restores)",
+            bench.add_arguments,
+            bench.run,
         ),
         "make-model": (
             "write a synthetic checkpoint in the Hugging Face layout",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -81,3 +83,20 @@ def tiny_qwen2_dir(tmp_path_factory):
         dtype="float32",
     )
     return save_hf(Qwen2ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def llama_with_tokenizer(tiny_llama_dir, tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = shutil.copytree(tiny_llama_dir, tmp_path_factory.mktemp("tok") / "m")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world"], trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text("{}")
+    return d

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from parity import greedy, our_engine, random_prompts
 from snapfn.handler.llm.engine.request import SamplingParams
@@ -78,23 +76,6 @@ def test_cancel_frees_pages_and_leaves_others_intact(tiny_llama_dir):
             tokens.extend(out.new_token_ids)
     assert engine.kv.allocator.num_free == 32
     assert tuple(tokens) == solo(tiny_llama_dir, b, 12)
-
-
-@pytest.fixture(scope="module")
-def llama_with_tokenizer(tiny_llama_dir, tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    d = shutil.copytree(tiny_llama_dir, tmp_path_factory.mktemp("tok") / "m")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["hello world"], trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text("{}")
-    return d
 
 
 def test_stop_string_truncates_text(llama_with_tokenizer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -89,11 +90,14 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest(f"--batch-size must be >= 1, got {args.batch_size}")
     model_dir = args.model or embedded_model_dir()
     t0 = time.perf_counter()
-    opts = EngineOptions(
-        device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20
-    )
-    loaded = build_engine(model_dir, opts)
-    engine = loaded.engine
+    if args.snapshot is not None:
+        engine, model_type = _restore(args)
+    else:
+        opts = EngineOptions(
+            device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20
+        )
+        loaded = build_engine(model_dir, opts)
+        engine, model_type = loaded.engine, loaded.config.model_type
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(args, engine.tokenizer)
     params = SamplingParams(
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     )
     timing = _timed_generate(engine, [ids] * args.batch_size, params)
     result = timing.pop("results")[0]
-    _report(args, model_dir, loaded, load_s, timing)
+    _report(args, args.snapshot or model_dir, model_type, engine, load_s, timing)
     if args.json:
         print(
             json.dumps(
@@ -175,11 +179,33 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
-def _report(args, model_dir, loaded, load_s: float, timing: dict) -> None:
-    rep = loaded.load_report
+def _restore(args: argparse.Namespace):
+    """Restore the LLM function from a snapshot (tier 0), falling back to a cold init."""
+    from snapfn.snapshot.runtime import restore, summary
+
+    from .function import LLMFunction
+    from .init_config import InitConfig
+
+    config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
+    source = args.model or _recorded_source(args.snapshot)
+    fn, startup = restore(lambda: LLMFunction(config, source), args.snapshot)
+    print(summary(startup), file=sys.stderr)
+    return fn.engine, fn.engine.model.config.model_type
+
+
+def _recorded_source(snapshot: Path) -> Path | None:
+    """The model folder the snapshot was made from, if its manifest is readable (for fallback)."""
+    try:
+        recorded = json.loads((snapshot / "manifest.json").read_text())["llm"]["source_model_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(recorded) if recorded else None
+
+
+def _report(args, source, model_type: str, engine, load_s: float, timing: dict) -> None:
     print(
-        f"[snapfn] model {model_dir} ({loaded.config.model_type}, {loaded.engine.model.dtype}) on {args.device}: "
-        f"load {load_s:.2f} s ({rep.num_bytes / 1e9:.2f} GB at {rep.gb_per_s:.2f} GB/s); "
+        f"[snapfn] {source} ({model_type}, {engine.model.dtype}) on {args.device}: "
+        f"ready in {load_s:.2f} s; "
         f"batch {args.batch_size}: first token {timing['first_token_s'] * 1e3:.1f} ms, "
         f"decode {timing['decode_ms_per_step']:.2f} ms/step over {timing['decode_steps']} steps",
         file=sys.stderr,

@@ -76,6 +76,11 @@ class Engine:
             self.graphs.stats.eager_fallbacks += 1
         return self.model(batch, self.kv)
 
+    def attach_tokenizer(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
+        """Set the tokenizer (for text, streaming and stop strings) and the eos ids."""
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
     @property
     def max_req_input_len(self) -> int:
         """Longest prompt accepted: one token of room must remain in the model length and the pool."""

@@ -1,0 +1,244 @@
+"""`snapfn bench`: cold-start modes side by side in one run, each in a fresh process.
+
+    (a) hf           transformers from_pretrained + generate (what users do today)
+    (b) safetensors  safetensors.load_file into our engine, eager, no snapshot
+    (c) cold_init    snapfn's staged init (then writes the snapshot for d/e)
+    (d) restore      tier-0 restore, snapshot files in the page cache
+    (e) restore_cold tier-0 restore after dropping the snapshot from the page cache (if allowed)
+
+Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
+bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
+Outputs a table, a JSON file and a waterfall plot of the staged modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ALL_MODES = ("hf", "safetensors", "cold_init", "restore", "restore_cold")
+
+
+@dataclass(frozen=True)
+class BenchDefaults:
+    device: str = "cpu"
+    modes: str = ",".join(ALL_MODES)
+    decode_batches: str = "1,8"
+    decode_tokens: int = 16
+    timeout_s: int = 900
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchDefaults()
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
+    )
+    p.add_argument("--device", default=d.device)
+    p.add_argument(
+        "--modes", default=d.modes, help=f"comma-separated subset of {','.join(ALL_MODES)}"
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where the snapshot and caches go (default: a temp dir)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    p.add_argument("--plot", type=Path, default=None, help="write the waterfall PNG here")
+    p.add_argument(
+        "--decode-batches", default=d.decode_batches, help="steady-state decode batch sizes"
+    )
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]
+) -> dict[str, Any]:
+    child_mode = "restore" if mode.startswith("restore") else mode
+    cmd = [
+        sys.executable,
+        "-m",
+        "snapfn.handler.llm.bench_child",
+        child_mode,
+        "--model",
+        str(args.model),
+        "--snapshot",
+        str(workdir / "snapshot"),
+        "--device",
+        args.device,
+        "--cache-dir",
+        str(workdir / "cache"),
+        "--t0",
+        repr(time.time()),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "mode": mode}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def measure_floors(args: argparse.Namespace, weights: Path) -> dict[str, Any]:
+    from snapfn.snapshot.weights import measure_disk_read_gbps, measure_h2d_gbps
+
+    nbytes = weights.stat().st_size
+    h2d = measure_h2d_gbps(args.device) if args.device.startswith("cuda") else _memcpy_gbps()
+    disk = measure_disk_read_gbps(weights)
+    return {
+        "weight_bytes": nbytes,
+        "h2d_gbps": round(h2d, 2),
+        "disk_gbps": round(disk, 2),
+        "h2d_floor_s": round(nbytes / h2d / 1e9, 4),
+        "disk_floor_s": round(nbytes / disk / 1e9, 4),
+    }
+
+
+def _memcpy_gbps(nbytes: int = 1 << 28) -> float:
+    import torch
+
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from snapfn.snapshot.pagecache import drop, prewarm
+
+    from .embedded import embedded_model_dir
+
+    args.model = args.model or embedded_model_dir()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown:
+        print(f"snapfn bench: unknown modes {sorted(unknown)}", file=sys.stderr)
+        return 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="snapfn-bench-"))
+    decode = ["--decode-batches", args.decode_batches, "--decode-tokens", str(args.decode_tokens)]
+    results, floors = {}, {}
+    for mode in modes:
+        weights = workdir / "snapshot" / "weights" / "rank0.bin"
+        if mode == "restore" and weights.exists():
+            floors = floors or measure_floors(args, weights)
+            prewarm([p for p in (workdir / "snapshot").rglob("*") if p.is_file()])
+        if mode == "restore_cold":
+            files = [p for p in (workdir / "snapshot").rglob("*") if p.is_file()]
+            if not drop(files, drop_caches=os.geteuid() == 0):
+                results[mode] = {
+                    "mode": mode,
+                    "skipped": "the page cache could not be dropped on this machine",
+                }
+                continue
+        print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
+        results[mode] = run_mode(
+            mode, args, workdir, decode if mode in ("cold_init", "restore") else []
+        )
+    report = {
+        "model": str(args.model),
+        "device": args.device,
+        "machine": _machine(args.device),
+        "floors": floors,
+        "modes": results,
+        "ratios": ratios(results, floors),
+    }
+    print(format_report(report))
+    _write_outputs(args, report)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    hf = results.get("hf", {}).get("first_token_s")
+    for mode, r in results.items():
+        if "first_token_s" not in r:
+            continue
+        if hf:
+            out[f"{mode}_speedup_vs_hf"] = round(hf / r["first_token_s"], 2)
+    stream = _stage_seconds(results.get("restore", {}), "stream_weights")
+    if stream and floors:
+        out["restore_stream_vs_h2d_floor"] = round(stream / floors["h2d_floor_s"], 2)
+    cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
+    if cold and floors:
+        out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
+    return out
+
+
+def _stage_seconds(result: dict[str, Any], name: str) -> float | None:
+    for stage in result.get("startup", {}).get("stages", []):
+        if stage["name"] == name:
+            return stage["seconds"]
+    return None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"snapfn bench: {report['model']} on {report['device']} ({report['machine']})",
+        f"{'mode':<14} {'ready s':>9} {'first token s':>14}  notes",
+    ]
+    for mode, r in report["modes"].items():
+        note = r.get("error") or r.get("skipped") or _notes(r)
+        ready = f"{r['ready_s']:9.3f}" if "ready_s" in r else f"{'-':>9}"
+        ttft = f"{r['first_token_s']:14.3f}" if "first_token_s" in r else f"{'-':>14}"
+        lines.append(f"{mode:<14} {ready} {ttft}  {note}")
+    f = report["floors"]
+    if f:
+        lines.append(
+            f"floors: {f['weight_bytes'] / 1e9:.2f} GB weights; h2d {f['h2d_gbps']} GB/s -> "
+            f"{f['h2d_floor_s']} s; disk {f['disk_gbps']} GB/s -> {f['disk_floor_s']} s"
+        )
+    lines += [f"{k}: {v}" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+def _notes(r: dict[str, Any]) -> str:
+    parts = []
+    stream = _stage_seconds(r, "stream_weights")
+    if stream is not None:
+        st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")
+        parts.append(f"stream {stream:.3f} s ({st['figures'].get('gbps', '?')} GB/s)")
+    if r.get("decode"):
+        parts.append("decode " + ", ".join(f"{k}={v}" for k, v in r["decode"].items()))
+    if r.get("fallbacks"):
+        parts.append(f"FELL BACK: {r['fallbacks'][0]['reason']}")
+    return "; ".join(parts)
+
+
+def _machine(device: str) -> str:
+    import platform
+
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.machine()} CPU x{os.cpu_count()}"
+
+
+def _write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        from .waterfall import plot_waterfall
+
+        staged = {m: r["startup"] for m, r in report["modes"].items() if "startup" in r}
+        if staged:
+            plot_waterfall(
+                list(staged.values()),
+                args.plot,
+                title=f"snapfn bench: {report['model']}",
+                labels=list(staged),
+            )

@@ -1,0 +1,165 @@
+"""One benchmark mode, run in a fresh process by `snapfn bench` (see bench.py).
+
+    python -m snapfn.handler.llm.bench_child MODE --model DIR --snapshot DIR --device D --t0 UNIX_S
+
+Prints one JSON line: `{"mode", "ready_s", "first_token_s", "startup"?, "decode"?}` where the
+times count from `--t0`, the moment the parent spawned this process, so interpreter start and
+`import torch` are included, as a user's cold start includes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def since(t0: float) -> float:
+    return round(time.time() - t0, 4)
+
+
+def mode_hf(args: argparse.Namespace) -> dict[str, Any]:
+    """(a) What users do today: transformers from_pretrained + generate."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:  # loads straight onto the device
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype="auto", device_map=args.device
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").to(args.device)
+    ready = since(args.t0)
+    ids = torch.tensor([PROMPT_IDS], device=args.device)
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return {"ready_s": ready, "first_token_s": since(args.t0), "token": int(out[0, -1])}
+
+
+def mode_safetensors(args: argparse.Namespace) -> dict[str, Any]:
+    """(b) safetensors.load_file straight into our engine, eager, no snapshot."""
+    from safetensors.torch import load_file
+
+    from .build import EngineOptions, allocate_kv, build_model, plan_num_pages
+    from .checkpoint import Checkpoint
+    from .config import ModelConfig
+    from .engine.engine import Engine
+
+    config = ModelConfig.from_dir(args.model)
+    opts = EngineOptions(device=args.device)
+    model = build_model(config, opts)
+    params = dict(model.named_parameters())
+    for path in Checkpoint.open(args.model).files:
+        for name, tensor in load_file(path, device=args.device).items():
+            target = model.map_weight(name)
+            if target is not None:
+                dest = params[target.param].data
+                (dest if target.index is None else dest[target.index]).copy_(tensor)
+    engine = Engine(model, allocate_kv(model, plan_num_pages(model, opts), 16), opts.scheduler)
+    return {"ready_s": since(args.t0), **_first_token(engine, args)}
+
+
+def mode_cold_init(args: argparse.Namespace) -> dict[str, Any]:
+    """(c) snapfn cold init (all stages), then write the snapshot the restore modes use."""
+    from snapfn.snapshot.runtime import cold_init, write_snapshot
+
+    fn = _function(args, Path(args.model))
+    startup = cold_init(fn, log=None)
+    result = {"ready_s": since(args.t0), **_first_token(fn.engine, args)}
+    result["decode"] = _decode_figures(fn.engine, args)
+    write_snapshot(fn, Path(args.snapshot), startup, log=None)
+    result["snapshot_write_s"] = startup.stage("write_snapshot").seconds
+    return {**result, "startup": startup.to_json()}
+
+
+def mode_restore(args: argparse.Namespace) -> dict[str, Any]:
+    """(d)/(e) tier-0 restore from the snapshot written by (c)."""
+    from snapfn.snapshot.runtime import restore
+
+    fn, startup = restore(lambda: _function(args, None), Path(args.snapshot), log=None)
+    result = {"ready_s": since(args.t0), **_first_token(fn.engine, args)}
+    result["decode"] = _decode_figures(fn.engine, args) if args.decode_batches else {}
+    return {**result, "startup": startup.to_json(), "fallbacks": startup.fallbacks}
+
+
+def _function(args: argparse.Namespace, model_dir: Path | None):
+    from .function import LLMFunction
+    from .init_config import InitConfig
+
+    overrides = {
+        "device": args.device,
+        "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
+    }
+    return LLMFunction(InitConfig.from_env(os.environ, **overrides), model_dir)
+
+
+def _first_token(engine, args: argparse.Namespace) -> dict[str, Any]:
+    from .engine.request import SamplingParams
+
+    (result,) = engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    _sync(args.device)
+    return {
+        "first_token_s": since(args.t0),
+        "token": result.token_ids[0],
+        "logprob": result.logprobs[0],
+    }
+
+
+def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
+    """Steady-state decode ms per step at each batch size (after one warm-up generation)."""
+    from .engine.request import SamplingParams
+
+    figures = {}
+    params = SamplingParams(max_new_tokens=args.decode_tokens, ignore_eos=True)
+    for b in [int(x) for x in args.decode_batches.split(",") if x]:
+        engine.generate([PROMPT_IDS] * b, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        _sync(args.device)
+        t0 = time.perf_counter()
+        engine.generate([PROMPT_IDS] * b, params)
+        _sync(args.device)
+        figures[f"batch{b}_ms_per_step"] = round(
+            (time.perf_counter() - t0) / args.decode_tokens * 1e3, 3
+        )
+    return figures
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+MODES = {
+    "hf": mode_hf,
+    "safetensors": mode_safetensors,
+    "cold_init": mode_cold_init,
+    "restore": mode_restore,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_child")
+    p.add_argument("mode", choices=sorted(MODES))
+    p.add_argument("--model", default=None)
+    p.add_argument("--snapshot", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--t0", type=float, required=True)
+    p.add_argument("--decode-batches", default="")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    result = {"mode": args.mode, **MODES[args.mode](args)}
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

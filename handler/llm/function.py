@@ -1,0 +1,296 @@
+"""The built-in LLM function: its init recipe, its tier-0 snapshot, and its restore recipe.
+
+Cold init (each a timed stage):
+    runtime_env → prewarm → load_weights → memory_profile → kv_pool → warmup
+    → capture_graphs → tokenizer → health_check
+Restore from a portable snapshot:
+    runtime_env → build_model → stream_weights → kv_pool → warmup → capture_graphs
+    → tokenizer → health_check (+ replay check against the token recorded at init)
+
+Snapshot contents (under the snapshot directory):
+    weights/rank0.bin   restore layout: every parameter in its final dtype/layout, 2 MiB aligned
+    model/              config.json, generation_config.json, tokenizer files
+    caches/<name>/      compile caches used at init (triton, inductor, flashinfer, deepgemm)
+and the "llm" section of manifest.json (memory plan, buckets, tensor table, health record).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
+
+from . import runtime_env
+from .init_config import InitConfig
+
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+WEIGHTS_FILE = "weights/rank0.bin"
+
+
+class LLMFunction:
+    """Holds the engine once up. Build with a model folder (init) and/or a snapshot (restore)."""
+
+    name = "llm"
+    world_size = 1
+
+    def __init__(self, config: InitConfig, model_dir: Path | None = None) -> None:
+        self.config = config
+        self.device = config.device
+        self.source = Path(model_dir) if model_dir is not None else None
+        self.engine = None
+        self.model = None
+        self.plan = None
+        self.graph_stats = None
+        self.health: dict[str, Any] = {}
+        self._model_config = None
+        self._load_report = None
+
+    # ---- cold init -------------------------------------------------------------------------
+    def init_stages(self) -> list[Stage]:
+        if self.source is None:
+            raise ValueError("a cold init needs a model folder")
+        return [
+            ("runtime_env", self.stage_runtime_env),
+            ("prewarm", self.stage_prewarm),
+            ("load_weights", self.stage_load_weights),
+            ("memory_profile", self.stage_memory_profile),
+            ("kv_pool", self.stage_kv_pool),
+            ("warmup", self.stage_warmup),
+            ("capture_graphs", self.stage_capture_graphs),
+            ("tokenizer", lambda f: self.stage_tokenizer(f, self.source)),
+            ("health_check", self.stage_health_check),
+        ]
+
+    def stage_runtime_env(self, figures: Figures) -> None:
+        figures.update(runtime_env.prepare(self.config.cache_dir, self.device))
+
+    def stage_prewarm(self, figures: Figures) -> None:
+        from snapfn.snapshot.pagecache import prewarm
+
+        from .checkpoint import Checkpoint
+
+        files = Checkpoint.open(self.source).files
+        report = prewarm(files, num_threads=self.config.prewarm_threads)
+        figures.update(_report_fields(report))
+
+    def stage_load_weights(self, figures: Figures) -> None:
+        from .build import build_model
+        from .checkpoint import Checkpoint
+        from .config import ModelConfig
+        from .loader import load_weights
+
+        self._model_config = ModelConfig.from_dir(self.source)
+        self.model = build_model(self._model_config, self.config.engine_options())
+        report = load_weights(self.model, Checkpoint.open(self.source))
+        self._load_report = report
+        figures.update(
+            bytes=report.num_bytes,
+            tensors=report.num_tensors,
+            gb_per_s=round(report.gb_per_s, 3),
+            not_loaded=len(report.not_loaded),
+        )
+
+    def stage_memory_profile(self, figures: Figures) -> None:
+        from .memory import profile_memory
+
+        c = self.config
+        self.plan = profile_memory(
+            self.model,
+            c.page_size,
+            c.max_num_batched_tokens,
+            c.mem_fraction_static,
+            c.kv_cache_bytes_cpu,
+        )
+        figures.update(self.plan.to_json())
+
+    def stage_kv_pool(self, figures: Figures) -> None:
+        from .build import allocate_kv
+        from .engine.engine import Engine
+
+        kv = allocate_kv(self.model, self.plan.num_pages, self.plan.page_size)
+        self.engine = Engine(self.model, kv, self.config.engine_options().scheduler)
+        figures.update(pages=kv.num_pages, bytes=kv.num_bytes, capacity_tokens=kv.capacity_tokens)
+
+    def buckets(self) -> list[int]:
+        from .engine.graphs import default_buckets
+
+        return default_buckets(min(self.config.graph_max_batch, self.config.max_running_requests))
+
+    def stage_warmup(self, figures: Figures) -> None:
+        from .warmup import warmup
+
+        before = runtime_env.count_cache_files(self.config.cache_dir)
+        figures.update(warmup(self.model, self.engine.kv, self.buckets(), self.config.chunk_sizes))
+        figures["compiled_files"] = runtime_env.count_cache_files(self.config.cache_dir) - before
+
+    def stage_capture_graphs(self, figures: Figures) -> None:
+        if self.device.startswith("cuda") and self._model_config.arch == "llama":
+            stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len)
+            self.graph_stats = stats
+            figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+        elif self.device.startswith("cuda"):
+            figures["skipped"] = (
+                f"{self._model_config.arch}: decode runs eagerly (MoE routing syncs the host)"
+            )
+        else:
+            figures["skipped"] = "no CUDA device: decode runs eagerly"
+
+    def stage_tokenizer(self, figures: Figures, folder: Path) -> None:
+        from .build import load_tokenizer
+
+        tokenizer = load_tokenizer(folder)
+        eos = set(self._model_config.eos_token_ids) | (
+            set(tokenizer.eos_token_ids) if tokenizer else set()
+        )
+        self.engine.attach_tokenizer(tokenizer, frozenset(eos))
+        figures.update(
+            present=tokenizer is not None, vocab=tokenizer.vocab_size if tokenizer else 0
+        )
+
+    def stage_health_check(self, figures: Figures) -> None:
+        self.health = self.generate_one()
+        figures.update(self.health)
+
+    def generate_one(self) -> dict[str, Any]:
+        """One real 1-token greedy generation through the whole path."""
+        from .engine.request import SamplingParams
+
+        tok = self.engine.tokenizer
+        prompt = tok.encode("Hello") if tok is not None else [0]
+        (result,) = self.engine.generate(
+            [prompt or [0]], SamplingParams(max_new_tokens=1, ignore_eos=True)
+        )
+        return {
+            "prompt_ids": list(prompt or [0]),
+            "token": result.token_ids[0],
+            "logprob": result.logprobs[0],
+        }
+
+    # ---- snapshot ------------------------------------------------------------------------------
+    def write_snapshot(self, writer: SnapshotWriterLike, startup: dict[str, Any]) -> dict[str, Any]:
+        from snapfn.snapshot.weights import write_restore_layout
+
+        root = Path(writer.root)
+        (root / "weights").mkdir(parents=True, exist_ok=True)
+        layout = write_restore_layout(root / WEIGHTS_FILE, self.model.named_parameters())
+        writer.register_chunked(
+            WEIGHTS_FILE, layout.chunk_bytes, layout.chunk_sha256, layout.file_sha256
+        )
+        folder = self.source if self.source is not None else self._restored_from / "model"
+        _copy_model_files(folder, root / "model")
+        caches = runtime_env.save_caches(self.config.cache_dir, root / "caches")
+        return {
+            "source_model_dir": str(self.source) if self.source else None,
+            "model_type": self._model_config.model_type,
+            "init_config": _config_json(self.config),
+            "memory_plan": self.plan.to_json(),
+            "graph_buckets": self.graph_stats.buckets if self.graph_stats else [],
+            "layout": layout.to_json(),
+            "health": self.health,
+            "compile_caches": caches,
+        }
+
+    # ---- restore -------------------------------------------------------------------------------
+    def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]:
+        section = manifest["llm"]
+        self._restored_from = Path(snapshot_dir)
+        return [
+            ("runtime_env", lambda f: self.stage_restore_env(f, snapshot_dir)),
+            ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
+            ("stream_weights", lambda f: self.stage_stream_weights(f, snapshot_dir, section)),
+            ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
+            ("warmup", self.stage_warmup),
+            ("capture_graphs", self.stage_capture_graphs),
+            ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
+            ("health_check", lambda f: self.stage_replay_check(f, section["health"])),
+        ]
+
+    def stage_restore_env(self, figures: Figures, snapshot_dir: Path) -> None:
+        figures["restored_cache_files"] = runtime_env.restore_caches(
+            snapshot_dir / "caches", self.config.cache_dir
+        )
+        self.stage_runtime_env(figures)
+
+    def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
+        from .build import build_model
+        from .config import ModelConfig
+
+        self._model_config = ModelConfig.from_dir(model_folder)
+        self.model = build_model(self._model_config, self.config.engine_options())
+        figures["parameters"] = sum(1 for _ in self.model.parameters())
+
+    def stage_stream_weights(
+        self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
+    ) -> None:
+        from snapfn.snapshot.weights import RestoreLayout, WeightStreamer
+
+        path = snapshot_dir / WEIGHTS_FILE
+        layout = RestoreLayout.from_json(section["layout"])
+        layout.validate(path.stat().st_size)
+        streamer = WeightStreamer(
+            path, layout, device=self.device, num_threads=self.config.stream_threads
+        )
+        report = streamer.stream_into(dict(self.model.named_parameters()))
+        figures.update(_report_fields(report))
+
+    def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
+        from .memory import MemoryPlan
+
+        self.plan = MemoryPlan.from_json(section["memory_plan"])
+        self.stage_kv_pool(figures)
+
+    def stage_replay_check(self, figures: Figures, recorded: dict[str, Any]) -> None:
+        self.health = self.generate_one()
+        figures.update(self.health)
+        same = (
+            self.health["token"] == recorded["token"]
+            and self.health["logprob"] == recorded["logprob"]
+        )
+        if not same or self.health["prompt_ids"] != recorded["prompt_ids"]:
+            raise RestoreFailed(
+                f"replay check failed: restored model answered token {self.health['token']} "
+                f"(logprob {self.health['logprob']!r}), init recorded {recorded['token']} "
+                f"(logprob {recorded['logprob']!r})"
+            )
+
+    def release(self) -> None:
+        self.engine = self.model = None
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+def _report_fields(report: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    data = asdict(report) if is_dataclass(report) else dict(vars(report))
+    return {
+        k: (round(v, 4) if isinstance(v, float) else v)
+        for k, v in data.items()
+        if not isinstance(v, list)
+    }
+
+
+def _copy_model_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _config_json(config: InitConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {k: (str(v) if isinstance(v, os.PathLike) else v) for k, v in asdict(config).items()}

@@ -1,0 +1,86 @@
+"""InitConfig: how the LLM function initialises, frozen once built.
+
+Values found at run time (KV page count, graph buckets actually captured, eos ids) are not
+written back here: they live in the `MemoryPlan` and the startup manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .build import EngineOptions
+from .engine.engine import SchedulerConfig
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME", "/tmp")) / ".cache")
+    return Path(base) / "snapfn"
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    device: str = "cpu"
+    dtype: str = "auto"
+    backend: str = "auto"
+    page_size: int = 16
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    mem_fraction_static: float = 0.85  # share of GPU memory for weights + KV pool (SGLang's rule)
+    kv_cache_bytes_cpu: int = 256 << 20  # on CPU there is nothing to profile: a fixed KV budget
+    graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this
+    graph_max_seq_len: int = 4096
+    prefill_chunk_sizes: tuple[
+        int, ...
+    ] = ()  # warmed prefill shapes; () = (max_num_batched_tokens,)
+    prewarm_threads: int = 16
+    stream_threads: int = 16
+    cache_dir: Path = field(default_factory=lambda: default_cache_dir(os.environ))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:
+        """Defaults, then `SNAPFN_<FIELD>` variables, then explicit overrides (CLI flags)."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = environ.get(f"SNAPFN_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "cache_dir" not in values:
+            values["cache_dir"] = default_cache_dir(environ)
+        return cls(**values)
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        return self.prefill_chunk_sizes or (self.max_num_batched_tokens,)
+
+    def engine_options(self, num_pages: int | None = None) -> EngineOptions:
+        return EngineOptions(
+            device=self.device,
+            dtype=self.dtype,
+            backend=self.backend,
+            num_pages=num_pages,
+            kv_cache_bytes=self.kv_cache_bytes_cpu,
+            scheduler=SchedulerConfig(
+                page_size=self.page_size,
+                max_running_requests=self.max_running_requests,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+        )
+
+
+def _parse(type_name: object, raw: str) -> object:
+    text = str(type_name)
+    if "int" in text and "tuple" not in text:
+        return int(raw)
+    if "float" in text:
+        return float(raw)
+    if "tuple" in text:
+        return tuple(int(x) for x in raw.split(",") if x.strip())
+    if "Path" in text:
+        return Path(raw)
+    return raw

@@ -1,0 +1,77 @@
+"""The runtime environment stage: env vars and compile-cache directories, set before any heavy
+import, and moving those caches into and out of snapshots.
+
+# NOTE: these variables only take effect if set before torch / triton / flashinfer are
+# imported and before CUDA is initialised; this module imports none of them at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# cache name → environment variable that points the library at it
+COMPILE_CACHES = {
+    "triton": "TRITON_CACHE_DIR",
+    "inductor": "TORCHINDUCTOR_CACHE_DIR",
+    "flashinfer": "FLASHINFER_WORKSPACE_BASE",
+    "deepgemm": "DG_JIT_CACHE_DIR",
+}
+
+
+def cache_dirs(cache_dir: Path) -> dict[str, Path]:
+    return {name: Path(cache_dir) / "compile" / name for name in COMPILE_CACHES}
+
+
+def prepare(cache_dir: Path, device: str) -> dict:
+    """Set the environment, then import torch (and init CUDA) with both timed."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+    for name, path in cache_dirs(cache_dir).items():
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[COMPILE_CACHES[name]] = str(path)
+    already = "torch" in sys.modules
+    t0 = time.perf_counter()
+    import torch
+
+    figures = {"import_torch_s": round(time.perf_counter() - t0, 3), "torch_preloaded": already}
+    if device.startswith("cuda"):
+        t0 = time.perf_counter()
+        torch.cuda.init()
+        torch.empty(1, device=device)
+        figures["cuda_init_s"] = round(time.perf_counter() - t0, 3)
+    figures["cache_files"] = count_cache_files(cache_dir)
+    return figures
+
+
+def count_cache_files(cache_dir: Path) -> int:
+    return sum(
+        sum(1 for p in d.rglob("*") if p.is_file())
+        for d in cache_dirs(cache_dir).values()
+        if d.is_dir()
+    )
+
+
+def save_caches(cache_dir: Path, dest: Path) -> dict[str, int]:
+    """Copy each non-empty compile cache into `dest/<name>`; returns files per cache."""
+    saved = {}
+    for name, path in cache_dirs(cache_dir).items():
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+        if files:
+            shutil.copytree(path, dest / name, dirs_exist_ok=True)
+            saved[name] = len(files)
+    return saved
+
+
+def restore_caches(src: Path, cache_dir: Path) -> int:
+    """Copy a snapshot's caches into the local cache dir (before any kernel import)."""
+    if not src.is_dir():
+        return 0
+    count = 0
+    for name, path in cache_dirs(cache_dir).items():
+        if (src / name).is_dir():
+            shutil.copytree(src / name, path, dirs_exist_ok=True)
+            count += sum(1 for p in (src / name).rglob("*") if p.is_file())
+    return count

@@ -1,0 +1,131 @@
+"""`snapfn init` (cold init → tier-0 snapshot) and `snapfn inspect` (startup manifest table/plot)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from .init_config import InitConfig
+
+
+def add_init_config_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per InitConfig field that users tune; defaults come from the dataclass."""
+    d = InitConfig()
+    p.add_argument("--device", default=None, help=f"cpu or cuda[:N] (default {d.device})")
+    p.add_argument(
+        "--dtype", default=None, help=f"auto, float32, bfloat16, float16 (default {d.dtype})"
+    )
+    p.add_argument(
+        "--max-running-requests", type=int, default=None, help=f"default {d.max_running_requests}"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"default {d.max_num_batched_tokens}",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help=f"default {d.max_model_len}")
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=None, help=f"default {d.mem_fraction_static}"
+    )
+    p.add_argument("--graph-max-batch", type=int, default=None, help=f"default {d.graph_max_batch}")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="compile caches (default ~/.cache/snapfn)"
+    )
+
+
+def init_config_from_args(args: argparse.Namespace) -> InitConfig:
+    names = {f.name for f in fields(InitConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names}
+    return InitConfig.from_env(os.environ, **overrides)
+
+
+def add_init_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
+    )
+    p.add_argument("--snapshot", type=Path, required=True, help="snapshot directory to write")
+    add_init_config_arguments(p)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from snapfn.snapshot.runtime import init_and_snapshot, summary
+
+    from .embedded import embedded_model_dir
+    from .function import LLMFunction
+
+    fn = LLMFunction(init_config_from_args(args), args.model or embedded_model_dir())
+    startup = init_and_snapshot(fn, args.snapshot)
+    print(summary(startup), file=sys.stderr)
+    print(f"snapshot written to {args.snapshot}")
+    return 0
+
+
+def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "snapshot", type=Path, help="snapshot directory (or a startup-manifest JSON file)"
+    )
+    p.add_argument("--plot", type=Path, default=None, help="write the stage waterfall to this PNG")
+    p.add_argument("--json", action="store_true", help="print the startup manifest as JSON")
+
+
+def load_startup(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(startup manifest, whole snapshot manifest or {}) from a snapshot dir or a JSON file."""
+    from snapfn.snapshot.format import read_manifest
+
+    if path.is_dir():
+        manifest = read_manifest(path)
+        return manifest["startup"], manifest
+    data = json.loads(path.read_text())
+    return data.get("startup", data), data
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    startup, manifest = load_startup(args.snapshot)
+    if args.json:
+        print(json.dumps(startup, indent=2))
+    else:
+        print(format_table(startup, manifest))
+    if args.plot is not None:
+        from .waterfall import plot_waterfall
+
+        plot_waterfall([startup], args.plot, title=str(args.snapshot))
+        print(f"waterfall written to {args.plot}")
+    return 0
+
+
+def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
+    lines = [
+        f"{startup['kind']} ({startup['tier']}): {startup['total_s']:.3f} s, ok={startup['ok']}"
+    ]
+    lines.append(f"{'stage':<18} {'start s':>8} {'seconds':>9}  figures")
+    for s in startup["stages"]:
+        figs = ", ".join(
+            f"{k}={_short(v)}" for k, v in s["figures"].items() if not isinstance(v, dict | list)
+        )
+        lines.append(f"{s['name']:<18} {s['start_s']:8.3f} {s['seconds']:9.3f}  {figs}")
+    lines += [
+        f"fallback {f['from']} -> {f['to']} at {f['step']}: {f['reason']}"
+        for f in startup["fallbacks"]
+    ]
+    llm = manifest.get("llm")
+    if llm:
+        plan = llm["memory_plan"]
+        lines.append(
+            f"memory plan: {plan['num_pages']} pages x {plan['page_size']} tokens "
+            f"({plan['kv_bytes'] / 2**20:.1f} MiB KV, {plan['weights_bytes'] / 2**20:.1f} MiB weights, {plan['source']})"
+        )
+        lines.append(f"graph buckets: {llm['graph_buckets'] or 'none (eager decode)'}")
+        lines.append(f"compile caches saved: {llm['compile_caches'] or 'none'}")
+    if "compat" in manifest:
+        lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

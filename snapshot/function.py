@@ -1,0 +1,44 @@
+"""The protocol between the runtime and a function: named stages and snapshot hooks.
+
+The runtime knows nothing about what a function does. A function hands it:
+- `init_stages()`: the cold-init recipe, `[(name, fn(figures) -> None), …]`, run in order;
+- `write_snapshot(writer, startup)`: puts its tier-0 state under `writer.root`, returns the
+  function's section of manifest.json (JSON);
+- `restore_stages(snapshot_dir, manifest)`: the recipe that rebuilds the warmed state from a
+  snapshot; any stage may raise to refuse it (the runtime then falls back);
+- `release()`: drop everything it holds (called on a half-restored function before fallback);
+- `source`: where a cold init reads from (recorded in the snapshot for fallback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+Figures = dict[str, Any]
+Stage = tuple[str, Callable[[Figures], Any]]
+
+
+class SnapshotWriterLike(Protocol):
+    root: Path
+
+    def register_chunked(
+        self, relpath: str, chunk_bytes: int, chunk_sha256: list[str], file_sha256: str | None
+    ) -> None: ...
+
+
+class SnapshotFunction(Protocol):
+    name: str
+    device: str
+    world_size: int
+
+    def init_stages(self) -> list[Stage]: ...
+
+    def write_snapshot(
+        self, writer: SnapshotWriterLike, startup: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
+    def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]: ...
+
+    def release(self) -> None: ...

@@ -1,0 +1,175 @@
+"""The LLM function: cold init → portable snapshot → restore, and restored == cold output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from parity import greedy, our_prefill_logits, random_prompts
+from snapfn.handler.llm.function import LLMFunction
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.format import validate_snapshot
+from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+INIT_STAGES = [
+    "runtime_env",
+    "prewarm",
+    "load_weights",
+    "memory_profile",
+    "kv_pool",
+    "warmup",
+    "capture_graphs",
+    "tokenizer",
+    "health_check",
+    "write_snapshot",
+]
+RESTORE_STAGES = [
+    "validate",
+    "runtime_env",
+    "build_model",
+    "stream_weights",
+    "kv_pool",
+    "warmup",
+    "capture_graphs",
+    "tokenizer",
+    "health_check",
+]
+
+
+def config(tmp_path):
+    return InitConfig(
+        page_size=4,
+        max_num_batched_tokens=64,
+        kv_cache_bytes_cpu=1 << 20,
+        cache_dir=tmp_path / "cache",
+        prewarm_threads=2,
+        stream_threads=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def made(llama_with_tokenizer, tmp_path_factory):
+    """(model dir, snapshot dir, cold function, its startup manifest)."""
+    tmp = tmp_path_factory.mktemp("snap")
+    fn = LLMFunction(config(tmp), llama_with_tokenizer)
+    startup = init_and_snapshot(fn, tmp / "snap", log=None)
+    return llama_with_tokenizer, tmp / "snap", fn, startup
+
+
+def restored(made, tmp_path, snap=None):
+    model_dir, snapshot, _, _ = made
+    return restore(lambda: LLMFunction(config(tmp_path), model_dir), snap or snapshot, log=None)
+
+
+def test_init_records_every_stage_in_order(made):
+    _, snapshot, _, startup = made
+    assert [s.name for s in startup.stages] == INIT_STAGES
+    assert startup.ok and all(s.ok for s in startup.stages)
+    assert startup.stage("load_weights").figures["bytes"] > 0
+    assert (
+        startup.stage("memory_profile").figures["num_pages"]
+        == (1 << 20) // startup.stage("memory_profile").figures["bytes_per_page"]
+    )
+    manifest = validate_snapshot(snapshot, None, verify="full")
+    assert manifest["llm"]["health"]["token"] == startup.stage("health_check").figures["token"]
+    assert [s["name"] for s in manifest["startup"]["stages"]] == INIT_STAGES[:-1]
+
+
+def test_restore_equals_cold_init_bitwise(made, tmp_path):
+    _, _, cold, _ = made
+    fn, startup = restored(made, tmp_path)
+    assert startup.tier == "portable" and not startup.fallbacks
+    assert [s.name for s in startup.stages] == RESTORE_STAGES
+    prompts = random_prompts(256, [5, 13, 9], seed=21)
+    a = cold.engine.generate(prompts, greedy(12))
+    b = fn.engine.generate(prompts, greedy(12))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.logprobs for r in a] == [r.logprobs for r in b]  # bitwise: same device, same kernels
+    assert torch.equal(
+        our_prefill_logits(cold.engine, prompts[1], 5), our_prefill_logits(fn.engine, prompts[1], 5)
+    )
+
+
+def test_restored_weights_equal_loaded_weights(made, tmp_path):
+    _, _, cold, _ = made
+    fn, _ = restored(made, tmp_path)
+    ours = dict(fn.model.named_parameters())
+    for name, param in cold.model.named_parameters():
+        assert torch.equal(ours[name].view(torch.uint8), param.view(torch.uint8)), name
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(snap, fn):
+    m = json.loads((snap / "manifest.json").read_text())
+    fn(m)
+    (snap / "manifest.json").write_text(json.dumps(m))
+
+
+def _table_out_of_bounds(m):
+    layout = (
+        json.loads(m["llm"]["layout"])
+        if isinstance(m["llm"]["layout"], str)
+        else m["llm"]["layout"]
+    )
+    name = next(iter(layout["tensors"]))
+    layout["tensors"][name]["offset"] = 10**9
+    m["llm"]["layout"] = json.dumps(layout) if isinstance(m["llm"]["layout"], str) else layout
+
+
+CORRUPTIONS = {
+    "weights bit flip": (lambda s: _flip(s / "weights/rank0.bin", 100), "stream_weights"),
+    "weights truncated": (lambda s: (s / "weights/rank0.bin").write_bytes(b"\0" * 10), "validate"),
+    "manifest not json": (lambda s: (s / "manifest.json").write_text("{not json"), "validate"),
+    "manifest size edited": (
+        lambda s: _edit_manifest(s, lambda m: m["files"]["model/config.json"].update(size=1)),
+        "validate",
+    ),
+    "config file bit flip": (lambda s: _flip(s / "model/config.json", 3), "validate"),
+    "missing weights": (lambda s: (s / "weights/rank0.bin").unlink(), "validate"),
+    "missing manifest": (lambda s: (s / "manifest.json").unlink(), "validate"),
+    "wrong format version": (
+        lambda s: _edit_manifest(s, lambda m: m.update(format_version=99)),
+        "validate",
+    ),
+    "wrong compat key": (
+        lambda s: _edit_manifest(s, lambda m: m["compat"].update(torch="0.0.1")),
+        "validate",
+    ),
+    "table outside file": (lambda s: _edit_manifest(s, _table_out_of_bounds), "stream_weights"),
+    "health record edited": (
+        lambda s: _edit_manifest(s, lambda m: m["llm"]["health"].update(logprob=-0.5)),
+        "health_check",
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_snapshot_is_refused_and_generation_falls_back(made, tmp_path, corruption):
+    _, snapshot, cold, _ = made
+    snap = shutil.copytree(snapshot, tmp_path / "copy")
+    corrupt, failing_step = CORRUPTIONS[corruption]
+    corrupt(snap)
+    fn, startup = restored(made, tmp_path, snap)
+    assert startup.tier == "cold (fallback)"
+    fallback = startup.fallbacks[0]
+    assert fallback["step"] == failing_step, fallback
+    assert "\n" not in fallback["reason"] and fallback["reason"]
+    prompts = random_prompts(256, [6], seed=22)
+    assert (
+        fn.engine.generate(prompts, greedy(8))[0].token_ids
+        == cold.engine.generate(prompts, greedy(8))[0].token_ids
+    )
+    if corruption == "missing manifest":
+        # a folder without a manifest may not be ours: it is never overwritten
+        assert startup.fallbacks[1]["step"] == "write_snapshot"
+        assert "not a snapshot" in startup.fallbacks[1]["reason"]
+    else:
+        assert len(startup.fallbacks) == 1
+        validate_snapshot(snap, None, verify="full")  # a fresh snapshot replaced the bad one

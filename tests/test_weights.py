@@ -1,0 +1,312 @@
+"""Restore-layout files: writer, table checks, and the streamer (CPU here; CUDA when present)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from snapfn.snapshot.errors import BadSnapshot
+from snapfn.snapshot.weights import (
+    RestoreLayout,
+    WeightStreamer,
+    load_layout_tensors,
+    measure_disk_read_gbps,
+    measure_h2d_gbps,
+    write_restore_layout,
+)
+
+ALIGN, CHUNK = 512, 4096  # small, so tensors span chunks and chunks hold several tensors
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"
+)
+
+
+def mixed_tensors(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("fp32", torch.randn(33, 17, generator=g)),  # 2244 bytes
+        ("bf16", torch.randn(3000, generator=g).bfloat16()),  # 6000 bytes: spans 2+ chunks
+        ("fp8", torch.randn(64, 9, generator=g).to(torch.float8_e4m3fn)),
+        ("int64", torch.randint(-(2**40), 2**40, (700,), generator=g)),
+        ("scalar", torch.tensor(2.5, dtype=torch.float64)),  # 0-d
+        ("empty", torch.empty(0, 7)),
+        ("flags", torch.rand(13, generator=g) > 0.5),
+        ("fp16_tail", torch.randn(5, generator=g).half()),
+    ]
+    return [(name, t.to(device)) for name, t in tensors]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(expected: list[tuple[str, torch.Tensor]], got: dict) -> None:
+    assert sorted(got) == sorted(name for name, _ in expected)
+    for name, t in expected:
+        assert (got[name].dtype, got[name].shape) == (t.dtype, t.shape), name
+        assert torch.equal(raw(got[name]), raw(t)), name
+
+
+def empty_like_table(layout: RestoreLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {
+        name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device)
+        for name, e in layout.tensors.items()
+    }
+
+
+def flip_byte(path, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def written(tmp_path):
+    tensors = mixed_tensors()
+    path = tmp_path / "rank0.weights"
+    layout = write_restore_layout(path, tensors, align=ALIGN, chunk_bytes=CHUNK)
+    return path, layout, tensors
+
+
+# --- writing and the table ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads,slot_bytes", [(1, CHUNK), (4, CHUNK), (4, 3 * CHUNK)])
+def test_round_trip_is_bitwise(written, num_threads, slot_bytes):
+    path, layout, tensors = written
+    got = load_layout_tensors(path, layout, "cpu", num_threads=num_threads, slot_bytes=slot_bytes)
+    assert_bitwise_equal(tensors, got)
+
+
+def test_offsets_aligned_and_gaps_zero(written):
+    path, layout, tensors = written
+    data = path.read_bytes()
+    assert len(data) == layout.file_bytes
+    covered = bytearray(len(data))
+    for name, t in tensors:
+        e = layout.tensors[name]
+        assert e.offset % ALIGN == 0, name
+        assert data[e.offset : e.offset + e.nbytes] == raw(t).numpy().tobytes(), name
+        covered[e.offset : e.offset + e.nbytes] = b"\1" * e.nbytes
+    assert all(b == 0 for b, c in zip(data, covered, strict=True) if not c)
+
+
+def test_digests_cover_the_file(written):
+    path, layout, _ = written
+    data = path.read_bytes()
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
+    assert layout.chunk_sha256 == [hashlib.sha256(c).hexdigest() for c in chunks]
+    assert layout.file_sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_test_data_spans_and_shares_chunks(written):
+    _, layout, _ = written
+    spans = [
+        (e.offset // CHUNK, (e.offset + e.nbytes - 1) // CHUNK)
+        for e in layout.tensors.values()
+        if e.nbytes
+    ]
+    assert any(first != last for first, last in spans)  # a tensor across chunk boundaries
+    firsts = [first for first, _ in spans]
+    assert len(set(firsts)) < len(firsts)  # a chunk holding several tensors
+
+
+def test_json_round_trip(written):
+    _, layout, _ = written
+    text = layout.to_json()
+    doc = json.loads(text)
+    assert doc["format"] == "snapfn-restore-layout" and doc["version"] == 1
+    assert doc["tensors"]["bf16"] == {**dataclasses.asdict(layout.tensors["bf16"]), "shape": [3000]}
+    assert RestoreLayout.from_json(text) == layout
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(format="other"),
+        lambda d: d.update(version=2),
+        lambda d: d.pop("tensors"),
+        lambda d: d["tensors"]["fp32"].update(shape="33x17"),
+        lambda d: d["tensors"]["fp32"].update(offset=0.0),
+        lambda d: d.update(chunk_sha256=None),
+    ],
+)
+def test_from_json_refuses_malformed(written, edit):
+    doc = json.loads(written[1].to_json())
+    edit(doc)
+    with pytest.raises(BadSnapshot):
+        RestoreLayout.from_json(json.dumps(doc))
+
+
+def test_from_json_refuses_non_json():
+    with pytest.raises(BadSnapshot):
+        RestoreLayout.from_json(b"\x80\x04pickle")
+
+
+def with_entry(layout: RestoreLayout, name: str, **changes) -> RestoreLayout:
+    tensors = {**layout.tensors, name: dataclasses.replace(layout.tensors[name], **changes)}
+    return dataclasses.replace(layout, tensors=tensors)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            lambda lay: with_entry(lay, "fp32", offset=-(-lay.file_bytes // ALIGN) * ALIGN),
+            "'fp32'.*outside",
+        ),
+        (
+            lambda lay: with_entry(lay, "int64", offset=lay.tensors["bf16"].offset),
+            "'int64'.*overlaps.*'bf16'",
+        ),
+        (lambda lay: with_entry(lay, "fp8", nbytes=lay.tensors["fp8"].nbytes + 1), "'fp8'.*nbytes"),
+        (lambda lay: with_entry(lay, "fp32", offset=8), "'fp32'.*aligned"),
+        (lambda lay: with_entry(lay, "flags", dtype="complex32"), "'flags'.*unknown dtype"),
+        (lambda lay: with_entry(lay, "fp32", shape=(-33, -17)), "'fp32'.*shape"),
+        (lambda lay: dataclasses.replace(lay, chunk_sha256=lay.chunk_sha256[:-1]), "chunk digests"),
+        (
+            lambda lay: dataclasses.replace(lay, chunk_sha256=["x", *lay.chunk_sha256[1:]]),
+            "chunk 0",
+        ),
+        (lambda lay: dataclasses.replace(lay, align=3), "power of two"),
+    ],
+)
+def test_validate_refuses_bad_tables(written, edit, match):
+    path, layout, _ = written
+    layout.validate(path.stat().st_size)  # the real table passes
+    with pytest.raises(BadSnapshot, match=match) as info:
+        edit(layout).validate(path.stat().st_size)
+    assert "\n" not in str(info.value)
+
+
+def test_write_refuses_duplicates_and_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match="'a'"):
+        write_restore_layout(tmp_path / "w", [("a", torch.ones(2)), ("a", torch.ones(2))])
+    with pytest.raises(ValueError, match="complex64"):
+        write_restore_layout(tmp_path / "w", [("c", torch.ones(2, dtype=torch.complex64))])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_empty_layout(tmp_path):
+    layout = write_restore_layout(tmp_path / "w", [])
+    assert (layout.file_bytes, layout.chunk_sha256) == (0, [])
+    assert load_layout_tensors(tmp_path / "w", layout, "cpu") == {}
+
+
+# --- streaming: refusals -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["bf16", "padding"])
+def test_flipped_byte_names_its_chunk(written, where):
+    path, layout, _ = written
+    bf16, fp32 = layout.tensors["bf16"], layout.tensors["fp32"]
+    pos = bf16.offset + 4321 if where == "bf16" else fp32.offset + fp32.nbytes + 7
+    flip_byte(path, pos)
+    with pytest.raises(BadSnapshot, match=rf"chunk {pos // CHUNK}\b"):
+        load_layout_tensors(path, layout, "cpu", num_threads=4)
+
+
+def test_verify_off_loads_the_flipped_byte(written):
+    path, layout, tensors = written
+    flip_byte(path, layout.tensors["bf16"].offset)
+    got = load_layout_tensors(path, layout, "cpu", verify=False)
+    assert raw(got["bf16"])[0] == raw(dict(tensors)["bf16"])[0] ^ 0xFF
+
+
+def test_truncated_file_refused(written):
+    path, layout, _ = written
+    streamer = WeightStreamer(path, layout, device="cpu")
+    os.truncate(path, layout.file_bytes - 1)
+    with pytest.raises(BadSnapshot, match="truncated"):
+        streamer.stream_into(empty_like_table(layout))
+    with pytest.raises(BadSnapshot, match="truncated"):
+        WeightStreamer(path, layout, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d.pop("fp8"), "'fp8'.*no destination"),
+        (lambda d: d.update(bogus=torch.empty(1)), "'bogus'.*not in the restore layout"),
+        (lambda d: d.update(fp32=torch.empty(17, 33)), "'fp32'.*\\[17, 33\\]"),
+        (lambda d: d.update(bf16=torch.empty(3000, dtype=torch.float16)), "'bf16'.*float16"),
+    ],
+)
+def test_destination_mismatch_refused(written, edit, match):
+    path, layout, _ = written
+    dest = empty_like_table(layout)
+    edit(dest)
+    with pytest.raises(BadSnapshot, match=match):
+        WeightStreamer(path, layout, device="cpu").stream_into(dest)
+
+
+def test_destination_on_other_device_refused(written):
+    path, layout, _ = written
+    dest = {**empty_like_table(layout), "fp32": torch.empty(33, 17, device="meta")}
+    with pytest.raises(ValueError, match="'fp32'"):
+        WeightStreamer(path, layout, device="cpu").stream_into(dest)
+
+
+def test_more_pieces_than_iov_max(tmp_path):
+    tensors = [(f"t{i}", torch.full((3,), float(i))) for i in range(1500)]  # + 1500 paddings
+    layout = write_restore_layout(tmp_path / "w", tensors, align=16, chunk_bytes=64 << 10)
+    assert layout.num_chunks == 1
+    assert_bitwise_equal(tensors, load_layout_tensors(tmp_path / "w", layout, "cpu"))
+
+
+def test_report_and_disk_figure(written):
+    path, layout, _ = written
+    with WeightStreamer(path, layout, device="cpu", num_threads=2) as streamer:
+        report = streamer.stream_into(empty_like_table(layout))
+    assert (report.num_bytes, report.num_chunks) == (layout.file_bytes, layout.num_chunks)
+    assert report.elapsed_s > 0 and report.gbps > 0 and report.verify_s > 0
+    assert measure_disk_read_gbps(path) > 0
+    with pytest.raises(ValueError):
+        measure_h2d_gbps("cpu")
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ring_slots,slot_bytes", [(2, CHUNK), (16, 3 * CHUNK)])
+def test_cuda_round_trip(tmp_path, ring_slots, slot_bytes):
+    tensors = mixed_tensors("cuda")  # device tensors: the writer copies them out piecewise
+    path = tmp_path / "w"
+    layout = write_restore_layout(path, tensors, align=ALIGN, chunk_bytes=CHUNK)
+    kwargs = {"ring_slots": ring_slots, "slot_bytes": slot_bytes}
+    got = load_layout_tensors(path, layout, "cuda", **kwargs)
+    assert all(t.is_cuda for t in got.values())
+    assert_bitwise_equal(tensors, got)
+    pos = layout.tensors["int64"].offset + 100
+    flip_byte(path, pos)
+    with pytest.raises(BadSnapshot, match=rf"chunk {pos // CHUNK}\b"):
+        load_layout_tensors(path, layout, "cuda", **kwargs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bandwidth_figures(tmp_path):
+    h2d_gbps = measure_h2d_gbps("cuda", 256 << 20)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [
+        (f"w{i}", torch.randn(4096, 8192, generator=g, device="cuda").bfloat16()) for i in range(8)
+    ]
+    path = tmp_path / "w"
+    layout = write_restore_layout(path, tensors)  # 512 MiB, default 2 MiB align, 64 MiB chunks
+    dest = empty_like_table(layout, "cuda")
+    with WeightStreamer(path, layout, device="cuda") as streamer:
+        report = streamer.stream_into(dest)
+        unverified = WeightStreamer(path, layout, device="cuda", verify=False).stream_into(dest)
+    print(f"h2d {h2d_gbps:.1f} GB/s, stream {report}, verify off {unverified}")
+    assert all(torch.equal(dest[name], t) for name, t in tensors)
+    assert report.num_chunks == 8 and report.ring_alloc_s > 0
+    assert h2d_gbps > 1 and report.gbps > 1 and unverified.gbps > 1
