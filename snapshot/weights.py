@@ -41,6 +41,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -525,10 +526,14 @@ class WeightStreamer:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"WeightStreamer streams to cpu or cuda, not {self.device}")
         if self.device.type == "cuda" and (slot_bytes < layout.chunk_bytes or ring_slots < 1):
-            raise ValueError(f"a ring slot ({slot_bytes} bytes) must hold a chunk and be one+")
+            raise ValueError(
+                f"ring_slots {ring_slots} must be >= 1 and slot_bytes {slot_bytes} must hold a "
+                f"{layout.chunk_bytes}-byte chunk"
+            )
         layout.validate(os.stat(self.path).st_size)
         self._units = _plan_units(layout, slot_bytes)
         self._ring: list[tuple[torch.Tensor, memoryview]] | None = None
+        self._ring_lock = threading.Lock()  # prepare() may run on a side thread
         self._iov_max = os.sysconf("SC_IOV_MAX")
 
     def __enter__(self) -> WeightStreamer:
@@ -547,16 +552,18 @@ class WeightStreamer:
         Pinning costs about 0.5 s per GiB on an H200 host, so a restore can call this on a
         side thread while other stages run; `stream_into` calls it when nobody did.
         """
-        if self._ring is not None or self.device.type != "cuda":
-            return 0.0
-        start = time.perf_counter()
-        slot_bytes = max((u.file_hi - u.file_lo for u in self._units), default=0)
-        num_slots = min(self.ring_slots, len(self._units))
-        slots = [
-            torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_slots)
-        ]
-        self._ring = [(t, memoryview(t.numpy())) for t in slots]
-        return time.perf_counter() - start
+        with self._ring_lock:
+            if self._ring is not None or self.device.type != "cuda":
+                return 0.0
+            start = time.perf_counter()
+            slot_bytes = max((u.file_hi - u.file_lo for u in self._units), default=0)
+            num_slots = min(self.ring_slots, len(self._units))
+            slots = [
+                torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(num_slots)
+            ]
+            self._ring = [(t, memoryview(t.numpy())) for t in slots]
+            return time.perf_counter() - start
 
     def stream_into(self, dest: Mapping[str, torch.Tensor]) -> StreamReport:
         """Fill `dest` (exactly the table's names, shapes and dtypes) from the file."""

@@ -254,6 +254,15 @@ def test_destination_on_other_device_refused(written):
         WeightStreamer(path, layout, device="cpu").stream_into(dest)
 
 
+def test_streamer_arguments_refused(written):
+    path, layout, _ = written
+    with pytest.raises(ValueError, match="hold a 4096-byte chunk"):
+        WeightStreamer(path, layout, device="cuda", slot_bytes=CHUNK // 2)
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        WeightStreamer(path, layout, device="meta")
+    assert WeightStreamer(path, layout, device="cpu").prepare() == 0.0  # no ring on CPU
+
+
 def test_more_pieces_than_iov_max(tmp_path):
     tensors = [(f"t{i}", torch.full((3,), float(i))) for i in range(1500)]  # + 1500 paddings
     layout = write_restore_layout(tmp_path / "w", tensors, align=16, chunk_bytes=64 << 10)
