@@ -40,7 +40,7 @@ def write_snapshot(
     fn: SnapshotFunction, dest: Path, startup: StartupManifest, log: Log | None = stderr_log
 ) -> dict:
     """Write `fn`'s tier-0 snapshot to `dest`, atomically; the write is timed as a stage."""
-    runner = StageRunner(startup, log=log)
+    runner = StageRunner(startup, log=log, offset_s=startup.total_s)
     manifest: dict[str, Any] = {}
     recorded = startup.to_json()  # the init as it finished, before this stage began
 

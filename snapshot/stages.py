@@ -100,10 +100,12 @@ class StageRunner:
         manifest: StartupManifest,
         clock: Callable[[], float] = time.perf_counter,
         log: Callable[[str], None] | None = None,
+        offset_s: float = 0.0,
     ) -> None:
+        """`offset_s`: seconds already spent (continuing a manifest another runner started)."""
         self.manifest = manifest
         self._clock = clock
-        self._t0 = clock()
+        self._t0 = clock() - offset_s
         self._log = log
 
     def run(self, name: str, fn: Callable[[dict[str, Any]], Any]) -> Any:

@@ -7,6 +7,10 @@ import shutil
 import pytest
 import torch
 
+# NOTE: tiny models on a 2-core CI machine run several times faster on one thread, and tests
+# that run subprocesses or zygotes compete for the cores.
+torch.set_num_threads(1)
+
 
 def save_hf(model, path):
     model.save_pretrained(path, safe_serialization=True)

@@ -48,8 +48,10 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
     out = model.generate(
-        torch.tensor([ids]),
+        x,
+        attention_mask=torch.ones_like(x),  # token 0 in a prompt is not padding
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,

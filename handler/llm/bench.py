@@ -4,6 +4,8 @@
     (b) safetensors  safetensors.load_file into our engine, eager, no snapshot
     (c) cold_init    snapfn's staged init (then writes the snapshot for d/e)
     (d) restore      tier-0 restore, snapshot files in the page cache
+    (d') restore_zygote  the same, forked from a warm zygote (imports done, CUDA untouched):
+                     the cold start of a host that keeps a zygote, as `serve` does
     (e) restore_cold tier-0 restore after dropping the snapshot from the page cache (if allowed)
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ALL_MODES = ("hf", "safetensors", "cold_init", "restore", "restore_cold")
+ALL_MODES = ("hf", "safetensors", "cold_init", "restore", "restore_zygote", "restore_cold")
 
 
 @dataclass(frozen=True)
@@ -59,27 +61,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
 
 
+def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
+    child_mode = "restore" if mode.startswith("restore") else mode
+    return [
+        child_mode,
+        *("--model", str(args.model), "--snapshot", str(workdir / "snapshot")),
+        *("--device", args.device, "--cache-dir", str(workdir / "cache")),
+        *("--t0", repr(time.time()), *extra),
+    ]
+
+
+def run_zygote_mode(args: argparse.Namespace, workdir: Path, extra: list[str]) -> dict[str, Any]:
+    """Start a zygote (timed apart), then time fork → restore → first token."""
+    from snapfn.snapshot.zygote import Zygote
+
+    from .function import ZYGOTE_PRELOAD
+
+    with Zygote.start(ZYGOTE_PRELOAD) as zygote, open(os.devnull, "w") as devnull:
+        argv = child_argv("restore_zygote", args, workdir, extra)
+        target = "snapfn.handler.llm.bench_child:zygote_target"
+        worker = zygote.fork(target, {"argv": argv}, stdout=devnull, stderr=devnull)
+        result = worker.channel.recv(timeout_s=args.timeout_s)
+        code = worker.wait(timeout_s=60)
+        preload_s = zygote.preload_seconds
+    if result is None:
+        return {"mode": "restore_zygote", "error": f"worker exited {code} without a result"}
+    return {**result, "mode": "restore_zygote", "zygote_preload_s": round(preload_s, 3)}
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]
 ) -> dict[str, Any]:
-    child_mode = "restore" if mode.startswith("restore") else mode
-    cmd = [
-        sys.executable,
-        "-m",
-        "snapfn.handler.llm.bench_child",
-        child_mode,
-        "--model",
-        str(args.model),
-        "--snapshot",
-        str(workdir / "snapshot"),
-        "--device",
-        args.device,
-        "--cache-dir",
-        str(workdir / "cache"),
-        "--t0",
-        repr(time.time()),
-        *extra,
-    ]
+    """Run one mode in a fresh process (or a zygote worker) and parse its result line."""
+    if mode == "restore_zygote":
+        return run_zygote_mode(args, workdir, extra)
+    argv = child_argv(mode, args, workdir, extra)
+    cmd = [sys.executable, "-m", "snapfn.handler.llm.bench_child", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
@@ -144,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
                 }
                 continue
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
-        results[mode] = run_mode(
-            mode, args, workdir, decode if mode in ("cold_init", "restore") else []
-        )
+        with_decode = mode == "cold_init"
+        results[mode] = run_mode(mode, args, workdir, decode if with_decode else [])
+        print(f"[snapfn bench] {mode}: {_brief(results[mode])}", file=sys.stderr, flush=True)
     report = {
         "model": str(args.model),
         "device": args.device,
@@ -158,6 +175,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     _write_outputs(args, report)
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _brief(result: dict[str, Any]) -> str:
+    if "first_token_s" in result:
+        return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
+    return result.get("error") or result.get("skipped") or "?"
 
 
 def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:

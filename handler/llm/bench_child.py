@@ -137,6 +137,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def zygote_target(args: dict[str, Any], channel) -> None:
+    """Entry point of a worker forked from a zygote: run one mode, answer on the channel."""
+    parsed = parse_args(args["argv"])
+    channel.send({"mode": parsed.mode, **MODES[parsed.mode](parsed)})
+
+
 MODES = {
     "hf": mode_hf,
     "safetensors": mode_safetensors,
@@ -145,7 +151,7 @@ MODES = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_child")
     p.add_argument("mode", choices=sorted(MODES))
     p.add_argument("--model", default=None)
@@ -155,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--t0", type=float, required=True)
     p.add_argument("--decode-batches", default="")
     p.add_argument("--decode-tokens", type=int, default=32)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     result = {"mode": args.mode, **MODES[args.mode](args)}
     print("BENCH_RESULT " + json.dumps(result), flush=True)
     return 0

@@ -35,7 +35,7 @@ class RopeConfig:
     original_max_position_embeddings: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0  # 0 = unset (transformers: None)
     mscale_all_dim: float = 0.0
 
 
@@ -253,8 +253,8 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         original_max_position_embeddings=merged.get("original_max_position_embeddings"),
         beta_fast=float(merged.get("beta_fast", 32.0)),
         beta_slow=float(merged.get("beta_slow", 1.0)),
-        mscale=float(merged.get("mscale", 1.0)),
-        mscale_all_dim=float(merged.get("mscale_all_dim", 0.0)),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,24 @@ MODEL_FILES = (
     "chat_template.jinja",
 )
 WEIGHTS_FILE = "weights/rank0.bin"
+# Modules a zygote imports before forking restore workers (none of them touches CUDA at import).
+ZYGOTE_PRELOAD = (
+    "torch",
+    "safetensors",
+    "jinja2",
+    "tokenizers",
+    "snapfn.snapshot.runtime",
+    "snapfn.snapshot.weights",
+    "snapfn.snapshot.pagecache",
+    "snapfn.handler.llm.function",
+    "snapfn.handler.llm.build",
+    "snapfn.handler.llm.memory",
+    "snapfn.handler.llm.warmup",
+    "snapfn.handler.llm.engine.engine",
+    "snapfn.handler.llm.models.llama",
+    "snapfn.handler.llm.models.glm_moe_dsa",
+    "snapfn.handler.llm.kernels.torch_ref",
+)
 
 
 class LLMFunction:
@@ -55,6 +74,7 @@ class LLMFunction:
         self.health: dict[str, Any] = {}
         self._model_config = None
         self._load_report = None
+        self._streamer = None
 
     # ---- cold init -------------------------------------------------------------------------
     def init_stages(self) -> list[Stage]:
@@ -127,15 +147,25 @@ class LLMFunction:
 
         return default_buckets(min(self.config.graph_max_batch, self.config.max_running_requests))
 
+    def uses_graphs(self) -> bool:
+        return self.device.startswith("cuda") and self._model_config.arch == "llama"
+
     def stage_warmup(self, figures: Figures) -> None:
         from .warmup import warmup
 
         before = runtime_env.count_cache_files(self.config.cache_dir)
-        figures.update(warmup(self.model, self.engine.kv, self.buckets(), self.config.chunk_sizes))
+        if self.device.startswith("cuda"):
+            # NOTE: graph capture runs every decode bucket twice before capturing it; warming
+            # the decode shapes here as well would only repeat that work.
+            decode = [] if self.uses_graphs() else self.buckets()
+            chunks = self.config.chunk_sizes
+        else:  # the CPU path compiles nothing: touch each code path once, cheaply
+            decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
+        figures.update(warmup(self.model, self.engine.kv, decode, chunks))
         figures["compiled_files"] = runtime_env.count_cache_files(self.config.cache_dir) - before
 
     def stage_capture_graphs(self, figures: Figures) -> None:
-        if self.device.startswith("cuda") and self._model_config.arch == "llama":
+        if self.uses_graphs():
             stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
@@ -206,9 +236,9 @@ class LLMFunction:
         section = manifest["llm"]
         self._restored_from = Path(snapshot_dir)
         return [
-            ("runtime_env", lambda f: self.stage_restore_env(f, snapshot_dir)),
+            ("runtime_env", lambda f: self.stage_restore_env(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
-            ("stream_weights", lambda f: self.stage_stream_weights(f, snapshot_dir, section)),
+            ("stream_weights", self.stage_stream_weights),
             ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
             ("warmup", self.stage_warmup),
             ("capture_graphs", self.stage_capture_graphs),
@@ -216,11 +246,27 @@ class LLMFunction:
             ("health_check", lambda f: self.stage_replay_check(f, section["health"])),
         ]
 
-    def stage_restore_env(self, figures: Figures, snapshot_dir: Path) -> None:
-        figures["restored_cache_files"] = runtime_env.restore_caches(
-            snapshot_dir / "caches", self.config.cache_dir
-        )
+    def stage_restore_env(
+        self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
+    ) -> None:
+        caches = runtime_env.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
+        figures["restored_cache_files"] = caches
         self.stage_runtime_env(figures)
+        # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
+        # while the model is built, and stream_weights waits for it.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-ring")
+        self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE, section)
+        pool.shutdown(wait=False)
+
+    def _open_streamer(self, path: Path, section: dict[str, Any]):
+        from snapfn.snapshot.weights import RestoreLayout, WeightStreamer
+
+        layout = RestoreLayout.from_json(section["layout"])
+        layout.validate(path.stat().st_size)
+        threads = self.config.stream_threads
+        streamer = WeightStreamer(path, layout, device=self.device, num_threads=threads)
+        streamer.prepare()
+        return streamer
 
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
         from .build import build_model
@@ -230,18 +276,12 @@ class LLMFunction:
         self.model = build_model(self._model_config, self.config.engine_options())
         figures["parameters"] = sum(1 for _ in self.model.parameters())
 
-    def stage_stream_weights(
-        self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
-    ) -> None:
-        from snapfn.snapshot.weights import RestoreLayout, WeightStreamer
-
-        path = snapshot_dir / WEIGHTS_FILE
-        layout = RestoreLayout.from_json(section["layout"])
-        layout.validate(path.stat().st_size)
-        streamer = WeightStreamer(
-            path, layout, device=self.device, num_threads=self.config.stream_threads
-        )
-        report = streamer.stream_into(dict(self.model.named_parameters()))
+    def stage_stream_weights(self, figures: Figures) -> None:
+        streamer = self._streamer.result()
+        try:
+            report = streamer.stream_into(dict(self.model.named_parameters()))
+        finally:
+            streamer.close()
         figures.update(_report_fields(report))
 
     def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
@@ -265,7 +305,10 @@ class LLMFunction:
             )
 
     def release(self) -> None:
-        self.engine = self.model = None
+        pending = getattr(self, "_streamer", None)
+        if pending is not None and pending.done() and pending.exception() is None:
+            pending.result().close()
+        self.engine = self.model = self._streamer = None
         if self.device.startswith("cuda"):
             import torch
 

@@ -90,7 +90,8 @@ class Backend:
     ) -> torch.Tensor:  # [T, topk] int32 key positions within the request, -1 = no key
         """DSA indexer: per query, the `topk` causal keys scoring highest on
         `sum_h weights[h] * relu(scale * q[h] . k)`; a query with fewer causal keys gets them
-        all, padded with -1 (the FlashMLA sparse-index layout)."""
+        all, padded with -1 (the FlashMLA sparse-index layout). Among equal scores the earlier
+        key wins, so a query's selection never depends on how its prompt was chunked."""
         raise NotImplementedError
 
     def mla_attention(

@@ -64,6 +64,8 @@ class TorchBackend(Backend):
         return out.to(x.dtype)
 
     def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
+        if batch.is_decode:
+            return _topk_decode(q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale)
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
         start = 0
         for b, (q_len, seq_len) in enumerate(
@@ -78,27 +80,32 @@ class TorchBackend(Backend):
     def mla_attention(
         self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
     ):
-        num_heads, rank = q.shape[1], kv_b_weight.shape[1]
-        rope_dim = latent_cache.shape[-1] - rank
-        nope_dim = q.shape[-1] - rope_dim
-        v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
-        out = q.new_empty(q.shape[0], num_heads, v_dim)
-        start = 0
+        if batch.is_decode:
+            latent = latent_cache[batch.page_table.long()].flatten(1, 2)  # [B, W*S, R + Dr]
+            k, v = self._expand_latent(latent, kv_b_weight, kv_b_scale_inv, q.shape)
+            return mla_decode_attention(q, k, v, batch.seq_lens, scale, topk_indices)
+        outs, start = [], 0
         for b, (q_len, seq_len) in enumerate(
             zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
         ):
             latent = self.gather_seq(latent_cache, batch, b)  # [L, R + Dr]
-            kv = self.linear(
-                latent[:, :rank], kv_b_weight, None, kv_b_scale_inv
-            )  # [L, H * (Dn + Dv)]
-            k_nope, v = kv.view(seq_len, num_heads, -1).split([nope_dim, v_dim], dim=-1)
-            k_rope = latent[:, None, rank:].expand(seq_len, num_heads, rope_dim)
-            k = torch.cat([k_nope, k_rope], dim=-1)  # [L, H, Dn + Dr]
+            k, v = self._expand_latent(latent, kv_b_weight, kv_b_scale_inv, q.shape)
             rows = slice(start, start + q_len)
             mask = None if topk_indices is None else topk_mask(topk_indices[rows], seq_len)
-            out[rows] = causal_attention(q[rows], k, v, seq_len - q_len, scale, mask)
+            outs.append(causal_attention(q[rows], k, v, seq_len - q_len, scale, mask))
             start += q_len
-        return out
+        return torch.cat(outs)
+
+    def _expand_latent(self, latent, kv_b_weight, kv_b_scale_inv, q_shape):
+        """`latent [..., L, R + Dr]` -> per-head `k [..., L, H, Dn + Dr]`, `v [..., L, H, Dv]`."""
+        num_heads, rank = q_shape[1], kv_b_weight.shape[1]
+        rope_dim = latent.shape[-1] - rank
+        nope_dim = q_shape[2] - rope_dim
+        v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
+        kv = self.linear(latent[..., :rank], kv_b_weight, None, kv_b_scale_inv)
+        k_nope, v = kv.unflatten(-1, (num_heads, nope_dim + v_dim)).split([nope_dim, v_dim], -1)
+        k_rope = latent[..., None, rank:].expand(*k_nope.shape[:-1], rope_dim)
+        return torch.cat([k_nope, k_rope], dim=-1), v
 
 
 def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -128,13 +135,17 @@ def causal_attention(
 
 
 def _topk_one_seq(q, weights, k, q_offset, topk, scale):
-    # op order as Hugging Face's GlmMoeDsaIndexer, so ties and near-ties resolve alike
+    # op order as Hugging Face's GlmMoeDsaIndexer, so near-ties resolve alike
     scores = torch.matmul(q.float(), k.float().T) * scale  # [q, Hi, L]
     scores = F.relu(scores)
     index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [q, L]
     causal = _causal_mask(q.shape[0], k.shape[0], q_offset, q.device)  # [q, L]
     index_scores = index_scores.masked_fill(~causal, float("-inf"))
-    picked = index_scores.topk(min(topk, k.shape[0]), dim=-1).indices  # [q, k']
+    # NOTE: exact ties are common (relu zeroes every head's score of many keys); torch.topk
+    # breaks them by row length, so chunking would change the selection. A stable sort keeps
+    # the earliest tied keys, whatever the chunking. Without ties it picks what topk picks.
+    order = index_scores.sort(dim=-1, descending=True, stable=True).indices
+    picked = order[:, : min(topk, k.shape[0])]  # [q, k']
     # rows with fewer causal keys than topk pick masked keys too: drop them
     picked = picked.masked_fill(~causal.gather(1, picked), -1)
     return F.pad(picked, (0, topk - picked.shape[1]), value=-1).to(torch.int32)  # [q, topk]
@@ -174,3 +185,33 @@ def decode_attention(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("bgrl,blgd->bgrd", probs, v).reshape(b, hq, v.shape[-1])
+
+
+def _topk_decode(q, weights, k_cache, page_table, seq_lens, topk, scale):
+    """`dsa_topk` for one query per request with fixed shapes (no host syncs)."""
+    k = k_cache[page_table.long()].flatten(1, 2)  # [B, W*S, Di]
+    scores = F.relu(torch.matmul(q.float(), k.float().transpose(1, 2)) * scale)  # [B, Hi, L]
+    index_scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)  # [B, L]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
+    index_scores = index_scores.masked_fill(~valid, float("-inf"))
+    index_scores = F.pad(index_scores, (0, max(0, topk - k.shape[1])), value=float("-inf"))
+    picked = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk]  # [B, topk]
+    return picked.masked_fill(picked >= seq_lens[:, None].long(), -1).to(torch.int32)
+
+
+def mla_decode_attention(
+    q: torch.Tensor,  # [B, H, Dn + Dr], one new token per request
+    k: torch.Tensor,  # [B, L, H, Dn + Dr], the expanded latents of each request's page row
+    v: torch.Tensor,  # [B, L, H, Dv]
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    topk_indices: torch.Tensor | None = None,  # [B, topk] int32, -1 = none
+) -> torch.Tensor:  # [B, H, Dv]
+    """Vectorised MLA decode with fixed shapes (no host syncs): CUDA-graph capturable."""
+    scores = torch.einsum("bhd,blhd->bhl", q, k).float() * scale  # [B, H, L]
+    allowed = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
+    if topk_indices is not None:
+        allowed = allowed & topk_mask(topk_indices, k.shape[1])
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("bhl,blhd->bhd", probs, v)

@@ -1,0 +1,208 @@
+"""GLM-5 (`glm_moe_dsa`): MLA + DSA attention, sigmoid-routed MoE, multi-token-prediction layers.
+
+Parameter names equal the Hugging Face checkpoint names, with two mappings (`map_weight`):
+- routed experts are stacked: `model.layers.{i}.mlp.experts.{e}.gate_proj.weight(_scale_inv)`
+  fills row `e - first_local_expert` of `model.layers.{i}.mlp.experts.gate(_scale_inv)`;
+- MTP layers: `model.layers.{num_layers + j}.X` fills `mtp.{j}.X`. They are loaded and
+  coverage-checked but not run yet, so they get no KV cache; their `embed_tokens` and
+  `shared_head.head`, when present, are copies of the main model's (DeepSeek-V3 shares them)
+  and are not loaded.
+
+KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) and "index_k"
+(`index_head_dim`) on the "full" indexer layers only, stored densely: full layer `i` uses
+`index_k` layer `index_slots[i]`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..engine.batch import ForwardBatch
+from ..engine.kv_pool import KVBufferSpec, KVPool
+from ..errors import UnsupportedModel
+from ..sharding import local_expert_range
+from .base import CausalLM, WeightTarget
+from .layers import Linear, RMSNorm, Rotary, is_quantized
+from .mla import MLAttention
+from .moe import MoE, SwiGLUMLP
+
+EXPERT_WEIGHT = re.compile(
+    r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"
+)
+LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.")
+MTP_SHARED_COPIES = r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight"
+
+
+def index_slots(indexer_types: tuple[str, ...]) -> tuple[int | None, ...]:
+    """Per layer, its "index_k" cache layer: full layers numbered in order, None for shared."""
+    slots, num_full = [], 0
+    for kind in indexer_types:
+        slots.append(num_full if kind == "full" else None)
+        num_full += kind == "full"
+    return tuple(slots)
+
+
+class GlmDecoderLayer(nn.Module):
+    def __init__(
+        self, model: GlmMoeDsaForCausalLM, layer_id: int, index_slot: int | None, dense: bool
+    ) -> None:
+        super().__init__()
+        cfg, prefix = model.config, f"model.layers.{layer_id}"
+        self.input_layernorm = model.norm(cfg.hidden_size)
+        self.self_attn = MLAttention(model, f"{prefix}.self_attn", layer_id, index_slot)
+        self.post_attention_layernorm = model.norm(cfg.hidden_size)
+        self.mlp = (
+            SwiGLUMLP(model, f"{prefix}.mlp", cfg.intermediate_size)
+            if dense
+            else MoE(model, f"{prefix}.mlp")
+        )
+
+    def forward(self, h, cos, sin, rotary, batch, kv, prev_topk):
+        """`h [T, H]` -> (`h [T, H]`, this step's top-k `[T, index_topk]` for shared layers)."""
+        attn, topk = self.self_attn(self.input_layernorm(h), cos, sin, rotary, batch, kv, prev_topk)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), topk
+
+
+class SharedHead(nn.Module):
+    def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
+        super().__init__()
+        self.norm = model.norm(model.config.hidden_size)
+
+
+class MTPLayer(GlmDecoderLayer):
+    """MTP layer `j`: an MoE decoder layer with a full indexer, fed `eh_proj(enorm(embedding)
+    | hnorm(hidden))`. Its cache slots follow the main layers' (not allocated yet)."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, j: int) -> None:
+        cfg = model.config
+        layer_id, num_full = cfg.num_layers + j, sum(s is not None for s in model.index_slots)
+        super().__init__(model, layer_id, index_slot=num_full + j, dense=False)
+        h = cfg.hidden_size
+        self.eh_proj = model.linear(f"model.layers.{layer_id}.eh_proj", 2 * h, h)
+        self.enorm = model.norm(h)
+        self.hnorm = model.norm(h)
+        self.shared_head = SharedHead(model)
+
+
+class GlmModel(nn.Module):
+    def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
+        super().__init__()
+        cfg = model.config
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype=model.dtype, device=model.device
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        first_moe = cfg.moe.first_k_dense_replace
+        self.layers = nn.ModuleList(
+            GlmDecoderLayer(model, i, model.index_slots[i], dense=i < first_moe)
+            for i in range(cfg.num_layers)
+        )
+        self.norm = model.norm(cfg.hidden_size)
+
+
+class GlmMoeDsaForCausalLM(CausalLM):
+    def __init__(self, config, backend, *, dtype, device, parallel=None) -> None:
+        super().__init__(config, backend, dtype=dtype, device=device, parallel=parallel)
+        _check_mlp_layer_types(config)
+        mla = config.mla
+        self.local_experts = local_expert_range(config.moe.n_routed_experts, self.parallel)
+        self.index_slots = index_slots(config.dsa.indexer_types)
+        self.rotary = Rotary(
+            config.rope,
+            mla.qk_rope_head_dim,
+            config.max_position_embeddings,
+            device,
+            interleaved=True,
+        )
+        self.model = GlmModel(self)
+        self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
+        self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
+        if config.tie_word_embeddings:
+            self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
+        else:
+            self.lm_head = self.linear("lm_head", config.hidden_size, config.vocab_size)
+
+    def linear(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> Linear:
+        """A Linear for checkpoint module `name`: FP8 when the quant config covers it."""
+        fp8 = is_quantized(name, self.config.quant)
+        return Linear(
+            in_features,
+            out_features,
+            self.backend,
+            bias=bias,
+            fp8=fp8,
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )
+
+    def norm(self, dim: int) -> RMSNorm:
+        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
+
+    def kv_buffer_specs(self) -> list[KVBufferSpec]:
+        cfg = self.config
+        num_full = sum(s is not None for s in self.index_slots)
+        latent_dim = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        return [
+            KVBufferSpec("latent", cfg.num_layers, (latent_dim,)),
+            KVBufferSpec("index_k", num_full, (cfg.dsa.index_head_dim,)),
+        ]
+
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, Dr/2]
+        topk = None  # the last full indexer layer's selection, reused by shared layers
+        for layer in self.model.layers:
+            h, topk = layer(h, cos, sin, self.rotary, batch, kv, topk)
+        h = self.model.norm(h)
+        if not batch.all_logits:
+            h = h[batch.logits_indices]
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()
+
+    def map_weight(self, name: str) -> WeightTarget | None:
+        name = self._mtp_param_name(name)
+        expert = EXPERT_WEIGHT.fullmatch(name)
+        if expert is None:
+            return super().map_weight(name)
+        param = f"{expert['prefix']}.{expert['proj']}{expert['scale'] or ''}"
+        index = int(expert["expert"])
+        if param not in self._param_names() or index >= self.config.moe.n_routed_experts:
+            return None
+        # NOTE: another ep rank's expert gets an out-of-range row here; the loader drops it
+        # (`shard_tensor` returns None) before it touches the target.
+        return WeightTarget(param, index - self.local_experts.start)
+
+    def _mtp_param_name(self, name: str) -> str:
+        """`model.layers.{num_layers + j}.X` -> `mtp.{j}.X`; other names unchanged."""
+        match = LAYER_PREFIX.match(name)
+        if match is None or int(match[1]) < self.config.num_layers:
+            return name
+        return f"mtp.{int(match[1]) - self.config.num_layers}.{name[match.end() :]}"
+
+
+def _check_mlp_layer_types(config: ModelConfig) -> None:
+    """We place MoE layers by `first_k_dense_replace`; refuse a config.json that says otherwise."""
+    declared = config.raw.get("mlp_layer_types")
+    first_moe = config.moe.first_k_dense_replace
+    expected = ["dense" if i < first_moe else "sparse" for i in range(config.num_layers)]
+    if declared is not None and list(declared) != expected:
+        raise UnsupportedModel(
+            f"mlp_layer_types {declared} is not 'first_k_dense_replace={first_moe} dense, then sparse'"
+        )

@@ -1,0 +1,148 @@
+"""GLM-5 attention: multi-head latent attention (MLA) with DeepSeek sparse attention (DSA).
+
+MLA caches one latent per token, `kv_a_layernorm(latent) | rope(k_rope)` (`R + Dr` values,
+buffer "latent"), and expands it into per-head `k_nope | v` with `kv_b_proj` when attending.
+The DSA indexer (on "full" layers) scores every cached key for every query with its own small
+heads and keys (buffer "index_k") and keeps the `index_topk` best; attention then sees only
+those. "shared" layers reuse the top-k of the last full layer of the same step.
+
+Numerics follow Hugging Face's `modeling_glm_moe_dsa`: both RoPEs are interleaved, the q/kv
+latent norms use eps 1e-6 (not `rms_norm_eps`), the indexer key norm is a LayerNorm with bias,
+and `weights_proj` runs in float32 (`_keep_in_fp32_modules`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..engine.batch import ForwardBatch
+from ..engine.kv_pool import KVPool
+from .layers import RMSNorm, Rotary
+
+if TYPE_CHECKING:
+    from .glm_moe_dsa import GlmMoeDsaForCausalLM
+
+LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm/kv_a_layernorm/k_norm with their default eps
+
+
+def mla_softmax_scale(config: ModelConfig) -> float:
+    """`qk_head_dim^-0.5`, times `yarn_get_mscale(factor, mscale_all_dim)^2` when HF applies it."""
+    mla, rope = config.mla, config.rope
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+        mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, filled by the loader (the indexer's `k_norm`)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(dim, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class DSAIndexer(nn.Module):
+    """Per-query top-k key selection; writes this layer's indexer keys to `index_k[slot]`."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int) -> None:
+        super().__init__()
+        cfg, dsa = model.config, model.config.dsa
+        self.slot = slot
+        self.num_heads, self.head_dim = dsa.index_n_heads, dsa.index_head_dim
+        self.rope_dim = cfg.mla.qk_rope_head_dim
+        self.topk = dsa.index_topk
+        self.softmax_scale = dsa.index_head_dim**-0.5
+        self.backend = model.backend
+        self.wq_b = model.linear(
+            f"{prefix}.wq_b", cfg.mla.q_lora_rank, self.num_heads * self.head_dim
+        )
+        self.wk = model.linear(f"{prefix}.wk", cfg.hidden_size, self.head_dim)
+        self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, model.dtype, model.device)
+        self.weights_proj = model.linear(
+            f"{prefix}.weights_proj", cfg.hidden_size, self.num_heads, dtype=torch.float32
+        )
+
+    def forward(self, x, q_resid, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
+        """`x [T, H]`, `q_resid [T, q_lora]` -> top-k key positions `[T, index_topk]` int32."""
+        t, split = x.shape[0], [self.rope_dim, self.head_dim - self.rope_dim]
+        q_rot, q_pass = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim).split(split, -1)
+        k_rot, k_pass = self.k_norm(self.wk(x)).view(t, 1, self.head_dim).split(split, -1)
+        q = torch.cat([rotary.apply(q_rot, cos, sin), q_pass], dim=-1)  # [T, Hi, Di]
+        k = torch.cat([rotary.apply(k_rot, cos, sin), k_pass], dim=-1)[:, 0]  # [T, Di]
+        cache = kv.layer("index_k", self.slot)
+        self.backend.store_kv(cache, k, batch)
+        weights = self.weights_proj(x.float()).float() * self.num_heads**-0.5  # [T, Hi]
+        return self.backend.dsa_topk(q, weights, cache, batch, self.topk, self.softmax_scale)
+
+
+class MLAttention(nn.Module):
+    """MLA + DSA for one layer. `index_slot` is its "index_k" layer; None on shared layers."""
+
+    def __init__(
+        self, model: GlmMoeDsaForCausalLM, prefix: str, layer_id: int, index_slot: int | None
+    ):
+        super().__init__()
+        cfg, mla, tp = model.config, model.config.mla, model.parallel.tp_size
+        if cfg.num_heads % tp:
+            raise ValueError(f"num_attention_heads={cfg.num_heads} not divisible by tp={tp}")
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads // tp
+        self.nope_dim, self.rope_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+        self.kv_rank = mla.kv_lora_rank
+        self.scale = mla_softmax_scale(cfg)
+        self.backend = model.backend
+        qk_dim, bias = self.nope_dim + self.rope_dim, cfg.attention_bias
+        self.q_a_proj = model.linear(f"{prefix}.q_a_proj", cfg.hidden_size, mla.q_lora_rank, bias)
+        self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device)
+        self.q_b_proj = model.linear(f"{prefix}.q_b_proj", mla.q_lora_rank, self.num_heads * qk_dim)
+        latent_dim = self.kv_rank + self.rope_dim
+        self.kv_a_proj_with_mqa = model.linear(
+            f"{prefix}.kv_a_proj_with_mqa", cfg.hidden_size, latent_dim, bias
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device)
+        kv_b_out = self.num_heads * (self.nope_dim + mla.v_head_dim)
+        self.kv_b_proj = model.linear(f"{prefix}.kv_b_proj", self.kv_rank, kv_b_out)
+        self.o_proj = model.linear(
+            f"{prefix}.o_proj", self.num_heads * mla.v_head_dim, cfg.hidden_size, bias
+        )
+        if index_slot is not None:
+            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot)
+
+    def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool, prev_topk):
+        """`x [T, H]` -> (output `[T, H]`, top-k `[T, index_topk]` for the next shared layer)."""
+        t = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
+        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        k_rope = rotary.apply(k_rope.view(t, 1, self.rope_dim), cos, sin)[:, 0]  # [T, Dr]
+        cache = kv.layer("latent", self.layer_id)
+        self.backend.store_kv(
+            cache, torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1), batch
+        )
+        if hasattr(self, "indexer"):
+            topk = self.indexer(x, q_resid, cos, sin, rotary, batch, kv)
+        else:
+            assert prev_topk is not None, "config guarantees layer 0 is a full indexer layer"
+            topk = prev_topk
+        q = torch.cat([q_nope, rotary.apply(q_rope, cos, sin)], dim=-1)  # [T, Hl, Dn + Dr]
+        w = self.kv_b_proj
+        out = self.backend.mla_attention(
+            q, cache, w.weight, w.weight_scale_inv, batch, self.scale, topk
+        )
+        return self.o_proj(out.reshape(t, -1)), topk

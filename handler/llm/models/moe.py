@@ -1,0 +1,136 @@
+"""GLM-5 feed-forward blocks: the dense SwiGLU MLP and the sigmoid-routed MoE.
+
+The router is DeepSeek-V3's `noaux_tc`, in float32 as Hugging Face runs it: sigmoid scores plus
+`e_score_correction_bias` choose the experts (the best `topk_group` of `n_group` groups, each
+group ranked by its two best experts), while the weights are the unbiased sigmoid scores,
+renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`.
+
+Routed experts are stacked per layer into `experts.{gate,up,down}` `[E_local, ...]` parameters
+(plus `*_scale_inv` when FP8); only this ep rank's experts (`local_expert_range`) exist, and
+the checkpoint's `experts.{e}.{gate,up,down}_proj` fill row `e - first_local_expert`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import ExpertWeights
+from ..quant import FP8_DTYPE, scale_shape
+from .layers import is_quantized
+
+if TYPE_CHECKING:
+    from .glm_moe_dsa import GlmMoeDsaForCausalLM
+
+EXPERT_PROJS = ("gate", "up", "down")
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class SwiGLUMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))`: the dense layers' MLP and the shared experts."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, intermediate_size: int) -> None:
+        super().__init__()
+        hidden, inter = model.config.hidden_size, intermediate_size // model.parallel.tp_size
+        self.gate_proj = model.linear(f"{prefix}.gate_proj", hidden, inter)
+        self.up_proj = model.linear(f"{prefix}.up_proj", hidden, inter)
+        self.down_proj = model.linear(f"{prefix}.down_proj", inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Group-limited top-k over sigmoid scores; float32 weights, as in the checkpoints."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
+        super().__init__()
+        moe, device = model.config.moe, model.device
+        self.moe = moe
+        self.weight = _empty(
+            (moe.n_routed_experts, model.config.hidden_size), torch.float32, device
+        )
+        self.e_score_correction_bias = _empty((moe.n_routed_experts,), torch.float32, device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [T, H]` -> (global expert ids `[T, k]`, float32 weights `[T, k]`)."""
+        moe = self.moe
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, moe.n_routed_experts)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        topk_ids = choice.topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
+        topk_weights = scores.gather(1, topk_ids)
+        if moe.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * moe.routed_scaling_factor
+
+
+class StackedExperts(nn.Module):
+    """This rank's routed experts: `gate`/`up` `[E_local, I, H]`, `down` `[E_local, H, I]`."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str) -> None:
+        super().__init__()
+        cfg, par = model.config, model.parallel
+        self.experts = model.local_experts
+        # ep > 1 owns whole experts; ep == 1 splits every expert across tp like a dense MLP
+        inter = cfg.moe.moe_intermediate_size // (1 if par.ep_size > 1 else par.tp_size)
+        shapes = {
+            "gate": (inter, cfg.hidden_size),
+            "up": (inter, cfg.hidden_size),
+            "down": (cfg.hidden_size, inter),
+        }
+        num_local = len(self.experts)
+        for proj, shape in shapes.items():
+            fp8 = is_quantized(f"{prefix}.{self.experts.start}.{proj}_proj", cfg.quant)
+            weight_dtype = FP8_DTYPE if fp8 else model.dtype
+            self.register_parameter(proj, _empty((num_local, *shape), weight_dtype, model.device))
+            scale = (
+                _empty((num_local, *scale_shape(shape)), torch.float32, model.device)
+                if fp8
+                else None
+            )
+            self.register_parameter(f"{proj}_scale_inv", scale)
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            gate=self.gate,
+            up=self.up,
+            down=self.down,
+            gate_scale_inv=self.gate_scale_inv,
+            up_scale_inv=self.up_scale_inv,
+            down_scale_inv=self.down_scale_inv,
+            first_expert=self.experts.start,
+        )
+
+
+class MoE(nn.Module):
+    """Routed experts (through `backend.moe`) plus the always-on shared experts."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str) -> None:
+        super().__init__()
+        moe = model.config.moe
+        self.backend = model.backend
+        self.gate = TopkRouter(model)
+        self.experts = StackedExperts(model, f"{prefix}.experts")
+        if moe.n_shared_experts:
+            shared_size = moe.moe_intermediate_size * moe.n_shared_experts
+            self.shared_experts = SwiGLUMLP(model, f"{prefix}.shared_experts", shared_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        # NOTE: with ep > 1 this is the local experts' share only; the all-reduce comes later
+        out = self.backend.moe(x, self.experts.weights(), topk_ids, topk_weights)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out

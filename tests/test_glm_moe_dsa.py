@@ -1,0 +1,199 @@
+"""GLM-5 (`glm_moe_dsa`) parity with Hugging Face transformers, FP8, MTP loading and expert parallel.
+
+The tiny model keeps `index_topk=5` against prompts of 20+ tokens, so DSA really drops keys
+(checked: the dense model's logits differ), and routes 2 of 8 experts in 2 groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from glm_checkpoints import TINY_GLM, save_tiny_glm, write_fp8_pair, write_with_mtp
+from parity import (
+    greedy,
+    hf_logits,
+    hf_model,
+    our_engine,
+    our_prefill_logits,
+    random_prompts,
+)
+from snapfn.handler.llm.build import EngineOptions, build_model
+from snapfn.handler.llm.checkpoint import Checkpoint
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.errors import CheckpointError
+from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.loader import load_weights
+from snapfn.handler.llm.sharding import ParallelConfig
+
+VOCAB = TINY_GLM["vocab_size"]
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """`parity.hf_greedy` with an explicit attention mask: without one, `generate` takes
+    `pad_token_id=0` to mean every token 0 of the prompt is padding and masks it out."""
+    x = torch.tensor([ids])
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+        do_sample=False, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    return save_tiny_glm(tmp_path_factory.mktemp("glm"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def glm_ref_logits(glm_dir):
+    (ids,) = random_prompts(VOCAB, [23])
+    return ids, hf_logits(hf_model(glm_dir), ids)
+
+
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_logits_match_transformers(glm_dir, glm_ref_logits, chunk):
+    ids, ref = glm_ref_logits
+    ours = our_prefill_logits(our_engine(glm_dir, page_size=4), ids, chunk)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_yarn_logits_match_transformers(tmp_path):
+    """YaRN scales both the rotary cos/sin and (through `mscale_all_dim`) the softmax."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.707, "original_max_position_embeddings": 128}  # fmt: skip
+    model_dir = save_tiny_glm(tmp_path, seed=5, rope_parameters=rope)
+    (ids,) = random_prompts(VOCAB, [23], seed=5)
+    ours = our_prefill_logits(our_engine(model_dir, page_size=4), ids, 5)
+    torch.testing.assert_close(ours, hf_logits(hf_model(model_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_sparse_attention_changes_the_logits(glm_dir, glm_ref_logits):
+    """Guard against a vacuous parity test: with every key kept, the logits differ."""
+    from transformers import AutoModelForCausalLM
+
+    ids, sparse = glm_ref_logits
+    dense_model = AutoModelForCausalLM.from_pretrained(
+        glm_dir, dtype=torch.float32, index_topk=1024
+    )
+    dense = hf_logits(dense_model.eval(), ids)
+    assert (dense[:5] - sparse[:5]).abs().max() < 1e-5  # fewer than topk keys: nothing dropped
+    assert (dense[5:] - sparse[5:]).abs().max() > 1e-2
+
+
+def test_batched_greedy_matches_transformers(glm_dir):
+    prompts = random_prompts(VOCAB, [3, 21, 9, 30], seed=1)
+    # a small token budget forces chunked prefill interleaved with decode
+    results = our_engine(glm_dir, page_size=4, max_tokens=16).generate(prompts, greedy(32))
+    hf = hf_model(glm_dir)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert list(result.token_ids) == hf_greedy(hf, prompt, 32)
+
+
+def test_tied_index_scores_do_not_depend_on_chunking(tmp_path):
+    """One indexer head: a query whose head weight is negative scores every key <= 0, so the
+    many keys relu() zeroes tie for the top; the selection must not follow the chunking."""
+    model_dir = save_tiny_glm(tmp_path, seed=3, index_n_heads=1, index_topk=3)
+    engine = our_engine(model_dir, page_size=4)
+    (ids,) = random_prompts(VOCAB, [24], seed=4)
+    whole = our_prefill_logits(engine, ids, 64)
+    for chunk in (1, 5):
+        torch.testing.assert_close(
+            our_prefill_logits(engine, ids, chunk), whole, atol=2e-4, rtol=1e-4
+        )
+
+
+def _as_sets(picked: torch.Tensor) -> list[set[int]]:
+    return [{i for i in row if i >= 0} | ({-1} if -1 in row else set()) for row in picked.tolist()]
+
+
+def test_dsa_topk_pads_short_rows_and_keeps_earliest_ties():
+    backend = get_backend("torch")
+    cache = torch.zeros(2, 4, 2)  # [pages, page_size, index_head_dim]
+    keys = torch.tensor([[0.0, 1]] * 5 + [[1.0, 0]] + [[0.0, 1]] * 2)  # scores 0 0 0 0 0 1 0 0
+    prefill = ForwardBatch.build([[0] * 8], [0], [[1, 0]], 4, "cpu")
+    backend.store_kv(cache, keys, prefill)
+    q, w = torch.tensor([[[1.0, 0]]]).expand(8, 1, 2), torch.ones(8, 1)
+    picked = backend.dsa_topk(q, w, cache, prefill, topk=3, scale=1.0)
+    short, ties, one = [{0, -1}, {0, 1, -1}], [{0, 1, 2}] * 3, [{5, 0, 1}] * 3
+    assert _as_sets(picked) == short + ties + one
+    tail = ForwardBatch.build([[0] * 3], [5], [[1, 0]], 4, "cpu")  # the last 3 as a chunk
+    assert torch.equal(backend.dsa_topk(q[5:], w[5:], cache, tail, topk=3, scale=1.0), picked[5:])
+    # the vectorised decode path: one query per request, the pages read in place
+    decode = ForwardBatch.build([[0], [0]], [7, 1], [[1, 0], [1]], 4, "cpu")
+    got = backend.dsa_topk(q[:2], w[:2], cache, decode, topk=3, scale=1.0)
+    assert _as_sets(got) == [one[0], short[1]]
+
+
+def test_fp8_checkpoint_matches_dequantized_weights(glm_dir, tmp_path):
+    fp8_dir, dequant_dir = write_fp8_pair(glm_dir, tmp_path / "fp8", tmp_path / "dequant")
+    engine = our_engine(fp8_dir, page_size=4)
+    attn = engine.model.model.layers[1].self_attn
+    assert attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert engine.model.model.layers[1].mlp.experts.gate.dtype == torch.float8_e4m3fn
+    assert engine.model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    (ids,) = random_prompts(VOCAB, [22], seed=2)
+    ours = our_prefill_logits(engine, ids, 5)
+    torch.testing.assert_close(ours, hf_logits(hf_model(dequant_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_mtp_layer_is_loaded(glm_dir, tmp_path):
+    mtp = write_with_mtp(glm_dir, tmp_path / "mtp")
+    engine = our_engine(tmp_path / "mtp", page_size=4)
+    layer = engine.model.mtp[0]
+    assert torch.equal(layer.eh_proj.weight, mtp["model.layers.4.eh_proj.weight"])
+    assert torch.equal(layer.shared_head.norm.weight, mtp["model.layers.4.shared_head.norm.weight"])
+    assert torch.equal(
+        layer.mlp.experts.down[6], mtp["model.layers.4.mlp.experts.6.down_proj.weight"]
+    )
+    wk = mtp["model.layers.4.self_attn.indexer.wk.weight"]
+    assert torch.equal(layer.self_attn.indexer.wk.weight, wk)
+    # the MTP layer is not run: the main model's logits are unchanged
+    (ids,) = random_prompts(VOCAB, [9], seed=3)
+    plain = our_prefill_logits(our_engine(glm_dir), ids, 4)
+    torch.testing.assert_close(our_prefill_logits(engine, ids, 4), plain, atol=0, rtol=0)
+
+
+def test_missing_mtp_tensor_fails_coverage(glm_dir, tmp_path):
+    write_with_mtp(glm_dir, tmp_path / "mtp", drop=("model.layers.4.enorm.weight",))
+    with pytest.raises(CheckpointError, match=r"not filled.*mtp\.0\.enorm\.weight"):
+        our_engine(tmp_path / "mtp")
+
+
+def test_mtp_tensors_without_mtp_config_are_refused(glm_dir, tmp_path):
+    import json
+
+    write_with_mtp(glm_dir, tmp_path / "mtp")
+    config_path = tmp_path / "mtp" / "config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 0})
+    )
+    with pytest.raises(CheckpointError, match=r"does not use.*model\.layers\.4\."):
+        our_engine(tmp_path / "mtp")
+
+
+def test_expert_parallel_loads_only_local_experts(glm_dir):
+    config = ModelConfig.from_dir(glm_dir)
+    parallel = ParallelConfig(ep_size=2, ep_rank=1)
+    model = build_model(config, EngineOptions(dtype="float32", parallel=parallel))
+    ckpt = Checkpoint.open(glm_dir)
+    report = load_weights(model, ckpt)
+    experts = model.model.layers[2].mlp.experts
+    assert experts.gate.shape[0] == 4 and experts.experts == range(4, 8)
+    want = ckpt.read(["model.layers.2.mlp.experts.5.up_proj.weight"])
+    assert torch.equal(experts.up[1], want["model.layers.2.mlp.experts.5.up_proj.weight"])
+    # experts 0-3 of the 3 MoE layers, 3 projections each, belong to rank 0
+    assert len(report.other_rank) == 3 * 4 * 3
+    assert all(".experts.4." not in name for name in report.other_rank)
+
+
+def test_kv_buffers_hold_latent_everywhere_and_index_keys_on_full_layers(glm_dir):
+    model = build_model(ModelConfig.from_dir(glm_dir), EngineOptions(dtype="bfloat16"))
+    specs = {s.name: s for s in model.kv_buffer_specs()}
+    assert specs["latent"].num_layers == 4 and specs["latent"].token_shape == (32 + 8,)
+    assert specs["index_k"].num_layers == 2 and specs["index_k"].token_shape == (32,)
+    assert model.index_slots == (0, None, 1, None)
+    # HF keeps the indexer's weights_proj and the router in float32 whatever the model dtype
+    assert model.model.layers[2].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
