@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from snapfn.handler.llm.quant import quantize_fp8_block
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
 
 TINY_GLM = dict(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.engine import SchedulerConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.errors import UnsupportedModel
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+
 from snapfn.handler.llm.embedded import embedded_model_dir
 
 LAYOUT_FILES = (

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from parity import greedy, our_engine, random_prompts
+
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.errors import BadRequest
+
+from parity import greedy, our_engine, random_prompts
 
 
 def solo(model_dir, prompt, n):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from snapfn.snapshot import format as fmt
 from snapfn.snapshot.errors import BadSnapshot, IncompatibleSnapshot
 from snapfn.snapshot.format import (

@@ -7,11 +7,13 @@ import shutil
 
 import pytest
 import torch
-from parity import greedy, our_prefill_logits, random_prompts
+
 from snapfn.handler.llm.function import LLMFunction
 from snapfn.handler.llm.init_config import InitConfig
 from snapfn.snapshot.format import validate_snapshot
 from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+from parity import greedy, our_prefill_logits, random_prompts
 
 INIT_STAGES = [
     "runtime_env",

@@ -8,6 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from snapfn.handler.llm.build import EngineOptions, build_model
+from snapfn.handler.llm.checkpoint import Checkpoint
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.errors import CheckpointError
+from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.loader import load_weights
+from snapfn.handler.llm.sharding import ParallelConfig
+
 from glm_checkpoints import TINY_GLM, save_tiny_glm, write_fp8_pair, write_with_mtp
 from parity import (
     greedy,
@@ -17,14 +27,6 @@ from parity import (
     our_prefill_logits,
     random_prompts,
 )
-from snapfn.handler.llm.build import EngineOptions, build_model
-from snapfn.handler.llm.checkpoint import Checkpoint
-from snapfn.handler.llm.config import ModelConfig
-from snapfn.handler.llm.engine.batch import ForwardBatch
-from snapfn.handler.llm.errors import CheckpointError
-from snapfn.handler.llm.kernels import get_backend
-from snapfn.handler.llm.loader import load_weights
-from snapfn.handler.llm.sharding import ParallelConfig
 
 VOCAB = TINY_GLM["vocab_size"]
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import greedy, hf_greedy, hf_logits, hf_model, random_prompts
+
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine.engine import SchedulerConfig
+
+from parity import greedy, hf_greedy, hf_logits, hf_model, random_prompts
 
 pytestmark = [
     pytest.mark.gpu,

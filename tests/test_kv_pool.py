@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool, PageAllocator, bytes_per_page
 
 

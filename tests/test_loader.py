@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from snapfn.handler.llm.errors import CheckpointError
+
 from ckpt_edit import copy_with, fp8_quantize_checkpoint
 from parity import hf_logits, hf_model, our_engine, our_prefill_logits, random_prompts
-from snapfn.handler.llm.errors import CheckpointError
 
 
 def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):

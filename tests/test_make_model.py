@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+
 from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.make_model import add_arguments, list_presets, make_model, run
 from snapfn.handler.llm.make_model import build as build_module

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+
 from snapfn.snapshot.pagecache import drop, prewarm, residency
 
 

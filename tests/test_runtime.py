@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+
 from snapfn.snapshot.errors import SnapfnError
 from snapfn.snapshot.format import validate_snapshot
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from snapfn.handler.llm.errors import BadRequest, CheckpointError, UnsupportedModel
 from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
 from snapfn.handler.llm.sharding import (

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from snapfn.handler.llm.errors import BadRequest, CheckpointError
-from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from snapfn.handler.llm.errors import BadRequest, CheckpointError
+from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 SENTENCES = [

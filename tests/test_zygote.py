@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from snapfn.snapshot.errors import BadRequest, InitFailed
 from snapfn.snapshot.zygote import Zygote, run_worker_inline
 
