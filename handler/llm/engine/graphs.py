@@ -95,8 +95,8 @@ class DecodeGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the graph (allocator, lazy kernel loads)
-                    self.model(batch, self.kv)
+                # one warm-up run outside the graph: allocator pools, lazy kernel loads
+                self.model(batch, self.kv)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
