@@ -31,6 +31,7 @@ def stderr_log(line: str) -> None:
 
 def cold_init(fn: SnapshotFunction, log: Log | None = stderr_log) -> StartupManifest:
     runner = StageRunner(StartupManifest(kind="init", tier="cold"), log=log)
+    runner.manifest.info["versions"] = _versions()
     for name, stage in fn.init_stages():
         runner.run(name, stage)
     return runner.finish(ok=True)
@@ -80,6 +81,7 @@ def restore(
     snapshot_dir = Path(snapshot_dir)
     fn = make_fn()
     runner = StageRunner(StartupManifest(kind="restore", tier="portable"), log=log)
+    runner.manifest.info["versions"] = _versions()
     try:
         manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn))
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
@@ -96,6 +98,19 @@ def restore(
     return _fallback(
         make_fn, snapshot_dir, runner.manifest, failed, reason, rewrite_on_fallback, log
     )
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for name in ("snapfn", "torch", "triton", "safetensors", "tokenizers", "flashinfer-python"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
 
 
 def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:

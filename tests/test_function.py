@@ -175,3 +175,10 @@ def test_corrupt_snapshot_is_refused_and_generation_falls_back(made, tmp_path, c
     else:
         assert len(startup.fallbacks) == 1
         validate_snapshot(snap, None, verify="full")  # a fresh snapshot replaced the bad one
+
+
+def test_manifest_records_model_hash_and_versions(made):
+    _, snapshot, _, startup = made
+    manifest = validate_snapshot(snapshot, None)
+    assert len(manifest["llm"]["model_content_hash"]) == 64
+    assert "torch" in startup.info["versions"]

@@ -223,6 +223,7 @@ class LLMFunction:
         _copy_model_files(folder, root / "model")
         caches = runtime_env.save_caches(self.config.cache_dir, root / "caches")
         return {
+            "model_content_hash": model_content_hash(self._model_config.raw, layout),
             "source_model_dir": str(self.source) if self.source else None,
             "model_type": self._model_config.model_type,
             "init_config": _config_json(self.config),
@@ -349,3 +350,14 @@ def _config_json(config: InitConfig) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {k: (str(v) if isinstance(v, os.PathLike) else v) for k, v in asdict(config).items()}
+
+
+def model_content_hash(config_raw: dict[str, Any], layout: Any) -> str:
+    """sha256 over the model as loaded: its config and every tensor's name, dtype, shape and
+    bytes (through the restore layout's whole-file sha256, computed while it was written)."""
+    import hashlib
+    import json
+
+    tensors = {name: [e.dtype, list(e.shape)] for name, e in layout.tensors.items()}
+    doc = {"config": config_raw, "tensors": tensors, "weights_sha256": layout.file_sha256}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
