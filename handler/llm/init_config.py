@@ -11,9 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .build import EngineOptions
-from .engine.engine import SchedulerConfig
-
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
     base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME", "/tmp")) / ".cache")
@@ -60,7 +57,12 @@ class InitConfig:
     def chunk_sizes(self) -> tuple[int, ...]:
         return self.prefill_chunk_sizes or (self.max_num_batched_tokens,)
 
-    def engine_options(self, num_pages: int | None = None) -> EngineOptions:
+    def engine_options(self, num_pages: int | None = None):
+        # NOTE: imported here, not at module level: InitConfig is built by front doors (and for
+        # non-LLM functions) that must not pay for `import torch`.
+        from .build import EngineOptions
+        from .engine.engine import SchedulerConfig
+
         return EngineOptions(
             device=self.device,
             dtype=self.dtype,

@@ -1,0 +1,317 @@
+"""WorkerRuntime: one function brought up in one worker process, then invoked by the front doors.
+
+The HTTP server (one per gunicorn worker, after fork) and the queue worker each own one:
+
+    runtime = WorkerRuntime(ServeTarget(kind="llm", snapshot_dir=Path("snap")), log=print)
+    runtime.start()                        # init or restore on a background thread
+    runtime.wait_ready(timeout_s=60)       # Readiness.UP or FAILED (reason in readiness.reason)
+    runtime.invoke({"prompt": "Hello"})    # handler(event, context) → JSON-able
+
+Bring-up by kind:
+- "llm" (the built-in function): `snapshot_dir` holds files → restore from it (a failed check or
+  stage falls back to a cold init and rewrites the snapshot, all recorded in the startup
+  manifest); `snapshot_dir` empty or missing → cold init, then write the snapshot there; no
+  `snapshot_dir` → cold init only. The engine then runs under an `LLMService` (`runtime.llm`,
+  which the OpenAI endpoints use) and `invoke` calls an `LLMHandler` bound to it.
+- "function": import `module:function` and run its init hooks, each a timed stage. Process
+  snapshots come later: `prepare_snapshot()` / `after_restore()` run the function's hooks.
+
+Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
+then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from snapfn.snapshot.errors import BadRequest, InitFailed, SnapfnError
+from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
+
+from .api import Context, Handler, LoadedFunction, call_handler, load_function, parse_function_spec
+
+if TYPE_CHECKING:
+    from .llm.function import LLMFunction
+    from .llm.handler import LLMHandler
+    from .llm.init_config import InitConfig
+    from .llm.service import LLMService
+
+KINDS = ("llm", "function")
+DEFAULT_TIMEOUT_S = 900.0  # Lambda's longest function timeout
+Log = Callable[[str], None]
+
+
+def _default_init_config() -> InitConfig:
+    # NOTE: imported lazily: init_config imports torch, which a kind="function" target may not
+    # need and which the gunicorn master should not pay for.
+    from .llm.init_config import InitConfig
+
+    return InitConfig()
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """What a worker serves. Validated when built (BadRequest says what to fix)."""
+
+    kind: str = "llm"  # "llm" (built-in) or "function"
+    model_dir: Path | None = None  # llm: HF model folder for a cold init (default: embedded)
+    snapshot_dir: Path | None = None  # llm: restore from here (fallback: cold init, rewriting it)
+    function: str | None = None  # "module:function" for kind="function"
+    init_config: InitConfig = field(default_factory=_default_init_config)
+    function_dir: Path | None = None  # function: searched first for its module (Lambda task root)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # an invocation's deadline unless invoke() gives one
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise BadRequest(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "function":
+            if self.function is None:
+                raise BadRequest('kind="function" needs function="module:function"')
+            parse_function_spec(self.function)
+        elif self.function is not None:
+            raise BadRequest(f'function={self.function!r} needs kind="function"')
+        if not self.timeout_s > 0:
+            raise BadRequest(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+class NotReady(SnapfnError):
+    """The worker is still starting (or was closed): retry later (HTTP 503 + Retry-After)."""
+
+    code = "not_ready"
+
+
+class WorkerRuntime:
+    """One served function: start (init or restore), readiness, invoke, health, close."""
+
+    def __init__(self, target: ServeTarget, log: Log | None = None) -> None:
+        """Cheap: nothing is imported, loaded or touched on a device until `start()`."""
+        self.target = target
+        self.readiness = ReadinessState()
+        self.startup: StartupManifest | None = None
+        self.function_name = target.function if target.kind == "function" else "llm"
+        self.llm: LLMService | None = None
+        self._log = log
+        self._handler: Handler | None = None
+        self._function: LoadedFunction | None = None
+        self._llm_function: LLMFunction | None = None
+        self._llm_handler: LLMHandler | None = None
+        self._started = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- bring-up ------------------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        """Init or restore, on a daemon thread by default. Never raises for a failed start."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("WorkerRuntime.start() was already called")
+            self._started = True
+        if not background:
+            return self._start()
+        threading.Thread(target=self._start, name="snapfn-start", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float | None = None) -> Readiness:
+        return self.readiness.wait_until_settled(timeout_s)
+
+    def _start(self) -> None:
+        lines: list[str] = []
+        log = self._collecting_log(lines)
+        try:
+            if self.target.kind == "llm":
+                self._start_llm(log)
+            else:
+                self._start_function(log)
+        except BaseException as exc:
+            self._fail(exc, lines)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._lock:
+            if self._closed:  # closed while starting: release what the start built
+                self._release()
+                self.readiness.set(Readiness.FAILED, "closed while starting")
+            else:
+                self.readiness.set(Readiness.UP)
+
+    def _collecting_log(self, lines: list[str]) -> Log:
+        def log(line: str) -> None:
+            lines.append(line)
+            if self._log is not None:
+                self._log(line)
+
+        return log
+
+    def _fail(self, exc: BaseException, lines: list[str]) -> None:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if self.startup is None:
+            kind, tier = self._planned_startup()
+            self.startup = StartupManifest(kind=kind, tier=tier, info={"log": lines})
+        self.startup.ok = False
+        self.startup.info["error"] = reason
+        if self._log is not None:
+            self._log(f"{self.function_name} failed to start: {reason}")
+        self.readiness.set(Readiness.FAILED, reason)
+
+    def _planned_startup(self) -> tuple[str, str]:
+        if self.target.kind == "llm" and _holds_files(self.target.snapshot_dir):
+            return "restore", "portable"
+        return "init", "cold"
+
+    # ---- kind="llm" ----------------------------------------------------------------------------
+    def _start_llm(self, log: Log) -> None:
+        # NOTE: imported here, in the worker after fork: they import torch; CUDA is first
+        # touched by the init or restore below, never before start().
+        from .llm.handler import LLMHandler
+        from .llm.service import LLMService
+
+        self._llm_function, self.startup = self._init_or_restore_llm(log)
+        self.llm = LLMService(self._llm_function.engine)
+        self._handler = self._llm_handler = LLMHandler(self.llm)
+
+    def _init_or_restore_llm(self, log: Log) -> tuple[LLMFunction, StartupManifest]:
+        from snapfn.snapshot.runtime import cold_init, restore
+
+        from .llm.embedded import embedded_model_dir
+        from .llm.function import LLMFunction
+
+        t, config = self.target, self.target.init_config
+        if _holds_files(t.snapshot_dir):
+            source = t.model_dir or _recorded_source(t.snapshot_dir)
+            return restore(lambda: LLMFunction(config, source), Path(t.snapshot_dir), log=log)
+        fn = LLMFunction(config, t.model_dir or embedded_model_dir())
+        try:
+            startup = cold_init(fn, log)
+        except BaseException:
+            fn.release()
+            raise
+        if t.snapshot_dir is not None:
+            _write_snapshot(fn, Path(t.snapshot_dir), startup, log)
+        return fn, startup
+
+    # ---- kind="function" -----------------------------------------------------------------------
+    def _start_function(self, log: Log) -> None:
+        self.startup = StartupManifest(
+            kind="init", tier="cold", info={"function": self.function_name}
+        )
+        runner = StageRunner(self.startup, log=log)
+        loaded = runner.run("import_function", self._import_function)
+        runner.run("init_hooks", lambda figures: figures.update(hooks=loaded.run_init()))
+        runner.finish(ok=True)
+        self._function, self._handler = loaded, loaded.handler
+
+    def _import_function(self, figures: dict[str, Any]) -> LoadedFunction:
+        folder = self.target.function_dir
+        if folder is not None and str(folder) not in sys.path:
+            # NOTE: a worker process serves one function; its folder goes first on the import
+            # path, as Lambda's task root does.
+            sys.path.insert(0, str(folder))
+        loaded = load_function(self.function_name)
+        figures.update(module=loaded.module.__name__, hooks_declared=len(loaded.hooks))
+        return loaded
+
+    def prepare_snapshot(self) -> list[str]:
+        """Run the before-snapshot hooks (timed stage `before_snapshot`); their names, in order."""
+        return self._run_phase("before_snapshot", lambda f: f.run_before_snapshot())
+
+    def after_restore(self) -> list[str]:
+        """Run the after-restore hooks (timed stage `after_restore`); their names, in order.
+
+        kind="llm" has none (its snapshot is the portable one, written at start): returns [].
+        """
+        return self._run_phase("after_restore", lambda f: f.run_after_restore())
+
+    def _run_phase(self, name: str, run: Callable[[LoadedFunction], list[str]]) -> list[str]:
+        self._check_up()
+        if self._function is None:
+            return []
+        runner = StageRunner(self.startup, log=self._log, offset_s=self.startup.total_s)
+
+        def stage(figures: dict[str, Any]) -> list[str]:
+            figures["hooks"] = run(self._function)
+            return figures["hooks"]
+
+        return runner.run(name, stage)
+
+    # ---- serving -------------------------------------------------------------------------------
+    def invoke(
+        self, event: dict, *, timeout_s: float | None = None, request_id: str | None = None
+    ) -> Any:
+        """Call the handler with a fresh Context; waits (within the deadline) while starting.
+
+        Raises BadRequest (event not an object, bad timeout_s), FunctionError (the handler raised: Lambda's
+        error shape in `.error`), InitFailed (the start failed), NotReady (still starting).
+        """
+        if not isinstance(event, dict):
+            raise BadRequest(f"the event must be a JSON object, got {type(event).__name__}")
+        timeout_s = self.target.timeout_s if timeout_s is None else timeout_s
+        context = Context.new(self.function_name, timeout_s, request_id)
+        self._check_up(wait_s=context.get_remaining_time_in_millis() / 1000)
+        handler = self._handler
+        if handler is None:  # closed since the check
+            raise NotReady(f"{self.function_name} was closed")
+        return call_handler(handler, event, context)
+
+    def health_generate(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """llm: one real 1-token generation through the service; function: {"ok": True}."""
+        self._check_up()
+        if self._llm_handler is None:
+            return {"ok": True}
+        return self._llm_handler.health_check(timeout_s)
+
+    def _check_up(self, wait_s: float = 0.0) -> None:
+        if not self._started or self._closed:
+            state = "was closed" if self._closed else "was never started"
+            raise NotReady(f"{self.function_name} {state}")
+        state = self.readiness.wait_until_settled(wait_s) if wait_s > 0 else self.readiness.state
+        if state is Readiness.FAILED:
+            raise InitFailed(f"{self.function_name} failed to start: {self.readiness.reason}")
+        if state is not Readiness.UP:
+            raise NotReady(f"{self.function_name} is still starting; retry shortly")
+
+    def close(self) -> None:
+        """Stop the engine loop and release the model (safe while a start is in flight)."""
+        with self._lock:
+            self._closed = True
+            self._release()
+            # NOTE: a start in flight settles readiness itself when it ends; a failed start
+            # keeps its reason.
+            if self.readiness.state is Readiness.UP or not self._started:
+                self.readiness.set(Readiness.FAILED, "closed")
+
+    def _release(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+        if self._llm_function is not None:
+            self._llm_function.release()
+        self.llm = self._llm_function = self._handler = self._llm_handler = None
+
+
+def _holds_files(folder: Path | None) -> bool:
+    return folder is not None and Path(folder).is_dir() and any(Path(folder).iterdir())
+
+
+def _recorded_source(snapshot_dir: Path) -> Path | None:
+    """The model folder a snapshot was made from, if its manifest says (for a cold fallback)."""
+    from snapfn.snapshot.format import read_manifest
+
+    try:
+        recorded = read_manifest(snapshot_dir)["llm"]["source_model_dir"]
+    except (SnapfnError, KeyError, TypeError):
+        return None
+    return Path(recorded) if recorded else None
+
+
+def _write_snapshot(fn: LLMFunction, dest: Path, startup: StartupManifest, log: Log) -> None:
+    """Write the snapshot after a cold init; a failed write is recorded, the worker still serves."""
+    from snapfn.snapshot.runtime import write_snapshot
+
+    try:
+        write_snapshot(fn, dest, startup, log)
+    except (SnapfnError, OSError) as exc:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        startup.info["snapshot_write_error"] = reason
+        log(f"could not write the snapshot to {dest} ({reason}); serving from the cold init")
