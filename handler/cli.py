@@ -16,6 +16,7 @@ EXIT_USAGE = 2
 
 
 def _subcommands() -> dict[str, tuple[str, Callable, Callable]]:
+    from . import queue, serve
     from .llm import bench, generate, make_model, snapshot_cli
 
     return {
@@ -33,6 +34,16 @@ def _subcommands() -> dict[str, tuple[str, Callable, Callable]]:
             "generate text with a model (default: the embedded model)",
             generate.add_arguments,
             generate.run,
+        ),
+        "serve": (
+            "serve HTTP (OpenAI-compatible + /invoke) under gunicorn",
+            serve.add_arguments,
+            serve.run,
+        ),
+        "worker": (
+            "consume an SQS queue of batch jobs",
+            queue.add_arguments,
+            queue.run,
         ),
         "bench": (
             "measure cold-start modes side by side (HF, safetensors, cold init, restores)",

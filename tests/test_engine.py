@@ -125,3 +125,11 @@ def test_eos_stops_generation(tiny_llama_dir):
     out = engine.generate([prompt], params)[0]
     assert out.token_ids == ref[: ref.index(ref[3]) + 1]
     assert out.finish_reason == "stop"
+
+
+def test_tiny_temperature_samples_greedily(tiny_llama_dir):
+    engine = our_engine(tiny_llama_dir)
+    (prompt,) = random_prompts(256, [5], seed=13)
+    ref = engine.generate([prompt], greedy(6))[0].token_ids
+    tiny = SamplingParams(max_new_tokens=6, temperature=1e-300, seed=3, ignore_eos=True)
+    assert engine.generate([prompt], tiny)[0].token_ids == ref

@@ -179,4 +179,8 @@ class LLMService:
             streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             self.engine.cancel(request_id)
-            stream._put(exc)
+            # one exception object per stream: threads re-raising a shared one would splice
+            # their tracebacks into each other's
+            failure = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            stream._put(failure)

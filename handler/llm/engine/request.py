@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from ..errors import BadRequest
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding options. temperature 0 means greedy."""
@@ -49,7 +52,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below 1e-5, logits / temperature overflow to inf: sample greedily (vLLM's rule)
+        return self.temperature < GREEDY_BELOW
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,0 +1,193 @@
+"""`snapfn serve`: the HTTP front door under gunicorn (gthread workers).
+
+    snapfn serve [--model DIR] [--snapshot DIR] | --function module:fn
+                 [--host 127.0.0.1] [--port 8000] [--workers 1] [--threads 32] [--api-key KEY]
+
+Each gunicorn worker builds its own `WorkerRuntime` after fork (`gunicorn.conf.py`'s
+`post_fork`) and starts it in the background; the Flask app (`http.create_app`) answers at once
+and holds requests until the runtime is up. Settings: `ServeConfig` defaults, then
+`SNAPFN_<FIELD>` environment variables (`SNAPFN_API_KEY` keeps the key out of `ps`), then flags.
+The master prints `snapfn serve: listening on http://HOST:PORT` once it is bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from snapfn.snapshot.errors import BadRequest
+
+from .http import ServeConfig, create_app
+
+CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
+EMBEDDED_MODEL_NAME = "snapfn-embedded"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    what = p.add_argument_group("what to serve (default: the embedded model)")
+    what.add_argument("--model", type=Path, help="HF model folder (cold init, or fallback)")
+    what.add_argument(
+        "--snapshot",
+        type=Path,
+        help="restore from this snapshot folder "
+        "(empty or missing: cold init, then write the snapshot there)",
+    )
+    what.add_argument("--function", help="serve a user function, module:function")
+    what.add_argument("--function-dir", type=Path, help="folder searched first for its module")
+    net = p.add_argument_group("server")
+    net.add_argument("--host", help=f"address to bind (default {d.host})")
+    net.add_argument("--port", type=int, help=f"port (default {d.port}; 0 = any free port)")
+    net.add_argument("--workers", type=int, help=f"gunicorn workers (default {d.workers})")
+    net.add_argument("--threads", type=int, help=f"threads per worker (default {d.threads})")
+    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or SNAPFN_API_KEY)")
+    net.add_argument("--model-name", help="the model name clients send (default: folder name)")
+    net.add_argument("--max-body-bytes", type=int, help=f"default {d.max_body_bytes}")
+    net.add_argument("--startup-queue-size", type=int, help=f"default {d.startup_queue_size}")
+    net.add_argument("--startup-wait-s", type=float, help=f"default {d.startup_wait_s}")
+    engine = p.add_argument_group("engine (llm)")
+    engine.add_argument("--device", help="cpu or cuda[:N] (default: SNAPFN_DEVICE or cpu)")
+    engine.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
+    engine.add_argument("--max-model-len", type=int, help="longest sequence served")
+    engine.add_argument("--max-running-requests", type=int, help="decode batch limit")
+    engine.add_argument("--kv-cache-mb", type=int, help="KV pool size on CPU, MiB")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = serve_target(args)
+    config = serve_config(args, os.environ, target)
+    server, master_pid = SnapfnServer(target, config), os.getpid()
+    try:
+        server.run()
+    except SystemExit as exc:  # the arbiter leaves through sys.exit(), 0 on a clean stop
+        if os.getpid() != master_pid:
+            raise  # NOTE: a forked worker leaving: it must exit, never return into our caller
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
+def serve_config(args: argparse.Namespace, environ, target: Any) -> ServeConfig:
+    overrides = {
+        name: getattr(args, name)
+        for name in ("host", "port", "workers", "threads", "api_key", "model_name")
+        + ("max_body_bytes", "startup_queue_size", "startup_wait_s")
+    }
+    config = ServeConfig.from_env(environ, **overrides)
+    if config.model_name is None:
+        config = replace(config, model_name=default_model_name(target))
+    return config
+
+
+def serve_target(args: argparse.Namespace) -> Any:
+    """The `ServeTarget` the flags describe (validated here, in the master, before any fork)."""
+    # NOTE: importing the runtime's InitConfig imports torch in the master. That is safe (CUDA
+    # is not initialised by an import) and workers fork with torch already imported.
+    from .llm.init_config import InitConfig
+    from .runtime import ServeTarget
+
+    if args.function is not None:
+        if args.model is not None or args.snapshot is not None:
+            raise BadRequest("--function serves a user function: drop --model/--snapshot")
+        return ServeTarget(
+            kind="function",
+            function=args.function,
+            function_dir=args.function_dir,
+            init_config=InitConfig.from_env(os.environ),
+        )
+    if args.model is None and args.snapshot is None:
+        _require_embedded_model()
+    kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb is not None else None
+    init_config = InitConfig.from_env(
+        os.environ,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_running_requests=args.max_running_requests,
+        kv_cache_bytes_cpu=kv_bytes,
+    )
+    return ServeTarget(model_dir=args.model, snapshot_dir=args.snapshot, init_config=init_config)
+
+
+def _require_embedded_model() -> None:
+    from .llm.embedded import embedded_model_dir
+
+    if not (embedded_model_dir() / "config.json").is_file():
+        raise BadRequest(
+            "no model given and the embedded model is not built here: "
+            "pass --model DIR, --snapshot DIR or --function module:fn"
+        )
+
+
+def default_model_name(target: Any) -> str:
+    if target.kind == "function":
+        return target.function
+    if target.model_dir is not None:
+        return Path(target.model_dir).resolve().name
+    if target.snapshot_dir is not None:
+        return Path(target.snapshot_dir).resolve().name
+    return EMBEDDED_MODEL_NAME
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class SnapfnServer(BaseApplication):
+    """A gunicorn application: settings from `gunicorn.conf.py` + `ServeConfig`; one runtime
+    and one Flask app per worker, built after fork."""
+
+    def __init__(self, target: Any, config: ServeConfig) -> None:
+        self.target = target
+        self.config = config
+        self.runtime = None
+        super().__init__(prog="snapfn serve")
+
+    def load_config(self) -> None:
+        settings = runpy.run_path(str(CONF_FILE))
+        for name, value in settings.items():
+            if name in self.cfg.settings:
+                self.cfg.set(name, value)
+        c = self.config
+        self.cfg.set("bind", [bind_address(c.host, c.port)])
+        self.cfg.set("workers", c.workers)
+        self.cfg.set("threads", c.threads)
+        self.cfg.set("timeout", c.worker_timeout_s)
+        self.cfg.set("graceful_timeout", c.graceful_timeout_s)
+
+    def load(self):
+        assert self.runtime is not None, "post_fork builds the runtime before the app is loaded"
+        return create_app(self.runtime, self.config)
+
+    def start_runtime(self, worker: Any) -> None:
+        from .runtime import WorkerRuntime
+
+        logger = logging.getLogger("snapfn")
+        logger.handlers = list(worker.log.error_log.handlers)
+        logger.setLevel(logging.INFO)
+        pid = os.getpid()
+        self.runtime = WorkerRuntime(
+            self.target, log=lambda line: logger.info("[%d] %s", pid, line)
+        )
+        self.runtime.start(background=True)
+
+    def close_runtime(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+    def announce(self, server: Any) -> None:
+        for listener in server.LISTENERS:
+            host, port = listener.sock.getsockname()[:2]
+            url = f"http://{bind_address(host, port)}"
+            c = self.config
+            print(
+                f"snapfn serve: listening on {url} ({c.workers} worker(s) x {c.threads} "
+                f"threads, model {c.model_name!r})",
+                flush=True,
+            )

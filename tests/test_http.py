@@ -1,0 +1,636 @@
+"""The HTTP front door (`handler/http.py`) through Flask's test client, on a real WorkerRuntime.
+
+Covers every endpoint, the start-up gate (wait, queue bound, timeout, failed start), every
+bad-input class (4xx with an OpenAI error body naming the field), auth, client-disconnect
+cancellation (KV pages freed), the catch-all 500, and greedy parity with `Engine.generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from snapfn.handler.http import ServeConfig, create_app
+from snapfn.handler.llm.engine.request import SamplingParams
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.metrics import startup_metrics
+from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.stages import Readiness
+
+from parity import our_engine
+
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+FAILING_FUNCTION = """
+def handler(event, context):
+    if event.get("fail"):
+        raise ValueError("asked to fail")
+    return {"echo": event, "request_id": context.request_id}
+"""
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model_dir(llama_with_tokenizer, tmp_path_factory):
+    d = shutil.copytree(llama_with_tokenizer, tmp_path_factory.mktemp("chat") / "tiny")
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return d
+
+
+def llm_runtime(model_dir: Path, cache_dir: Path, **init) -> WorkerRuntime:
+    config = InitConfig(kv_cache_bytes_cpu=4 << 20, cache_dir=cache_dir, **init)
+    return WorkerRuntime(ServeTarget(model_dir=model_dir, init_config=config))
+
+
+@pytest.fixture(scope="module")
+def runtime(chat_model_dir, tmp_path_factory):
+    rt = llm_runtime(chat_model_dir, tmp_path_factory.mktemp("cache"))
+    rt.start(background=False)
+    assert rt.readiness.state is Readiness.UP, rt.readiness.reason
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def client(runtime):
+    return create_app(runtime, ServeConfig(model_name=MODEL)).test_client()
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model_dir):
+    return our_engine(chat_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(runtime):
+    return runtime.llm.tokenizer
+
+
+def greedy_ids(engine, prompt_ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0)
+    return list(engine.generate([prompt_ids], params)[0].token_ids)
+
+
+def sse(data: bytes) -> list:
+    """The `data:` payloads of a server-sent-event body, JSON-decoded except `[DONE]`."""
+    events = [line[6:] for line in data.decode().split("\n\n") if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def completion(client, **body):
+    return client.post("/v1/completions", json={"model": MODEL, **body})
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": MODEL, **body})
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+# ---- health, startup, models, openapi -------------------------------------------------------
+def test_health_up_and_startup_manifest(client):
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json == {"status": "up", "reason": None}
+    manifest = client.get("/startup").json
+    assert manifest["kind"] == "init" and manifest["ok"]
+    assert [s["name"] for s in manifest["stages"]][-1] == "health_check"
+
+
+def test_health_generate_runs_a_real_token(client):
+    r = client.get("/health/generate")
+    assert r.status_code == 200
+    assert r.json["status"] == "up" and isinstance(r.json["result"]["token"], int)
+
+
+def test_models_and_openapi(client, runtime):
+    models = client.get("/v1/models").json
+    assert models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] == runtime.llm.max_req_input_len + 1
+    spec = client.get("/openapi.json").json
+    assert spec["openapi"].startswith("3.")
+    assert {"/v1/completions", "/v1/chat/completions", "/invoke", "/health"} <= set(spec["paths"])
+    assert "chosen token" in spec["info"]["description"]
+
+
+def test_health_is_503_while_starting_then_200(chat_model_dir, tmp_path):
+    rt = llm_runtime(chat_model_dir, tmp_path)
+    c = create_app(rt, ServeConfig(model_name=MODEL, retry_after_s=7)).test_client()
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json["status"] == "starting"
+    assert r.headers["Retry-After"] == "7"
+    assert c.get("/startup").status_code == 503
+    rt.start(background=False)
+    try:
+        assert c.get("/health").status_code == 200
+    finally:
+        rt.close()
+
+
+def test_failed_start_is_503_with_the_reason(tmp_path):
+    rt = llm_runtime(tmp_path / "no-such-model", tmp_path)
+    rt.start(background=False)
+    c = create_app(rt, ServeConfig(model_name=MODEL)).test_client()
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json["status"] == "failed" and r.json["reason"]
+    assert "Retry-After" not in r.headers
+    r = completion(c, prompt="hello")
+    assert r.status_code == 503 and r.json["error"]["code"] == "failed"
+    assert "failed to start" in r.json["error"]["message"]
+    assert c.get("/startup").json["ok"] is False
+
+
+# ---- the start-up gate ----------------------------------------------------------------------
+def test_requests_during_startup_wait_then_all_answered(chat_model_dir, tmp_path):
+    rt = llm_runtime(chat_model_dir, tmp_path)
+    app = create_app(rt, ServeConfig(model_name=MODEL, startup_queue_size=3))
+    gate, results = app.extensions["snapfn"].gate, []
+
+    def call():
+        r = completion(app.test_client(), prompt="hello", max_tokens=3, temperature=0)
+        results.append(r.status_code)
+
+    waiters = [threading.Thread(target=call) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    assert wait_for(lambda: gate._waiters == 3)
+    r = completion(app.test_client(), prompt="hello")  # the 4th: beyond the bound
+    assert r.status_code == 503 and r.json["error"]["code"] == "queue_full"
+    assert int(r.headers["Retry-After"]) > 0
+    rt.start()
+    for t in waiters:
+        t.join(30)
+    rt.close()
+    assert results == [200, 200, 200]
+
+
+def test_startup_wait_is_bounded_in_time(chat_model_dir, tmp_path):
+    rt = llm_runtime(chat_model_dir, tmp_path)  # never started
+    c = create_app(rt, ServeConfig(model_name=MODEL, startup_wait_s=0.2)).test_client()
+    t0 = time.monotonic()
+    r = c.post("/invoke", json={"prompt": "hello"})
+    assert r.status_code == 503 and r.json["error"]["code"] == "timeout"
+    assert "Retry-After" in r.headers and time.monotonic() - t0 < 5
+
+
+# ---- completions ----------------------------------------------------------------------------
+def test_completion_matches_engine_greedy(client, engine, tokenizer):
+    r = completion(
+        client, prompt="hello world", max_tokens=12, temperature=0, return_token_ids=True
+    )
+    assert r.status_code == 200
+    body = r.json
+    ids = tokenizer.encode("hello world")
+    expected = greedy_ids(engine, ids, 12)
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == expected
+    assert choice["text"] == tokenizer.decode(expected)
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 12,
+        "total_tokens": len(ids) + 12,
+    }
+
+
+def test_streamed_completion_matches_and_ends_with_done(client, engine, tokenizer):
+    r = completion(
+        client,
+        prompt="hello",
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        return_token_ids=True,
+    )
+    assert r.status_code == 200 and r.mimetype == "text/event-stream"
+    events = sse(r.data)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 9
+    assert all(c["usage"] is None for c in chunks)
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == greedy_ids(engine, tokenizer.encode("hello"), 9)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(ids)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+
+
+def test_prompt_token_ids_and_batches(client, engine):
+    r = completion(
+        client, prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0, n=2, return_token_ids=True
+    )
+    choices = r.json["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["token_ids"] == choices[1]["token_ids"] == greedy_ids(engine, [5, 6, 7], 4)
+    assert choices[2]["token_ids"] == greedy_ids(engine, [8, 9], 4)
+    assert r.json["usage"]["prompt_tokens"] == 5
+
+
+def test_n_choices_with_a_seed_sample_with_seed_plus_i(client):
+    body = dict(prompt="hello", max_tokens=8, temperature=1.0, seed=100, return_token_ids=True)
+    several = completion(client, n=3, **body).json["choices"]
+    singles = [completion(client, **{**body, "seed": 100 + i}).json["choices"][0] for i in range(3)]
+    assert [c["token_ids"] for c in several] == [c["token_ids"] for c in singles]
+    assert len({tuple(c["token_ids"]) for c in several}) > 1  # different seeds, different samples
+
+
+def test_stop_string_cuts_the_text(client, tokenizer):
+    full = completion(client, prompt="hello", max_tokens=16, temperature=0).json["choices"][0]
+    text = full["text"]
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip())
+    cut = completion(client, prompt="hello", max_tokens=16, temperature=0, stop=[stop, "zzz"])
+    choice = cut.json["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == text[: text.index(stop)]
+
+
+def test_stop_token_ids_end_a_choice(client):
+    body = dict(prompt="hello", max_tokens=12, temperature=0, return_token_ids=True)
+    ids = completion(client, **body).json["choices"][0]["token_ids"]
+    stop_id = ids[4]
+    choice = completion(client, stop_token_ids=[stop_id], **body).json["choices"][0]
+    assert choice["token_ids"] == ids[: ids.index(stop_id) + 1]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(client):
+    body = dict(prompt="hello", max_tokens=40, temperature=0, return_token_ids=True)
+    results = {}
+
+    def victim():
+        results["victim"] = completion(client, **body)
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    tiny = completion(client, **{**body, "temperature": 1e-300})
+    thread.join(30)
+    assert tiny.status_code == 200 and results["victim"].status_code == 200
+    assert tiny.json["choices"][0]["token_ids"] == results["victim"].json["choices"][0]["token_ids"]
+
+
+def test_chosen_token_logprobs(client):
+    choice = completion(client, prompt="hello", max_tokens=5, temperature=0, logprobs=0).json
+    lp = choice["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 5
+    assert all(v <= 0 for v in lp["token_logprobs"]) and lp["top_logprobs"] is None
+    r = chat(client, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
+    content = r.json["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(c["top_logprobs"] == [] for c in content)
+
+
+# ---- chat -----------------------------------------------------------------------------------
+def chat_prompt_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_matches_engine_greedy(client, engine, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = chat(client, messages=messages, max_tokens=10, temperature=0, return_token_ids=True)
+    assert r.status_code == 200 and r.json["object"] == "chat.completion"
+    choice = r.json["choices"][0]
+    expected = greedy_ids(engine, chat_prompt_ids(tokenizer, messages), 10)
+    assert choice["token_ids"] == expected
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == tokenizer.decode(expected)
+
+
+def test_streamed_chat_matches(client, engine, tokenizer):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    r = chat(
+        client,
+        messages=messages,
+        max_tokens=7,
+        temperature=0,
+        stream=True,
+        n=2,
+        return_token_ids=True,
+    )
+    events = sse(r.data)
+    assert events[-1] == "[DONE]"
+    expected = greedy_ids(
+        engine, chat_prompt_ids(tokenizer, [{"role": "user", "content": "hello"}]), 7
+    )
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [t for c in mine for t in c["token_ids"]] == expected
+        assert mine[-1]["finish_reason"] == "length"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_chat_default_max_tokens_fills_the_context(chat_model_dir, tmp_path):
+    rt = llm_runtime(chat_model_dir, tmp_path, max_model_len=40)
+    rt.start(background=False)
+    try:
+        c = create_app(rt, ServeConfig(model_name=MODEL)).test_client()
+        r = chat(c, messages=[{"role": "user", "content": "hi"}], temperature=0)
+        usage = r.json["usage"]
+        assert r.json["choices"][0]["finish_reason"] == "length"
+        assert usage["total_tokens"] == 40
+    finally:
+        rt.close()
+
+
+# ---- bad input ------------------------------------------------------------------------------
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ({"prompt": "x", "temperature": True}, "temperature", 400),
+    ({"prompt": "x", "temperature": 3}, "temperature", 400),
+    ({"prompt": "x", "temperature": 10**400}, "temperature", 400),
+    ({"prompt": "x", "top_p": 0}, "top_p", 400),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", 400),
+    ({"prompt": "x", "n": 0}, "n", 400),
+    ({"prompt": "x", "n": 1.5}, "n", 400),
+    ({"prompt": "x", "n": 100}, "n", 400),  # more than max_choices
+    ({"prompt": "x", "seed": -1}, "seed", 400),
+    ({"prompt": "x", "stop": [""]}, "stop", 400),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", 400),
+    ({"prompt": "x", "stop": 5}, "stop", 400),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids", 400),
+    ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
+    ({"prompt": "x", "echo": True}, "echo", 400),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", 400),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", 400),
+    ({"prompt": "x", "stream": "yes"}, "stream", 400),
+    ({"prompt": "x", "stream_options": {"bogus": 1}}, "stream_options", 400),
+    ({"prompt": "x", "max_tokenz": 5}, "max_tokenz", 400),
+    ({"prompt": 5}, "prompt", 400),
+    ({"prompt": []}, "prompt", 400),
+    ({"prompt": [1, "a"]}, "prompt", 400),
+    ({"prompt": [-1]}, "prompt", 400),
+    ({"prompt": ""}, "prompt", 400),
+    ({}, "prompt", 400),
+    ({"prompt": "x", "model": "gpt-4"}, "model", 404),
+    ({"prompt": "x", "model": None}, "model", 400),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "status"), BAD_COMPLETIONS)
+def test_bad_completion_is_a_4xx_naming_the_field(client, body, param, status):
+    r = client.post("/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == status, r.json
+    error = r.json["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"] and error["code"]
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+    ),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS)
+def test_bad_chat_is_a_400_naming_the_field(client, body, param):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.json
+    assert r.json["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"{bad json", b"", b"[1, 2]", b'"text"', b"\xff\xfe\x00", b'{"prompt": NaN}', b"[" * 100000],
+)
+def test_malformed_bodies_are_400(client, data):
+    r = client.post("/v1/completions", data=data, content_type="application/json")
+    assert r.status_code == 400
+    assert r.json["error"]["code"] in ("invalid_json", "invalid_body")
+
+
+def test_prompt_longer_than_max_req_input_len_is_refused(client, runtime):
+    limit = runtime.llm.max_req_input_len
+    r = completion(client, prompt=[1] * (limit + 1))
+    assert r.status_code == 400 and r.json["error"]["code"] == "context_length_exceeded"
+    assert str(limit) in r.json["error"]["message"]
+    assert completion(client, prompt=[1] * limit, max_tokens=1).status_code == 200
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client):
+    r = completion(client, prompt=[10**6])
+    assert r.status_code == 400 and "out of range" in r.json["error"]["message"]
+
+
+def test_body_over_the_limit_is_413(runtime):
+    c = create_app(runtime, ServeConfig(model_name=MODEL, max_body_bytes=1000)).test_client()
+    r = completion(c, prompt="x" * 2000)
+    assert r.status_code == 413 and r.json["error"]["type"] == "invalid_request_error"
+    assert completion(c, prompt="hello", max_tokens=1).status_code == 200
+
+
+def test_unknown_paths_and_methods_are_json_errors(client):
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404 and r.json["error"]["code"] == "not_found"
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json and "POST" in r.headers["Allow"]
+
+
+def test_a_crashing_handler_is_a_500_and_the_worker_keeps_serving(runtime, monkeypatch):
+    c = create_app(runtime, ServeConfig(model_name=MODEL)).test_client()
+    monkeypatch.setattr(runtime, "invoke", lambda *a, **k: 1 / 0)
+    r = c.post("/invoke", json={"prompt": "hello"})
+    assert r.status_code == 500 and r.json["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert c.post("/invoke", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+# ---- cancellation ---------------------------------------------------------------------------
+def test_client_disconnect_cancels_and_frees_kv_pages(client, runtime):
+    stats, before = runtime.llm.stats, runtime.llm.stats.cancelled
+    r = completion(client, prompt="hello", max_tokens=400, temperature=0, stream=True)
+    first = next(iter(r.response))
+    assert first.startswith(b"data: ")
+    assert runtime.llm.kv_usage() > 0
+    r.close()  # what the server does when the client's socket goes away
+    assert wait_for(lambda: runtime.llm.kv_usage() == 0.0)
+    assert stats.cancelled == before + 1
+
+
+def test_disconnect_before_the_first_token_cancels_too(client, runtime):
+    before = runtime.llm.stats.cancelled
+    r = completion(client, prompt="hello", max_tokens=400, n=2, stream=True)
+    r.close()
+    assert wait_for(lambda: runtime.llm.kv_usage() == 0.0)
+    assert runtime.llm.stats.cancelled == before + 2
+
+
+# ---- /invoke --------------------------------------------------------------------------------
+def test_invoke_llm_event(client, engine, tokenizer):
+    r = client.post(
+        "/invoke", json={"prompt": "hello", "max_tokens": 4}, headers={"X-Request-Id": "abc"}
+    )
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "abc"
+    assert r.json["token_ids"] == greedy_ids(engine, tokenizer.encode("hello"), 4)
+    r = client.post("/invoke", json={"prompt": "hello", "bogus": 1})
+    assert r.status_code == 400 and "bogus" in r.json["error"]["message"]
+    assert client.post("/invoke", json=[1, 2]).status_code == 400
+
+
+@pytest.fixture(scope="module")
+def function_client(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fn")
+    (folder / "http_test_fn.py").write_text(FAILING_FUNCTION)
+    target = ServeTarget(kind="function", function="http_test_fn:handler", function_dir=folder)
+    rt = WorkerRuntime(target)
+    rt.start(background=False)
+    yield create_app(rt, ServeConfig(model_name="fn")).test_client()
+    rt.close()
+
+
+def test_invoke_function_result_and_error(function_client):
+    r = function_client.post("/invoke", json={"a": 1})
+    assert r.status_code == 200 and r.json["echo"] == {"a": 1}
+    r = function_client.post("/invoke", json={"fail": True})
+    assert r.status_code == 500 and r.headers["X-Snapfn-Function-Error"] == "Unhandled"
+    assert r.json["errorType"] == "ValueError" and r.json["errorMessage"] == "asked to fail"
+    assert function_client.get("/health/generate").json["result"] == {"ok": True}
+
+
+def test_a_function_worker_has_no_openai_endpoints(function_client):
+    r = function_client.post("/v1/completions", json={"model": "fn", "prompt": "x"})
+    assert r.status_code == 404 and r.json["error"]["code"] == "not_a_language_model"
+
+
+# ---- auth -----------------------------------------------------------------------------------
+def test_bearer_auth(runtime):
+    c = create_app(runtime, ServeConfig(model_name=MODEL, api_key="s3cret")).test_client()
+    assert c.get("/health").status_code == 200
+    assert c.get("/openapi.json").status_code == 200
+    r = c.get("/v1/models")
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    assert r.json["error"]["code"] == "invalid_api_key"
+    assert c.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+# ---- metrics and config ---------------------------------------------------------------------
+def test_metrics_parse_and_count(client):
+    completion(client, prompt="hello", max_tokens=3, temperature=0, stream=True).get_data()
+    completion(client, prompt="hello", max_tokens=3, temperature=0)
+    text = client.get("/metrics").get_data(as_text=True)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "snapfn_http_requests",
+        "snapfn_time_to_first_token_seconds",
+        "snapfn_inter_token_latency_seconds",
+        "snapfn_e2e_request_latency_seconds",
+        "snapfn_request_queue_seconds",
+        "snapfn_prompt_tokens",
+        "snapfn_generation_tokens",
+        "snapfn_kv_cache_usage_ratio",
+        "snapfn_startup_stage_seconds",
+        "snapfn_readiness",
+        "snapfn_graph_eager_fallbacks",
+        "snapfn_snapshot_fallbacks",
+    ):
+        assert name in families, name
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    ok = ("endpoint", "/v1/completions"), ("method", "POST"), ("status", "200")
+    assert samples[("snapfn_http_requests_total", ok)] >= 2
+    ttft = ("snapfn_time_to_first_token_seconds_count", (("endpoint", "/v1/completions"),))
+    assert samples[ttft] >= 2
+    assert samples[("snapfn_readiness", (("state", "up"),))] == 1.0
+    stages = [s.labels["stage"] for s in families["snapfn_startup_stage_seconds"].samples]
+    assert "load_weights" in stages
+
+
+def test_startup_metrics_label_stages_by_kind_and_tier_and_count_fallbacks():
+    failed = {
+        "kind": "restore",
+        "tier": "portable",
+        "total_s": 0.5,
+        "stages": [
+            {"name": "validate", "seconds": 0.1},
+            {"name": "stream_weights", "seconds": 0.4},
+        ],
+    }
+    manifest = {
+        "kind": "init",
+        "tier": "cold (fallback)",
+        "total_s": 3.0,
+        "stages": [{"name": "load_weights", "seconds": 2.0}],
+        "fallbacks": [
+            {
+                "from": "portable",
+                "to": "cold",
+                "step": "stream_weights",
+                "reason": "BadSnapshot: chunk 3",
+            }
+        ],
+        "info": {"failed_restore": failed},
+    }
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in startup_metrics(manifest)
+        for s in family.samples
+    }
+    stage = "snapfn_startup_stage_seconds"
+    assert (
+        samples[(stage, (("kind", "init"), ("stage", "load_weights"), ("tier", "cold (fallback)")))]
+        == 2.0
+    )
+    assert (
+        samples[
+            (
+                stage,
+                (("kind", "restore"), ("stage", "stream_weights"), ("tier", "portable (failed)")),
+            )
+        ]
+        == 0.4
+    )
+    fallback = (("from", "portable"), ("step", "stream_weights"), ("to", "cold"))
+    assert samples[("snapfn_snapshot_fallbacks_total", fallback)] == 1.0
+    assert (
+        samples[("snapfn_startup_seconds", (("kind", "init"), ("tier", "cold (fallback)")))] == 3.0
+    )
+
+
+def test_serve_config_refuses_bad_values():
+    with pytest.raises(BadRequest, match="SNAPFN_PORT"):
+        ServeConfig.from_env({"SNAPFN_PORT": "eighty"})
+    with pytest.raises(BadRequest, match="threads"):
+        ServeConfig(threads=0)
+
+
+def test_serve_config_from_env_then_overrides():
+    env = {"SNAPFN_API_KEY": "k", "SNAPFN_PORT": "9000", "SNAPFN_STARTUP_WAIT_S": "2.5"}
+    config = ServeConfig.from_env(env, port=9100, threads=None)
+    assert (config.api_key, config.port, config.startup_wait_s) == ("k", 9100, 2.5)
+    assert config.threads == ServeConfig().threads
