@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from ..errors import BadRequest
 
-
 GREEDY_BELOW = 1e-5
 
 
