@@ -30,7 +30,7 @@ class EngineOptions:
     """How to run a model. `num_pages=None` sizes the pool from `kv_cache_bytes`."""
 
     device: str = "cpu"
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype (fp8 checkpoints: bfloat16)
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on GPUs, float32 on CPU
     backend: str = "auto"
     num_pages: int | None = None
     kv_cache_bytes: int = 256 << 20
@@ -38,9 +38,11 @@ class EngineOptions:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def resolve_dtype(config: ModelConfig, requested: str) -> torch.dtype:
+def resolve_dtype(config: ModelConfig, requested: str, device: str = "cpu") -> torch.dtype:
+    """The compute dtype. "auto": the checkpoint's, except float32 on CPU, where bf16/fp16
+    matmuls run several times slower than float32 on CPUs without bf16 units."""
     if requested == "auto":
-        return config.dtype
+        return torch.float32 if torch.device(device).type == "cpu" else config.dtype
     if requested not in DTYPES:
         raise BadRequest(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[requested]
@@ -48,7 +50,7 @@ def resolve_dtype(config: ModelConfig, requested: str) -> torch.dtype:
 
 def build_model(config: ModelConfig, opts: EngineOptions) -> CausalLM:
     backend = get_backend(opts.backend, opts.device)
-    dtype = resolve_dtype(config, opts.dtype)
+    dtype = resolve_dtype(config, opts.dtype, opts.device)
     cls = model_class(config.arch)
     return cls(config, backend, dtype=dtype, device=opts.device, parallel=opts.parallel)
 

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
     )
+    p.add_argument(
+        "--snapshot",
+        type=Path,
+        default=None,
+        help="restore from this snapshot instead of loading the model (falls back to a cold init)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help=f"prompt text (default: {d.prompt!r})")
     src.add_argument("--prompt-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")

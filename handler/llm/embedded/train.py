@@ -6,8 +6,8 @@ byte-level BPE tokenizer and a ``LlamaForCausalLM`` on them, and writes a Huggin
 DIR: ``config.json``, ``generation_config.json``, ``model.safetensors`` (bfloat16),
 ``tokenizer.json`` and ``tokenizer_config.json`` (with a jinja2 ``chat_template``). Scenes are
 rendered as plain play text, and every ``chat_scene_stride``-th scene also as a chat whose turns
-alternate between user and assistant, so the model answers chat prompts in verse. Every run
-with the same arguments and library versions writes the same files.
+alternate between user and assistant, so the model answers chat prompts in verse. The run is
+seeded: the same arguments, library versions and CPU write the same files.
 """
 
 from __future__ import annotations
