@@ -9,7 +9,7 @@ work=/tmp/snapfn-h200
 mkdir -p "$work" "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_weights.py tests/test_zygote.py 2>&1 | tail -15
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_checksum.py tests/test_streamer.py tests/test_zygote.py 2>&1 | tail -15
 python3 -m snapfn.handler.cli make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b"
 python3 -m snapfn.handler.cli bench --model "$work/llama8b" --device cuda --workdir "$work/bench" \
   --decode-batches 1,32 --decode-tokens 32 \

@@ -1,7 +1,8 @@
 """snapfn's small error vocabulary: a few exception types, each with a stable code.
 
 Every error raised on purpose by snapfn is one of these, so callers (CLI, HTTP, queue worker)
-can map it to an exit status or an HTTP status without parsing messages.
+can map it to an exit status or an HTTP status without parsing messages. Messages are one line
+(`one_line`), so they fit a log line or an HTTP header as they are.
 """
 
 
@@ -51,3 +52,13 @@ class InitFailed(SnapfnError):
     """The init phase failed; the function never became ready."""
 
     code = "init_failed"
+
+
+def one_line(message: str) -> str:
+    """`message` with its line breaks turned into spaces: every snapfn error reads as one line."""
+    return " ".join(message.splitlines())
+
+
+def bad_snapshot(root: object, reason: str) -> BadSnapshot:
+    """BadSnapshot("snapshot <root>: <reason>"), on one line."""
+    return BadSnapshot(one_line(f"snapshot {root}: {reason}"))

@@ -18,8 +18,9 @@ from typing import Any
 
 from .compat import compat_key
 from .errors import SnapfnError
-from .format import SnapshotWriter, validate_snapshot
+from .format import validate_snapshot
 from .function import SnapshotFunction
+from .publish import SnapshotWriter
 from .stages import StageRunner, StartupManifest, format_stage
 
 Log = Callable[[str], None]

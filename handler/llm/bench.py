@@ -106,7 +106,7 @@ def run_mode(
 
 
 def measure_floors(args: argparse.Namespace, weights: Path) -> dict[str, Any]:
-    from snapfn.snapshot.weights import measure_disk_read_gbps, measure_h2d_gbps
+    from snapfn.snapshot.bandwidth import measure_disk_read_gbps, measure_h2d_gbps
 
     nbytes = weights.stat().st_size
     h2d = measure_h2d_gbps(args.device) if args.device.startswith("cuda") else _memcpy_gbps()

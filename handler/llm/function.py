@@ -44,7 +44,8 @@ ZYGOTE_PRELOAD = (
     "jinja2",
     "tokenizers",
     "snapfn.snapshot.runtime",
-    "snapfn.snapshot.weights",
+    "snapfn.snapshot.layout_writer",
+    "snapfn.snapshot.streamer",
     "snapfn.snapshot.pagecache",
     "snapfn.handler.llm.function",
     "snapfn.handler.llm.build",
@@ -211,7 +212,7 @@ class LLMFunction:
 
     # ---- snapshot ------------------------------------------------------------------------------
     def write_snapshot(self, writer: SnapshotWriterLike, startup: dict[str, Any]) -> dict[str, Any]:
-        from snapfn.snapshot.weights import write_restore_layout
+        from snapfn.snapshot.layout_writer import write_restore_layout
 
         root = Path(writer.root)
         (root / "weights").mkdir(parents=True, exist_ok=True)
@@ -266,7 +267,8 @@ class LLMFunction:
         pool.shutdown(wait=False)
 
     def _open_streamer(self, path: Path, section: dict[str, Any]):
-        from snapfn.snapshot.weights import RestoreLayout, WeightStreamer
+        from snapfn.snapshot.layout import RestoreLayout
+        from snapfn.snapshot.streamer import WeightStreamer
 
         layout = RestoreLayout.from_json(section["layout"])
         layout.validate(path.stat().st_size)

@@ -1,0 +1,40 @@
+"""Bandwidth floors a weight restore is measured against (`snapfn bench`).
+
+`measure_h2d_gbps(device)`: pinned host → device copy bandwidth in GB/s, the ceiling a CUDA copy
+stream can reach (ValueError on a device that is not CUDA). `measure_disk_read_gbps(path)`: read
+bandwidth of a file in GB/s after asking the kernel to drop it from the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from snapfn.snapshot import pagecache
+
+
+def measure_h2d_gbps(device: str | torch.device, nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Pinned host → device copy bandwidth, GB/s: the ceiling a CUDA stream can reach."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_h2d_gbps needs a CUDA device, not {device}")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)  # warm-up
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return repeats * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def measure_disk_read_gbps(path: str | os.PathLike, num_threads: int = 16) -> float:
+    """Read bandwidth of `path` after asking the kernel to drop it from the page cache, GB/s.
+
+    Cold-ish: where the kernel ignores POSIX_FADV_DONTNEED (tmpfs), this is a page-cache read.
+    """
+    pagecache.drop([path])
+    return pagecache.prewarm([path], num_threads=num_threads).gbps

@@ -1,0 +1,45 @@
+"""The compat key: what this machine is, and the check that names the first field that differs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snapfn.snapshot.compat import FORMAT_VERSION, check_compat, compat_key
+from snapfn.snapshot.errors import IncompatibleSnapshot
+
+
+def test_check_compat_names_the_first_mismatch() -> None:
+    recorded = {"device_type": "cuda", "gpu_name": "NVIDIA H100", "world_size": 2}
+    current = {"device_type": "cuda", "gpu_name": "NVIDIA H200", "world_size": 1}
+    with pytest.raises(IncompatibleSnapshot) as info:
+        check_compat(recorded, current)
+    assert (
+        str(info.value)
+        == "snapshot was made for gpu_name='NVIDIA H100', this machine has 'NVIDIA H200'"
+    )
+    check_compat(
+        recorded, {**current, "gpu_name": "NVIDIA H100"}, fields=["device_type", "gpu_name"]
+    )
+    with pytest.raises(IncompatibleSnapshot, match="triton=<missing>, this machine has '3.5.0'"):
+        check_compat(recorded, {**recorded, "triton": "3.5.0"})
+
+
+def test_compat_key_on_cpu_survives_json() -> None:
+    key = compat_key("cpu", world_size=4)
+    assert key["device_type"] == "cpu" and key["world_size"] == 4
+    assert key["format_version"] == FORMAT_VERSION and key["machine"]
+    assert "gpu_name" not in key and "python" in key and "torch" in key
+    check_compat(json.loads(json.dumps(key)), key)
+
+
+@pytest.mark.gpu
+def test_compat_key_on_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    key = compat_key("cuda", world_size=1)
+    assert key["gpu_name"] == torch.cuda.get_device_name(0)
+    assert key["compute_capability"].count(".") == 1 and key["cuda_driver_version"] > 0
+    check_compat(json.loads(json.dumps(key)), key)
