@@ -7,6 +7,7 @@ Heavy modules (torch, transformers) are imported inside the run functions, never
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -15,47 +16,64 @@ from snapfn.snapshot.errors import SnapfnError
 EXIT_USAGE = 2
 
 
-def _subcommands() -> dict[str, tuple[str, Callable, Callable]]:
-    from . import queue, serve
-    from .llm import bench, generate, make_model, snapshot_cli
+# name → (help, module, add_arguments attribute, run attribute); modules import lazily
+SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "init": (
+        "run the init phase and write a portable snapshot",
+        "llm.snapshot_cli",
+        "add_init_arguments",
+        "run_init",
+    ),
+    "inspect": (
+        "print a snapshot's startup manifest (and plot its waterfall)",
+        "llm.snapshot_cli",
+        "add_inspect_arguments",
+        "run_inspect",
+    ),
+    "generate": (
+        "generate text with a model (default: the embedded model)",
+        "llm.generate",
+        "add_arguments",
+        "run",
+    ),
+    "serve": (
+        "serve HTTP (OpenAI-compatible + /invoke) under gunicorn",
+        "serve",
+        "add_arguments",
+        "run",
+    ),
+    "worker": ("consume an SQS queue of batch jobs", "queue", "add_arguments", "run"),
+    "bench": (
+        "measure cold-start modes side by side (HF, safetensors, cold init, restores)",
+        "llm.bench",
+        "add_arguments",
+        "run",
+    ),
+    "make-model": (
+        "write a synthetic checkpoint in the Hugging Face layout",
+        "llm.make_model",
+        "add_arguments",
+        "run",
+    ),
+}
 
-    return {
-        "init": (
-            "run the init phase and write a portable snapshot",
-            snapshot_cli.add_init_arguments,
-            snapshot_cli.run_init,
-        ),
-        "inspect": (
-            "print a snapshot's startup manifest (and plot its waterfall)",
-            snapshot_cli.add_inspect_arguments,
-            snapshot_cli.run_inspect,
-        ),
-        "generate": (
-            "generate text with a model (default: the embedded model)",
-            generate.add_arguments,
-            generate.run,
-        ),
-        "serve": (
-            "serve HTTP (OpenAI-compatible + /invoke) under gunicorn",
-            serve.add_arguments,
-            serve.run,
-        ),
-        "worker": (
-            "consume an SQS queue of batch jobs",
-            queue.add_arguments,
-            queue.run,
-        ),
-        "bench": (
-            "measure cold-start modes side by side (HF, safetensors, cold init, restores)",
-            bench.add_arguments,
-            bench.run,
-        ),
-        "make-model": (
-            "write a synthetic checkpoint in the Hugging Face layout",
-            make_model.add_arguments,
-            make_model.run,
-        ),
-    }
+
+def _load(name: str, module: str, add: str, run: str) -> tuple[Callable, Callable]:
+    """The subcommand's functions; a missing optional dependency disables only that command."""
+    try:
+        mod = importlib.import_module(f"{__package__}.{module}")
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+
+        def unavailable(args: argparse.Namespace) -> int:
+            print(
+                f"snapfn {name}: needs the Python package {missing!r}; pip install it",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+
+        return (lambda p: p.add_argument("rest", nargs=argparse.REMAINDER)), unavailable
+    return getattr(mod, add), getattr(mod, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="snapfn", description="Serverless GPU functions with snapshot-restore."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, add_arguments, run) in _subcommands().items():
+    for name, (help_text, module, add, run_name) in SUBCOMMANDS.items():
+        add_arguments, run = _load(name, module, add, run_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)
         p.set_defaults(run=run)

@@ -1,4 +1,4 @@
-"""Queue jobs: the wire format of one job message, its work in the runtime, its result document.
+"""Queue jobs: the wire format of one job message and of its result document.
 
 A job is one SQS message whose body is JSON:
 
@@ -24,6 +24,10 @@ job and the model (no timestamps, no worker names), so a redelivered job yields 
 
 Sampling (temperature > 0) without a seed uses a seed derived from the job id and prompt index,
 so a redelivered job samples the same tokens on the same model and hardware.
+
+Contract: `parse_job(body)` returns a validated `Job` or raises `BadRequest` saying what to fix;
+`Message` is the SQS envelope (from ReceiveMessage or a Lambda event record) carrying the body.
+The job's work is `queue_runner`'s; writing its result is `queue_results`'.
 """
 
 from __future__ import annotations
@@ -31,11 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -59,11 +58,26 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 }
 JOB_FIELDS = frozenset({"id", *PROMPT_FIELDS, "params", "result", "metadata"})  # metadata: ignored
 Prompt = str | tuple[int, ...] | tuple[dict[str, Any], ...]  # text, token ids, or one chat
-Log = Callable[[str], None]
 
 
-def stderr_log(line: str) -> None:
-    print(f"[snapfn worker] {line}", file=sys.stderr, flush=True)
+@dataclass(frozen=True)
+class Message:
+    """One received SQS message, from ReceiveMessage or from a Lambda SQS event record."""
+
+    message_id: str
+    receipt_handle: str
+    body: str
+    receive_count: int
+
+    @classmethod
+    def from_sqs(cls, raw: dict[str, Any]) -> Message:
+        count = raw.get("Attributes", {}).get("ApproximateReceiveCount", "0")
+        return cls(raw["MessageId"], raw["ReceiptHandle"], raw.get("Body", ""), int(count))
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any]) -> Message:
+        count = raw.get("attributes", {}).get("ApproximateReceiveCount", "0")
+        return cls(raw["messageId"], raw.get("receiptHandle", ""), raw.get("body", ""), int(count))
 
 
 @dataclass(frozen=True)
@@ -205,223 +219,3 @@ def _parse_result(value: Any, job_id: str) -> S3Result | ReplyQueue:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise BadRequest(message)
-
-
-# ---- a job's work in the runtime ---------------------------------------------------------------
-class RunningJob:
-    """A started job. `collect()` waits for it and returns its result document."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.abandoned = False
-
-    def collect(self, deadline: float) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def abandon(self) -> None:
-        """Give the job up (drain, shutdown): its result must not be written."""
-        self.abandoned = True
-
-
-class PromptJob(RunningJob):
-    """Every prompt of the job already submitted to the LLMService (batched with other jobs)."""
-
-    def __init__(self, job: Job, streams: list) -> None:
-        super().__init__(job)
-        self.streams = streams
-
-    def collect(self, deadline: float) -> dict[str, Any]:
-        try:
-            results = [s.result(max(0.0, deadline - time.monotonic())) for s in self.streams]
-        except BaseException:
-            self.abandon()
-            raise
-        outputs = [_output(i, r, self.job.include_logprobs) for i, r in enumerate(results)]
-        return {"id": self.job.id, "status": "ok", "outputs": outputs}
-
-    def abandon(self) -> None:
-        super().abandon()
-        for stream in self.streams:
-            stream.cancel()
-
-
-class EventJob(RunningJob):
-    """A function event, invoked when collected (in the collecting thread)."""
-
-    def __init__(self, job: Job, runtime: Any) -> None:
-        super().__init__(job)
-        self.runtime = runtime
-
-    def collect(self, deadline: float) -> dict[str, Any]:
-        timeout_s = max(0.001, deadline - time.monotonic())  # the Context needs a positive one
-        output = self.runtime.invoke(self.job.event, timeout_s=timeout_s, request_id=self.job.id)
-        return {"id": self.job.id, "status": "ok", "output": output}
-
-
-def start_job(job: Job, runtime: Any) -> RunningJob:
-    """Submit the job's prompts now (so held jobs batch together); BadRequest if it cannot run."""
-    if job.event is not None:
-        return EventJob(job, runtime)
-    llm = getattr(runtime, "llm", None)
-    if llm is None:
-        raise BadRequest("this worker runs a function: send the job's input as 'event'")
-    prompt_ids = [_encode(llm.tokenizer, p) for p in job.prompts]
-    streams: list = []
-    try:
-        for index, ids in enumerate(prompt_ids):
-            streams.append(llm.submit(ids, job.sampling(index)))
-    except BaseException:
-        for stream in streams:
-            stream.cancel()
-        raise
-    return PromptJob(job, streams)
-
-
-def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, str):
-        _check(tokenizer is not None, "this model has no tokenizer: send 'prompt_ids'")
-        return tokenizer.encode(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        _check(tokenizer is not None, "this model has no tokenizer: send 'prompt_ids'")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return list(prompt)
-
-
-def _output(index: int, result: Any, include_logprobs: bool) -> dict[str, Any]:
-    out = {
-        "index": index,
-        "text": result.text,
-        "token_ids": list(result.token_ids),
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": len(result.prompt_ids),
-        "completion_tokens": len(result.token_ids),
-    }
-    if include_logprobs:
-        out["logprobs"] = list(result.logprobs)
-    return out
-
-
-def encode_document(document: dict[str, Any]) -> bytes:
-    """Canonical bytes of a result document (equal documents give equal bytes)."""
-    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-
-
-# ---- where results go ----------------------------------------------------------------------------
-class ResultStore:
-    """Writes each job's result document where the job asks, at most once per job id.
-
-    S3: a create-only put (`If-None-Match: *`): the first write of a key wins and a later one
-    gets 412 and is dropped (`write` returns False), so a key never holds two different results.
-    Reply queues: one `send_message`; a FIFO reply queue deduplicates by job id within its
-    5-minute window; a standard one is at-least-once (a rare duplicate is the same document).
-    """
-
-    def __init__(self, s3: Any, sqs: Any) -> None:
-        self.s3 = s3
-        self.sqs = sqs
-
-    def already_written(self, job: Job) -> bool:
-        """True if the job's S3 result exists (reply queues cannot be asked: False)."""
-        if not isinstance(job.result, S3Result):
-            return False
-        try:
-            self.s3.head_object(Bucket=job.result.bucket, Key=job.result.key)
-        except Exception as exc:
-            if _http_status(exc) == 404:
-                return False
-            raise
-        return True
-
-    def write(self, job: Job, body: bytes) -> bool:
-        """Write durably; True if this call wrote it, False if a first result was kept."""
-        if isinstance(job.result, ReplyQueue):
-            self.sqs.send_message(**_reply_message(job.id, job.result.queue_url, body))
-            return True
-        try:
-            self.s3.put_object(
-                Bucket=job.result.bucket,
-                Key=job.result.key,
-                Body=body,
-                ContentType="application/json",
-                IfNoneMatch="*",
-            )
-        except Exception as exc:
-            if _http_status(exc) == 412:  # PreconditionFailed: the first result stays
-                return False
-            raise
-        return True
-
-
-def describe(target: S3Result | ReplyQueue) -> str:
-    if isinstance(target, S3Result):
-        return f"s3://{target.bucket}/{target.key}"
-    return target.queue_url
-
-
-def _reply_message(job_id: str, queue_url: str, body: bytes) -> dict[str, Any]:
-    message = {
-        "QueueUrl": queue_url,
-        "MessageBody": body.decode(),
-        "MessageAttributes": {"job_id": {"DataType": "String", "StringValue": job_id}},
-    }
-    if queue_url.endswith(".fifo"):
-        message["MessageGroupId"] = job_id
-        message["MessageDeduplicationId"] = hashlib.sha256(job_id.encode()).hexdigest()
-    return message
-
-
-def _http_status(exc: BaseException) -> int | None:
-    """The HTTP status of a botocore ClientError (None for anything else)."""
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-# ---- running jobs and writing results --------------------------------------------------------
-class RecentJobs:
-    """Ids of jobs whose results this process wrote (bounded, oldest forgotten first)."""
-
-    def __init__(self, max_ids: int = 4096) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._max_ids = max_ids
-        self._lock = threading.Lock()
-
-    def add(self, job_id: str) -> None:
-        with self._lock:
-            self._ids[job_id] = None
-            while len(self._ids) > self._max_ids:
-                self._ids.popitem(last=False)
-
-    def __contains__(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._ids
-
-
-class JobRunner:
-    """Starts jobs in a runtime and writes their results; shared by the worker and Lambda path."""
-
-    def __init__(self, runtime: Any, store: ResultStore, log: Log = stderr_log) -> None:
-        self.runtime = runtime
-        self.store = store
-        self.log = log
-        self._written = RecentJobs()
-
-    def is_done(self, job: Job) -> bool:
-        return job.id in self._written or self.store.already_written(job)
-
-    def start(self, job: Job) -> RunningJob:
-        """Submit the job's work now (BadRequest if it cannot run here)."""
-        return start_job(job, self.runtime)
-
-    def finish(self, running: RunningJob, deadline: float) -> bool:
-        """Collect the result and write it; False if the job was abandoned. Raises on failure."""
-        document = running.collect(deadline)
-        if running.abandoned:
-            return False
-        wrote = self.store.write(running.job, encode_document(document))
-        self._written.add(running.job.id)
-        kept = "written to" if wrote else "already in (first result kept)"
-        self.log(f"job {running.job.id}: result {kept} {describe(running.job.result)}")
-        return True

@@ -22,9 +22,9 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from snapfn.snapshot.errors import BadRequest
-
-from .http import ServeConfig, create_app
+from .http import create_app
+from .serve_config import ServeConfig
+from .targets import add_engine_arguments, add_target_arguments, serve_target
 
 CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
 EMBEDDED_MODEL_NAME = "snapfn-embedded"
@@ -32,16 +32,7 @@ EMBEDDED_MODEL_NAME = "snapfn-embedded"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
-    what = p.add_argument_group("what to serve (default: the embedded model)")
-    what.add_argument("--model", type=Path, help="HF model folder (cold init, or fallback)")
-    what.add_argument(
-        "--snapshot",
-        type=Path,
-        help="restore from this snapshot folder "
-        "(empty or missing: cold init, then write the snapshot there)",
-    )
-    what.add_argument("--function", help="serve a user function, module:function")
-    what.add_argument("--function-dir", type=Path, help="folder searched first for its module")
+    add_target_arguments(p, "serve")
     net = p.add_argument_group("server")
     net.add_argument("--host", help=f"address to bind (default {d.host})")
     net.add_argument("--port", type=int, help=f"port (default {d.port}; 0 = any free port)")
@@ -52,12 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-body-bytes", type=int, help=f"default {d.max_body_bytes}")
     net.add_argument("--startup-queue-size", type=int, help=f"default {d.startup_queue_size}")
     net.add_argument("--startup-wait-s", type=float, help=f"default {d.startup_wait_s}")
-    engine = p.add_argument_group("engine (llm)")
-    engine.add_argument("--device", help="cpu or cuda[:N] (default: SNAPFN_DEVICE or cpu)")
-    engine.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
-    engine.add_argument("--max-model-len", type=int, help="longest sequence served")
-    engine.add_argument("--max-running-requests", type=int, help="decode batch limit")
-    engine.add_argument("--kv-cache-mb", type=int, help="KV pool size on CPU, MiB")
+    add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,46 +69,6 @@ def serve_config(args: argparse.Namespace, environ, target: Any) -> ServeConfig:
     if config.model_name is None:
         config = replace(config, model_name=default_model_name(target))
     return config
-
-
-def serve_target(args: argparse.Namespace) -> Any:
-    """The `ServeTarget` the flags describe (validated here, in the master, before any fork)."""
-    # NOTE: importing the runtime's InitConfig imports torch in the master. That is safe (CUDA
-    # is not initialised by an import) and workers fork with torch already imported.
-    from .llm.init_config import InitConfig
-    from .runtime import ServeTarget
-
-    if args.function is not None:
-        if args.model is not None or args.snapshot is not None:
-            raise BadRequest("--function serves a user function: drop --model/--snapshot")
-        return ServeTarget(
-            kind="function",
-            function=args.function,
-            function_dir=args.function_dir,
-            init_config=InitConfig.from_env(os.environ),
-        )
-    if args.model is None and args.snapshot is None:
-        _require_embedded_model()
-    kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb is not None else None
-    init_config = InitConfig.from_env(
-        os.environ,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_running_requests=args.max_running_requests,
-        kv_cache_bytes_cpu=kv_bytes,
-    )
-    return ServeTarget(model_dir=args.model, snapshot_dir=args.snapshot, init_config=init_config)
-
-
-def _require_embedded_model() -> None:
-    from .llm.embedded import embedded_model_dir
-
-    if not (embedded_model_dir() / "config.json").is_file():
-        raise BadRequest(
-            "no model given and the embedded model is not built here: "
-            "pass --model DIR, --snapshot DIR or --function module:fn"
-        )
 
 
 def default_model_name(target: Any) -> str:

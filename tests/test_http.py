@@ -1,8 +1,9 @@
 """The HTTP front door (`handler/http.py`) through Flask's test client, on a real WorkerRuntime.
 
-Covers every endpoint, the start-up gate (wait, queue bound, timeout, failed start), every
-bad-input class (4xx with an OpenAI error body naming the field), auth, client-disconnect
-cancellation (KV pages freed), the catch-all 500, and greedy parity with `Engine.generate`.
+Covers every endpoint, the start-up gate (`startup_gate.py`: wait, queue bound, timeout, failed
+start), every bad-input class (`openai_api.py`, `openai_params.py`: 4xx with an OpenAI error
+body naming the field, `http_json.py`), auth, client-disconnect cancellation (`generation.py`:
+KV pages freed), the catch-all 500, and greedy parity with `Engine.generate`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.init_config import InitConfig
 from snapfn.handler.metrics import startup_metrics
 from snapfn.handler.runtime import ServeTarget, WorkerRuntime
-from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.stages import Readiness
 
 from parity import our_engine
@@ -620,17 +620,3 @@ def test_startup_metrics_label_stages_by_kind_and_tier_and_count_fallbacks():
     assert (
         samples[("snapfn_startup_seconds", (("kind", "init"), ("tier", "cold (fallback)")))] == 3.0
     )
-
-
-def test_serve_config_refuses_bad_values():
-    with pytest.raises(BadRequest, match="SNAPFN_PORT"):
-        ServeConfig.from_env({"SNAPFN_PORT": "eighty"})
-    with pytest.raises(BadRequest, match="threads"):
-        ServeConfig(threads=0)
-
-
-def test_serve_config_from_env_then_overrides():
-    env = {"SNAPFN_API_KEY": "k", "SNAPFN_PORT": "9000", "SNAPFN_STARTUP_WAIT_S": "2.5"}
-    config = ServeConfig.from_env(env, port=9100, threads=None)
-    assert (config.api_key, config.port, config.startup_wait_s) == ("k", 9100, 2.5)
-    assert config.threads == ServeConfig().threads

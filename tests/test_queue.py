@@ -3,6 +3,8 @@
 Workers run in process (a thread running `QueueWorker.run`) or as `snapfn worker`
 subprocesses (to SIGKILL / SIGTERM them), on a `WorkerRuntime` serving
 the tiny llama with a tokenizer, or a slow function for the heartbeat and drain cases.
+Covers `queue_worker.py`, `queue_inflight.py`, `queue_runner.py` and `queue_results.py`
+(the wire format alone: `test_queue_jobs.py`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ import pytest
 
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.queue import (
-    JobRunner,
-    QueueConfig,
-    QueueWorker,
-    handle_sqs_batch,
-    queue_region,
-)
-from snapfn.handler.queue_jobs import ResultStore, encode_document, parse_job
+from snapfn.handler.queue import queue_region
+from snapfn.handler.queue_jobs import parse_job
+from snapfn.handler.queue_results import ResultStore, encode_document
+from snapfn.handler.queue_runner import JobRunner, handle_sqs_batch
+from snapfn.handler.queue_worker import QueueConfig, QueueWorker
 from snapfn.handler.runtime import ServeTarget, WorkerRuntime
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.stages import Readiness
@@ -178,62 +177,7 @@ def worker_process(aws, queue_url: str, model_dir: Path, cache: Path, *args: str
     return proc, lines
 
 
-# ---- the wire format --------------------------------------------------------------------------
-def test_parse_job_forms_and_derived_keys():
-    s3_prefix = {"s3": "s3://bkt/out/"}
-    job = parse_job(json.dumps({"id": "a-1", "prompt": "hi", "result": s3_prefix}))
-    assert (
-        job.prompts == ("hi",) and job.result.bucket == "bkt" and job.result.key == "out/a-1.json"
-    )
-    job = parse_job(
-        json.dumps({"id": "b", "prompt_ids": [[1, 2], [3]], "result": {"s3": "s3://bkt/k.json"}})
-    )
-    assert job.prompts == ((1, 2), (3,)) and job.result.key == "k.json"
-    job = parse_job(json.dumps({"id": "c", "event": {"x": 1}, "result": {"queue_url": "u"}}))
-    assert job.event == {"x": 1} and job.prompts == ()
-    body = {"id": "d", "prompts": ["a", "b"], "params": {"temperature": 0.7}, "result": s3_prefix}
-    seeds = [parse_job(json.dumps(body)).sampling(i).seed for i in range(2)]
-    assert None not in seeds and seeds[0] != seeds[1]  # derived per prompt …
-    assert seeds == [parse_job(json.dumps(body)).sampling(i).seed for i in range(2)]  # … stably
-    assert parse_job(json.dumps({**body, "params": {}})).sampling(0).seed is None  # greedy
-
-
-@pytest.mark.parametrize(
-    ("body", "says"),
-    [
-        ("not json", "not JSON"),
-        ('["a list"]', "JSON object"),
-        ('{"prompt": "x", "result": {"s3": "s3://b/k"}}', "'id'"),
-        ('{"id": "a/b", "prompt": "x", "result": {"s3": "s3://b/k"}}', "'id'"),
-        ('{"id": "a", "result": {"s3": "s3://b/k"}}', "exactly one of"),
-        (
-            '{"id": "a", "prompt": "x", "prompts": ["y"], "result": {"s3": "s3://b/k"}}',
-            "exactly one",
-        ),
-        ('{"id": "a", "prompt": "x"}', "'result'"),
-        ('{"id": "a", "event": null, "result": {"s3": "s3://b/k"}}', "'event' must be"),
-        ('{"id": "a", "prompt": "x", "parms": {}, "result": {"s3": "s3://b/k"}}', "unknown fields"),
-        ('{"id": "a", "prompt": "x", "result": {"s3": "http://b/k"}}', "s3://"),
-        (
-            '{"id": "a", "prompt": "x", "params": {"max_tokens": 0}, "result": {"s3": "s3://b/k"}}',
-            "max_new_tokens",
-        ),
-        (
-            '{"id": "a", "prompt": "x", "params": {"beam": 2}, "result": {"s3": "s3://b/k"}}',
-            "unknown params",
-        ),
-        (
-            '{"id": "a", "prompt": "x", "params": {"top_k": true}, "result": {"s3": "s3://b/k"}}',
-            "wrong type",
-        ),
-        ('{"id": "a", "prompt_ids": [1, "2"], "result": {"s3": "s3://b/k"}}', "prompt_ids"),
-    ],
-)
-def test_parse_job_refuses_bad_jobs_saying_what_to_fix(body, says):
-    with pytest.raises(BadRequest, match=says):
-        parse_job(body)
-
-
+# ---- results ----------------------------------------------------------------------------------
 def test_first_written_result_wins(aws, s3, bucket):
     store = ResultStore(s3, aws.client("sqs"))
     job = parse_job(json.dumps({"id": "j", "prompt": "x", "result": {"s3": f"s3://{bucket}/r/"}}))
@@ -245,7 +189,6 @@ def test_first_written_result_wins(aws, s3, bucket):
     assert num_versions(s3, bucket, "r/j.json") == 1
 
 
-# ---- results ----------------------------------------------------------------------------------
 def test_s3_results_equal_engine_greedy_and_jobs_batch_together(
     aws, sqs, s3, bucket, names, llm_runtime, reference
 ):
