@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -19,6 +20,7 @@ from ..engine.batch import ForwardBatch
 from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..kernels import Backend
 from ..sharding import ParallelConfig
+from .layers import Linear, RMSNorm, is_quantized
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,37 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.parallel = parallel or ParallelConfig()
+
+    def linear(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> Linear:
+        """A Linear for checkpoint module `name`: FP8 when the quant config covers it."""
+        return Linear(
+            in_features,
+            out_features,
+            self.backend,
+            bias=bias,
+            fp8=is_quantized(name, self.config.quant),
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )
+
+    def norm(self, dim: int) -> RMSNorm:
+        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
+
+    def final_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm, keep the rows logits are wanted for, project to the vocabulary (fp32)."""
+        h = self.model.norm(h)
+        if not batch.all_logits:
+            h = h[batch.logits_indices]
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         raise NotImplementedError

@@ -27,7 +27,7 @@ from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..errors import UnsupportedModel
 from ..sharding import local_expert_range
 from .base import CausalLM, WeightTarget
-from .layers import Linear, RMSNorm, Rotary, is_quantized
+from .layers import Rotary
 from .mla import MLAttention
 from .moe import MoE, SwiGLUMLP
 
@@ -128,29 +128,6 @@ class GlmMoeDsaForCausalLM(CausalLM):
         else:
             self.lm_head = self.linear("lm_head", config.hidden_size, config.vocab_size)
 
-    def linear(
-        self,
-        name: str,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> Linear:
-        """A Linear for checkpoint module `name`: FP8 when the quant config covers it."""
-        fp8 = is_quantized(name, self.config.quant)
-        return Linear(
-            in_features,
-            out_features,
-            self.backend,
-            bias=bias,
-            fp8=fp8,
-            dtype=dtype or self.dtype,
-            device=self.device,
-        )
-
-    def norm(self, dim: int) -> RMSNorm:
-        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
-
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config
         num_full = sum(s is not None for s in self.index_slots)
@@ -166,15 +143,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         topk = None  # the last full indexer layer's selection, reused by shared layers
         for layer in self.model.layers:
             h, topk = layer(h, cos, sin, self.rotary, batch, kv, topk)
-        h = self.model.norm(h)
-        if not batch.all_logits:
-            h = h[batch.logits_indices]
-        return self.logits(h)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.lm_head(h).float()
+        return self.final_logits(h, batch)
 
     def map_weight(self, name: str) -> WeightTarget | None:
         name = self._mtp_param_name(name)

@@ -12,7 +12,7 @@ from torch import nn
 from ..engine.batch import ForwardBatch
 from ..engine.kv_pool import KVBufferSpec, KVPool
 from .base import CausalLM
-from .layers import Linear, RMSNorm, Rotary, is_quantized
+from .layers import Rotary
 
 
 class LlamaAttention(nn.Module):
@@ -108,21 +108,6 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.lm_head = self.linear("lm_head", config.hidden_size, config.vocab_size)
 
-    def linear(self, name: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
-        fp8 = is_quantized(name, self.config.quant)
-        return Linear(
-            in_features,
-            out_features,
-            self.backend,
-            bias=bias,
-            fp8=fp8,
-            dtype=self.dtype,
-            device=self.device,
-        )
-
-    def norm(self, dim: int) -> RMSNorm:
-        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
-
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config
         shape = (cfg.num_kv_heads // self.parallel.tp_size, cfg.head_dim)
@@ -133,12 +118,4 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, self.rotary, batch, kv)
-        h = self.model.norm(h)
-        if not batch.all_logits:
-            h = h[batch.logits_indices]
-        return self.logits(h)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.lm_head(h).float()
+        return self.final_logits(h, batch)
