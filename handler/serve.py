@@ -46,9 +46,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
+def preload_for_fork(target: Any) -> None:
+    """Make the gunicorn master a zygote: import what a worker's init or restore needs, so
+    workers forked from it skip `import torch`. NOTE: nothing here may initialise CUDA."""
+    if target.kind != "llm":
+        return
+    import importlib
+
+    from snapfn.snapshot.fork_safety import fork_safety_problem
+
+    from .llm.function import ZYGOTE_PRELOAD
+
+    for module in ZYGOTE_PRELOAD:
+        importlib.import_module(module)
+    problem = fork_safety_problem()
+    if problem is not None:
+        raise RuntimeError(f"cannot fork workers safely: {problem}")
+
+
 def run(args: argparse.Namespace) -> int:
     target = serve_target(args)
     config = serve_config(args, os.environ, target)
+    preload_for_fork(target)
     server, master_pid = SnapfnServer(target, config), os.getpid()
     try:
         server.run()
