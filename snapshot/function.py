@@ -4,6 +4,8 @@ The runtime knows nothing about what a function does. A function hands it:
 - `init_stages()`: the cold-init recipe, `[(name, fn(figures) -> None), …]`, run in order;
 - `write_snapshot(writer, startup)`: puts its tier-0 state under `writer.root`, returns the
   function's section of manifest.json (JSON);
+- `prepare_runtime(figures)`: the first stage of a restore (environment variables, compile
+  cache locations, heavy imports) — run before the snapshot is validated;
 - `restore_stages(snapshot_dir, manifest)`: the recipe that rebuilds the warmed state from a
   snapshot; any stage may raise to refuse it (the runtime then falls back);
 - `release()`: drop everything it holds (called on a half-restored function before fallback);
@@ -38,6 +40,8 @@ class SnapshotFunction(Protocol):
     def write_snapshot(
         self, writer: SnapshotWriterLike, startup: dict[str, Any]
     ) -> dict[str, Any]: ...
+
+    def prepare_runtime(self, figures: Figures) -> None: ...
 
     def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]: ...
 

@@ -84,6 +84,9 @@ def restore(
     runner = StageRunner(StartupManifest(kind="restore", tier="portable"), log=log)
     runner.manifest.info["versions"] = _versions()
     try:
+        # NOTE: the environment (CUDA_MODULE_LOADING, compile-cache dirs) is set before the
+        # validation below, whose compat key is the first thing to import torch.
+        runner.run("runtime_env", fn.prepare_runtime)
         manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn))
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
             runner.run(name, stage)

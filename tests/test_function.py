@@ -28,8 +28,9 @@ INIT_STAGES = [
     "write_snapshot",
 ]
 RESTORE_STAGES = [
-    "validate",
     "runtime_env",
+    "validate",
+    "restore_caches",
     "build_model",
     "stream_weights",
     "kv_pool",

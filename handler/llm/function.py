@@ -240,7 +240,7 @@ class LLMFunction:
         section = manifest["llm"]
         self._restored_from = Path(snapshot_dir)
         return [
-            ("runtime_env", lambda f: self.stage_restore_env(f, snapshot_dir, section)),
+            ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
             ("stream_weights", self.stage_stream_weights),
             ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
@@ -250,12 +250,15 @@ class LLMFunction:
             ("health_check", lambda f: self.stage_replay_check(f, section["health"])),
         ]
 
-    def stage_restore_env(
+    def prepare_runtime(self, figures: Figures) -> None:
+        """A restore's first stage (before validation): the same environment as a cold init."""
+        self.stage_runtime_env(figures)
+
+    def stage_restore_caches(
         self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
     ) -> None:
         caches = runtime_env.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
         figures["restored_cache_files"] = caches
-        self.stage_runtime_env(figures)
         # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
         # while the model is built, and stream_weights waits for it.
         # The tokenizer (0.1-0.2 s for a 128k vocabulary) loads on another side thread.
