@@ -3,8 +3,8 @@
 Cold init (each a timed stage):
     runtime_env → prewarm → load_weights → memory_profile → kv_pool → warmup
     → capture_graphs → tokenizer → health_check
-Restore from a portable snapshot:
-    runtime_env → build_model → stream_weights → kv_pool → warmup → capture_graphs
+Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
+    runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
     → tokenizer → health_check (+ replay check against the token recorded at init)
 
 Snapshot contents (under the snapshot directory):
