@@ -49,6 +49,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_arguments",
         "run",
     ),
+    "doctor": (
+        "report whether this machine can run each snapshot tier, and why not",
+        "snapfn.snapshot.doctor",
+        "add_arguments",
+        "run",
+    ),
     "make-model": (
         "write a synthetic checkpoint in the Hugging Face layout",
         "llm.make_model",
@@ -61,7 +67,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 def _load(name: str, module: str, add: str, run: str) -> tuple[Callable, Callable]:
     """The subcommand's functions; a missing optional dependency disables only that command."""
     try:
-        mod = importlib.import_module(f"{__package__}.{module}")
+        absolute = module if module.startswith("snapfn.") else f"{__package__}.{module}"
+        mod = importlib.import_module(absolute)
     except ImportError as exc:
         missing = exc.name or str(exc)
 

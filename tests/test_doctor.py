@@ -1,0 +1,71 @@
+"""snapfn doctor: what it reports about tier 1 on this machine."""
+
+from __future__ import annotations
+
+from snapfn.snapshot.criu import (
+    CriuConfig,
+)
+
+from criu_fakes import fake_criu
+
+# A worker holding torch state, answering "<sum of t> <sum of t @ t> <requests served>" to each
+# connection on a listening unix socket (the matmul runs on torch's thread pool).
+WORKER = """
+import socket, sys
+import torch
+torch.manual_seed(0)
+t = torch.randn(512, 512)
+served = 0
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen(8)
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        conn.recv(16)
+        served += 1
+        conn.sendall(f"{t.sum().item()!r} {(t @ t).sum().item()!r} {served}".encode())
+"""
+
+
+def test_doctor_without_criu_says_tier1_is_impossible(tmp_path):
+    from snapfn.snapshot.doctor import diagnose, format_findings
+
+    config = CriuConfig(prefix=str(tmp_path / "none"), search_path=str(tmp_path))
+    findings = {f.name: f for f in diagnose(criu_config=config, snapshot_dir=tmp_path)}
+    assert not findings["criu"].ok and "install-criu.sh" in findings["criu"].detail
+    assert not findings["criu lazy pages"].ok
+    assert not findings["tier 1 (process)"].ok
+    lines = format_findings(list(findings.values())).splitlines()
+    assert lines[0].startswith("ok    python") and len(lines) == len(findings)
+    assert any(line.startswith("FAIL  criu ") for line in lines)
+
+
+def test_doctor_on_a_gpu_host_without_cuda_bindings_is_cpu_only(tmp_path, monkeypatch):
+    from snapfn.snapshot import doctor
+
+    version_file = tmp_path / "version"
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Sun\n")
+    monkeypatch.setattr(doctor, "_NVIDIA_VERSION", version_file)
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: None)
+    config = CriuConfig(binary=str(fake_criu(tmp_path, "echo Looks good.; exit 0\n")))
+    findings = {f.name: f for f in doctor.diagnose(criu_config=config, snapshot_dir=tmp_path)}
+    assert findings["cuda"].ok and "580.159.04" in findings["cuda"].detail
+    assert not findings["cuda checkpoint api"].ok
+    assert "pip install cuda-bindings" in findings["cuda checkpoint api"].detail
+    assert findings["tier 1 (process)"] == doctor.Finding(
+        "tier 1 (process)", False, "CPU only: no CUDA driver checkpoint API"
+    )
+
+
+def test_doctor_run_exits_1_when_something_fails(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from snapfn.snapshot import doctor
+
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    monkeypatch.setenv("SNAPFN_CRIU", str(tmp_path / "missing"))
+    args = parser.parse_args(["--json", "--snapshot-dir", str(tmp_path), "--min-free-gib", "0"])
+    assert doctor.run(args) == 1
+    assert '"name": "criu"' in capsys.readouterr().out
