@@ -134,48 +134,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _timed_generate(engine, prompts: list[list[int]], params) -> dict:
-    """Generate, timing the first step (prefill) apart from the decode steps."""
-    from .engine.request import GenerationResult  # noqa: F401 (type of the results)
+    """Generate, timing the first step (prefill) apart from the decode steps.
 
+    Returns the figures and, under "results", the first request's merged outputs.
+    """
     _sync(engine)
-    for ids in prompts:
-        engine.add_request(ids, params)
+    ids = [engine.add_request(p, params) for p in prompts]
     t0 = time.perf_counter()
-    first, steps, results = None, 0, {}
+    first, steps, outputs = None, 0, []
     while engine.has_work():
         outs = engine.step()
         _sync(engine)
         steps += 1
         if first is None and outs:
             first = time.perf_counter() - t0
-        for out in outs:
-            results.setdefault(out.request_id, []).append(out)
+        outputs += [o for o in outs if o.request_id == ids[0]]
     total = time.perf_counter() - t0
     decode_steps = max(steps - 1, 1)
     return {
         "first_token_s": first or total,
         "decode_ms_per_step": (total - (first or 0)) / decode_steps * 1e3,
         "decode_steps": decode_steps,
-        "results": _collect(engine, results),
+        "results": [_merge(ids[0], outputs)],
     }
 
 
-def _collect(engine, outputs: dict) -> list:
+def _merge(request_id: str, outs: list):
     from .engine.request import GenerationResult
 
-    collected = []
-    for rid, outs in outputs.items():
-        collected.append(
-            GenerationResult(
-                request_id=rid,
-                prompt_ids=(),
-                token_ids=tuple(t for o in outs for t in o.new_token_ids),
-                logprobs=tuple(lp for o in outs for lp in o.new_logprobs),
-                text="".join(o.text_delta for o in outs),
-                finish_reason=outs[-1].finish_reason or "unknown",
-            )
-        )
-    return collected
+    return GenerationResult(
+        request_id=request_id,
+        prompt_ids=(),
+        token_ids=tuple(t for o in outs for t in o.new_token_ids),
+        logprobs=tuple(lp for o in outs for lp in o.new_logprobs),
+        text="".join(o.text_delta for o in outs),
+        finish_reason=outs[-1].finish_reason or "unknown",
+    )
 
 
 def _sync(engine) -> None:
