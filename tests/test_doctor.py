@@ -2,30 +2,9 @@
 
 from __future__ import annotations
 
-from snapfn.snapshot.criu import (
-    CriuConfig,
-)
+from snapfn.snapshot.criu import CriuConfig
 
 from criu_fakes import fake_criu
-
-# A worker holding torch state, answering "<sum of t> <sum of t @ t> <requests served>" to each
-# connection on a listening unix socket (the matmul runs on torch's thread pool).
-WORKER = """
-import socket, sys
-import torch
-torch.manual_seed(0)
-t = torch.randn(512, 512)
-served = 0
-listener = socket.socket(socket.AF_UNIX)
-listener.bind(sys.argv[1])
-listener.listen(8)
-while True:
-    conn, _ = listener.accept()
-    with conn:
-        conn.recv(16)
-        served += 1
-        conn.sendall(f"{t.sum().item()!r} {(t @ t).sum().item()!r} {served}".encode())
-"""
 
 
 def test_doctor_without_criu_says_tier1_is_impossible(tmp_path):

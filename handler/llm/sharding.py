@@ -82,48 +82,48 @@ class ParallelConfig:
 
 
 _LAYER = r"model\.layers\.\d+\."
-
-LLAMA_RULES: tuple[tuple[re.Pattern[str], Placement], ...] = tuple(
-    (re.compile(pattern), placement)
-    for pattern, placement in (
-        (r"model\.embed_tokens\.weight", VOCAB),
-        (r"lm_head\.weight", VOCAB),
-        (r"model\.norm\.weight", REPLICATED),
-        (_LAYER + r"(input|post_attention)_layernorm\.weight", REPLICATED),
-        (_LAYER + r"self_attn\.[qkv]_proj\.(weight|bias)", COLUMN),
-        (_LAYER + r"self_attn\.o_proj\.weight", ROW),
-        (_LAYER + r"self_attn\.o_proj\.bias", REPLICATED),
-        (_LAYER + r"self_attn\.[qk]_norm\.weight", REPLICATED),  # per head_dim, shared by heads
-        (_LAYER + r"self_attn\.rotary_emb\.inv_freq", REPLICATED),  # old checkpoints carry it
-        (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", COLUMN),
-        (_LAYER + r"mlp\.down_proj\.weight", ROW),
-        (_LAYER + r"mlp\.down_proj\.bias", REPLICATED),
-    )
+# embeddings, the head and the norms: the same in every architecture
+_COMMON_RULES = (
+    (r"model\.embed_tokens\.weight", VOCAB),
+    (r"lm_head\.weight", VOCAB),
+    (r"model\.norm\.weight", REPLICATED),
+    (_LAYER + r"(input|post_attention)_layernorm\.weight", REPLICATED),
 )
 
-GLM_MOE_DSA_RULES: tuple[tuple[re.Pattern[str], Placement], ...] = tuple(
-    (re.compile(pattern), placement)
-    for pattern, placement in (
-        (r"model\.embed_tokens\.weight", VOCAB),
-        (r"lm_head\.weight", VOCAB),
-        (r"model\.norm\.weight", REPLICATED),
-        (_LAYER + r"(input|post_attention)_layernorm\.weight", REPLICATED),
-        (_LAYER + r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", REPLICATED),
-        (_LAYER + r"self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight", REPLICATED),
-        (_LAYER + r"self_attn\.(q_b_proj|kv_b_proj)\.weight", COLUMN),
-        (_LAYER + r"self_attn\.o_proj\.weight", ROW),
-        (_LAYER + r"self_attn\.o_proj\.bias", REPLICATED),
-        (_LAYER + r"self_attn\.indexer\.(wq_b|wk|weights_proj)\.weight", REPLICATED),
-        (_LAYER + r"self_attn\.indexer\.k_norm\.(weight|bias)", REPLICATED),
-        (_LAYER + r"mlp\.experts\.\d+\.(gate|up)_proj\.weight", EXPERT_COLUMN),
-        (_LAYER + r"mlp\.experts\.\d+\.down_proj\.weight", EXPERT_ROW),
-        (_LAYER + r"mlp\.gate\.(weight|e_score_correction_bias)", REPLICATED),  # the router
-        (_LAYER + r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight", COLUMN),
-        (_LAYER + r"mlp\.(shared_experts\.)?down_proj\.weight", ROW),
-        # multi-token-prediction layer extras
-        (_LAYER + r"(eh_proj|enorm|hnorm|shared_head\.norm)\.weight", REPLICATED),
-        (_LAYER + r"(embed_tokens|shared_head\.head)\.weight", VOCAB),
+
+def _compile(*rules: tuple[str, Placement]) -> tuple[tuple[re.Pattern[str], Placement], ...]:
+    return tuple(
+        (re.compile(pattern), placement) for pattern, placement in (*_COMMON_RULES, *rules)
     )
+
+
+LLAMA_RULES = _compile(
+    (_LAYER + r"self_attn\.[qkv]_proj\.(weight|bias)", COLUMN),
+    (_LAYER + r"self_attn\.o_proj\.weight", ROW),
+    (_LAYER + r"self_attn\.o_proj\.bias", REPLICATED),
+    (_LAYER + r"self_attn\.[qk]_norm\.weight", REPLICATED),  # per head_dim, shared by heads
+    (_LAYER + r"self_attn\.rotary_emb\.inv_freq", REPLICATED),  # old checkpoints carry it
+    (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", COLUMN),
+    (_LAYER + r"mlp\.down_proj\.weight", ROW),
+    (_LAYER + r"mlp\.down_proj\.bias", REPLICATED),
+)
+
+GLM_MOE_DSA_RULES = _compile(
+    (_LAYER + r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", REPLICATED),
+    (_LAYER + r"self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight", REPLICATED),
+    (_LAYER + r"self_attn\.(q_b_proj|kv_b_proj)\.weight", COLUMN),
+    (_LAYER + r"self_attn\.o_proj\.weight", ROW),
+    (_LAYER + r"self_attn\.o_proj\.bias", REPLICATED),
+    (_LAYER + r"self_attn\.indexer\.(wq_b|wk|weights_proj)\.weight", REPLICATED),
+    (_LAYER + r"self_attn\.indexer\.k_norm\.(weight|bias)", REPLICATED),
+    (_LAYER + r"mlp\.experts\.\d+\.(gate|up)_proj\.weight", EXPERT_COLUMN),
+    (_LAYER + r"mlp\.experts\.\d+\.down_proj\.weight", EXPERT_ROW),
+    (_LAYER + r"mlp\.gate\.(weight|e_score_correction_bias)", REPLICATED),  # the router
+    (_LAYER + r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight", COLUMN),
+    (_LAYER + r"mlp\.(shared_experts\.)?down_proj\.weight", ROW),
+    # multi-token-prediction layer extras
+    (_LAYER + r"(eh_proj|enorm|hnorm|shared_head\.norm)\.weight", REPLICATED),
+    (_LAYER + r"(embed_tokens|shared_head\.head)\.weight", VOCAB),
 )
 
 RULES_BY_ARCH = MappingProxyType(
