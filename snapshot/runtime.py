@@ -91,7 +91,7 @@ def restore(
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
             runner.run(name, stage)
         return fn, runner.finish(ok=True)
-    except (SnapfnError, OSError, KeyError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # any failure of any stage: never serve from this snapshot
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         if log is not None:

@@ -183,3 +183,16 @@ def test_manifest_records_model_hash_and_versions(made):
     manifest = validate_snapshot(snapshot, None)
     assert len(manifest["llm"]["model_content_hash"]) == 64
     assert "torch" in startup.info["versions"]
+
+
+def test_any_exception_in_a_restore_stage_falls_back(made, tmp_path, monkeypatch):
+    def broken(self, figures, section):
+        raise TypeError("a bug, not a bad snapshot")
+
+    monkeypatch.setattr(LLMFunction, "stage_plan_kv", broken)
+    snap = shutil.copytree(made[1], tmp_path / "copy")  # the fallback rewrites it
+    fn, startup = restored(made, tmp_path, snap)
+    assert startup.tier == "cold (fallback)"
+    assert startup.fallbacks[0]["step"] == "kv_pool"
+    assert "TypeError: a bug" in startup.fallbacks[0]["reason"]
+    assert fn.engine is not None
