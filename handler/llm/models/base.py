@@ -74,6 +74,21 @@ class CausalLM(nn.Module):
     def norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
 
+    def embedding(self) -> nn.Embedding:
+        """The token embedding: `model.embed_tokens`, filled by the loader."""
+        cfg = self.config
+        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        emb.weight.requires_grad_(False)
+        return emb
+
+    def add_lm_head(self) -> None:
+        """`lm_head`, or (tied embeddings) mark a checkpoint's copy of it as deliberately unused."""
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
+        else:
+            self.lm_head = self.linear("lm_head", cfg.hidden_size, cfg.vocab_size)
+
     def final_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm, keep the rows logits are wanted for, project to the vocabulary (fp32)."""
         h = self.model.norm(h)

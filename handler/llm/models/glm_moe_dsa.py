@@ -94,10 +94,7 @@ class GlmModel(nn.Module):
     def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
         super().__init__()
         cfg = model.config
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=model.dtype, device=model.device
-        )
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = model.embedding()
         first_moe = cfg.moe.first_k_dense_replace
         self.layers = nn.ModuleList(
             GlmDecoderLayer(model, i, model.index_slots[i], dense=i < first_moe)
@@ -123,10 +120,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         self.model = GlmModel(self)
         self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
         self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
-        if config.tie_word_embeddings:
-            self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
-        else:
-            self.lm_head = self.linear("lm_head", config.hidden_size, config.vocab_size)
+        self.add_lm_head()
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config

@@ -88,10 +88,7 @@ class LlamaModel(nn.Module):
     def __init__(self, model: LlamaForCausalLM) -> None:
         super().__init__()
         cfg = model.config
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=model.dtype, device=model.device
-        )
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = model.embedding()
         self.layers = nn.ModuleList(LlamaDecoderLayer(model, i) for i in range(cfg.num_layers))
         self.norm = model.norm(cfg.hidden_size)
 
@@ -103,10 +100,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, backend, dtype=dtype, device=device, parallel=parallel)
         self.rotary = Rotary(config.rope, config.head_dim, config.max_position_embeddings, device)
         self.model = LlamaModel(self)
-        if config.tie_word_embeddings:
-            self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
-        else:
-            self.lm_head = self.linear("lm_head", config.hidden_size, config.vocab_size)
+        self.add_lm_head()
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config
