@@ -12,7 +12,25 @@ import torch
 torch.set_num_threads(1)
 
 
-def save_hf(model, path):
+# what the tiny llama-family parity checkpoints share
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    bos_token_id=None,
+    dtype="float32",
+)
+
+
+def save_tiny(tmp_path_factory, name: str, seed: int, config_cls, model_cls, **config):
+    """Write a random tiny checkpoint with `save_pretrained` and return its folder."""
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **config)).eval()
+    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -21,72 +39,55 @@ def save_hf(model, path):
 def tiny_llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return save_tiny(
+        tmp_path_factory,
+        "llama",
+        0,
+        LlamaConfig,
+        LlamaForCausalLM,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        rope_parameters=llama3_rope,
         tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        dtype="float32",
     )
-    return save_hf(LlamaForCausalLM(cfg).eval(), tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(1)
-    cfg = Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
+    return save_tiny(
+        tmp_path_factory,
+        "qwen3",
+        1,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=512,
         tie_word_embeddings=True,
-        eos_token_id=None,
-        bos_token_id=None,
-        dtype="float32",
     )
-    return save_hf(Qwen3ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(2)
-    cfg = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
+    return save_tiny(
+        tmp_path_factory,
+        "qwen2",
+        2,
+        Qwen2Config,
+        Qwen2ForCausalLM,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        dtype="float32",
     )
-    return save_hf(Qwen2ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture(scope="session")
