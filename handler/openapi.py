@@ -196,64 +196,50 @@ USAGE = {
 
 FINISH_REASON = _nullable({"type": "string", "enum": ["stop", "length", "cancelled"]})
 
-COMPLETION_RESPONSE = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"type": "string", "enum": ["text_completion"]},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "text", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "text": {"type": "string"},
-                    "logprobs": _nullable({"type": "object"}),
-                    "finish_reason": FINISH_REASON,
-                    "token_ids": {"type": "array", "items": {"type": "integer"}},
-                },
-            },
-        },
-        "usage": USAGE,
-    },
-}
 
-CHAT_RESPONSE = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"type": "string", "enum": ["chat.completion"]},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "message", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "message": {
-                        "type": "object",
-                        "required": ["role", "content"],
-                        "properties": {
-                            "role": {"type": "string", "enum": ["assistant"]},
-                            "content": {"type": "string"},
-                        },
+def _response(object_name: str, content_field: str, content_schema: dict) -> dict:
+    """A completion-shaped response whose choices carry `content_field`."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [object_name]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", content_field, "finish_reason"],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        content_field: content_schema,
+                        "logprobs": _nullable({"type": "object"}),
+                        "finish_reason": FINISH_REASON,
+                        "token_ids": {"type": "array", "items": {"type": "integer"}},
                     },
-                    "logprobs": _nullable({"type": "object"}),
-                    "finish_reason": FINISH_REASON,
-                    "token_ids": {"type": "array", "items": {"type": "integer"}},
                 },
             },
+            "usage": USAGE,
         },
-        "usage": USAGE,
+    }
+
+
+COMPLETION_RESPONSE = _response("text_completion", "text", {"type": "string"})
+
+CHAT_RESPONSE = _response(
+    "chat.completion",
+    "message",
+    {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"type": "string", "enum": ["assistant"]},
+            "content": {"type": "string"},
+        },
     },
-}
+)
 
 HEALTH = {
     "type": "object",
