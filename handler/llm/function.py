@@ -77,6 +77,7 @@ class LLMFunction:
         self._load_report = None
         self._streamer = None
         self._tokenizer = None
+        self._checkpoint = None
 
     # ---- cold init -------------------------------------------------------------------------
     def init_stages(self) -> list[Stage]:
@@ -102,19 +103,18 @@ class LLMFunction:
 
         from .checkpoint import Checkpoint
 
-        files = Checkpoint.open(self.source).files
-        report = prewarm(files, num_threads=self.config.prewarm_threads)
+        self._checkpoint = Checkpoint.open(self.source)  # index + shard headers, read once
+        report = prewarm(self._checkpoint.files, num_threads=self.config.prewarm_threads)
         figures.update(_report_fields(report))
 
     def stage_load_weights(self, figures: Figures) -> None:
         from .build import build_model
-        from .checkpoint import Checkpoint
         from .config import ModelConfig
         from .loader import load_weights
 
         self._model_config = ModelConfig.from_dir(self.source)
         self.model = build_model(self._model_config, self.config.engine_options())
-        report = load_weights(self.model, Checkpoint.open(self.source))
+        report = load_weights(self.model, self._checkpoint)
         self._load_report = report
         figures.update(
             bytes=report.num_bytes,
