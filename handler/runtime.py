@@ -166,22 +166,22 @@ class WorkerRuntime:
         # NOTE: imported here, in the worker after fork: they import torch; CUDA is first
         # touched by the init or restore below, never before start().
         from .llm.handler import LLMHandler
-        from .llm.service import LLMService
 
-        self._llm_function, self.startup = self._init_or_restore_llm(log)
-        self.llm = LLMService(self._llm_function.engine)
+        self.llm, self.startup, self._llm_function = self._init_or_restore_llm(log)
         self._handler = self._llm_handler = LLMHandler(self.llm)
 
-    def _init_or_restore_llm(self, log: Log) -> tuple[LLMFunction, StartupManifest]:
-        from snapfn.snapshot.runtime import cold_init, restore
-
+    def _init_or_restore_llm(self, log: Log) -> tuple[Any, StartupManifest, LLMFunction | None]:
         from .llm.embedded import embedded_model_dir
-        from .llm.function import LLMFunction
+        from .llm.process_restore import restore_llm
 
         t, config = self.target, self.target.init_config
         if _holds_files(t.snapshot_dir):
             source = t.model_dir or _recorded_source(t.snapshot_dir)
-            return restore(lambda: LLMFunction(config, source), Path(t.snapshot_dir), log=log)
+            return restore_llm(Path(t.snapshot_dir), config, source, log, self._worker_exited)
+        from snapfn.snapshot.runtime import cold_init
+
+        from .llm.function import LLMFunction
+
         fn = LLMFunction(config, t.model_dir or embedded_model_dir())
         try:
             startup = cold_init(fn, log)
@@ -190,7 +190,15 @@ class WorkerRuntime:
             raise
         if t.snapshot_dir is not None:
             _write_snapshot(fn, Path(t.snapshot_dir), startup, log)
-        return fn, startup
+        from .llm.service import LLMService
+
+        return LLMService(fn.engine), startup, fn
+
+    def _worker_exited(self, reason: str) -> None:
+        """A restored process-snapshot worker died: this runtime can no longer serve."""
+        if self._log is not None:
+            self._log(f"the llm worker process is gone ({reason})")
+        self.readiness.set(Readiness.FAILED, f"worker process exited: {reason}")
 
     # ---- kind="function" -----------------------------------------------------------------------
     def _start_function(self, log: Log) -> None:

@@ -44,8 +44,14 @@ _DRIVER_RELEASE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "triton-nightly")
 
 
-def compat_key(device: str = "cpu", world_size: int = 1) -> dict[str, Any]:
-    """Describe what a snapshot made here, on `device` with `world_size` ranks, is valid for."""
+def compat_key(device: str = "cpu", world_size: int = 1, light: bool = False) -> dict[str, Any]:
+    """Describe what a snapshot made here, on `device` with `world_size` ranks, is valid for.
+
+    `light`: the same key without importing torch (seconds a process-snapshot restorer must not
+    pay): the GPU through cuda.bindings' driver API, torch's versions from its version.py.
+    """
+    if light:
+        return _light_key(device, world_size)
     # NOTE: torch is imported here, not at module level: importing it costs seconds and this
     # module is imported by tools (inspect, doctor) that may never need it.
     import torch
@@ -64,6 +70,78 @@ def compat_key(device: str = "cpu", world_size: int = 1) -> dict[str, Any]:
     key["python"] = f"{sys.version_info.major}.{sys.version_info.minor}"
     key["world_size"] = int(world_size)
     return key
+
+
+def _light_key(device: str, world_size: int) -> dict[str, Any]:
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"compat_key: unsupported device type {kind!r} (cpu or cuda)")
+    key: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "device_type": kind,
+        "machine": platform.machine(),
+    }
+    versions = _torch_versions()
+    if kind == "cuda":
+        key.update(_driver_api_fields(int(index or 0)))
+        key.update(
+            driver_version=_driver_release(),
+            cuda_runtime_version=versions.get("cuda"),
+            triton=_triton_version(),
+        )
+        key = {name: key[name] for name in _CUDA_ORDER}
+    key["torch"] = versions.get("__version__")
+    key["python"] = f"{sys.version_info.major}.{sys.version_info.minor}"
+    key["world_size"] = int(world_size)
+    return key
+
+
+_CUDA_ORDER = (
+    "format_version",
+    "device_type",
+    "machine",
+    "gpu_name",
+    "compute_capability",
+    "gpu_total_memory_bytes",
+    "driver_version",
+    "cuda_driver_version",
+    "cuda_runtime_version",
+    "triton",
+)
+_VERSION_LINE = re.compile(r"^(__version__|cuda)\s*(?::\s*[^=]+)?=\s*['\"]([^'\"]+)['\"]", re.M)
+
+
+def _torch_versions() -> dict[str, str]:
+    """torch.__version__ and torch.version.cuda from torch/version.py, without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("compat_key: torch is not installed")
+    text = (Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text()
+    return dict(_VERSION_LINE.findall(text))
+
+
+def _driver_api_fields(index: int) -> dict[str, Any]:
+    from cuda.bindings import driver as cu
+
+    def ok(result: Any) -> Any:
+        if int(result[0]) != 0:
+            raise ValueError(f"compat_key: CUDA driver call failed: {result[0]}")
+        return result[1]
+
+    err = cu.cuInit(0)
+    if int(err[0] if isinstance(err, tuple) else err) != 0:
+        raise ValueError(f"compat_key: cuInit failed: {err}")
+    dev = ok(cu.cuDeviceGet(index))
+    attr = cu.CUdevice_attribute
+    major = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+    minor = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+    name = ok(cu.cuDeviceGetName(256, dev)).split(b"\0", 1)[0].decode()
+    return {
+        "gpu_name": name,
+        "compute_capability": f"{major}.{minor}",
+        "gpu_total_memory_bytes": int(ok(cu.cuDeviceTotalMem(dev))),
+        "cuda_driver_version": int(ok(cu.cuDriverGetVersion())),
+    }
 
 
 def check_compat(

@@ -187,6 +187,7 @@ def restore(
     detached: bool = True,
     work_dir: str | os.PathLike | None = None,
     timeout_s: float | None = None,
+    inherit_fds: Mapping[int, str] | None = None,
 ) -> int:
     """Restore the tree dumped in `images_dir`; returns its root's host pid once it runs.
 
@@ -195,7 +196,9 @@ def restore(
     to the nearest subreaper (or init); otherwise criu stays as its parent until it exits, and
     this returns once criu's post-resume action has run. Logs and sockets go to `work_dir`
     (default: a new temporary directory; keep its path short, it holds a unix socket). The
-    images directory is only read.
+    images directory is only read. `inherit_fds` maps an fd of this process to a resource the
+    dumped tree held ("pipe:[4026]", as /proc/PID/fd showed it at dump): the restored tree gets
+    that fd in its place (criu's --inherit-fd).
     """
     images = Path(images_dir)
     if not (images / "inventory.img").is_file():
@@ -213,10 +216,12 @@ def restore(
         argv = [binary, "restore", "--images-dir", str(images), "--work-dir", str(work)]
         argv += ["--log-file", str(work / "restore.log"), "--pidfile", str(pidfile)]
         argv += options.argv() + (["--lazy-pages"] if lazy else [])
+        inherit = dict(inherit_fds or {})
+        argv += [f"--inherit-fd=fd[{fd}]:{key}" for fd, key in sorted(inherit.items())]
         if detached:
-            _restore_detached(argv, work, deadline_s)
+            _restore_detached(argv, work, deadline_s, tuple(inherit))
         else:
-            _restore_attached(argv, work, deadline_s)
+            _restore_attached(argv, work, deadline_s, tuple(inherit))
         return _read_pid(pidfile)
     except BaseException:
         _kill_pidfile(pidfile)
@@ -224,13 +229,17 @@ def restore(
         raise
 
 
-def _restore_detached(argv: list[str], work: Path, deadline_s: float) -> None:
-    done = _run(argv + ["--restore-detached"], _left(deadline_s), what="criu restore")
+def _restore_detached(
+    argv: list[str], work: Path, deadline_s: float, pass_fds: tuple[int, ...] = ()
+) -> None:
+    done = _run(argv + ["--restore-detached"], _left(deadline_s), "criu restore", pass_fds)
     if done.returncode != 0:
         raise RestoreFailed(one_line(f"criu restore failed: {_log_reason(work / 'restore.log')}"))
 
 
-def _restore_attached(argv: list[str], work: Path, deadline_s: float) -> None:
+def _restore_attached(
+    argv: list[str], work: Path, deadline_s: float, pass_fds: tuple[int, ...] = ()
+) -> None:
     """criu restore in the background as the tree's parent; back once the tree resumed."""
     marker, script = work / "resumed", work / "post-resume.sh"
     script.write_text(_RESUMED_SCRIPT.format(marker=marker))
@@ -240,6 +249,7 @@ def _restore_attached(argv: list[str], work: Path, deadline_s: float) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        pass_fds=pass_fds,
     )
     while not marker.exists():
         if criu.poll() is not None:
@@ -264,11 +274,18 @@ def _start_lazy_pages(
         raise RestoreFailed(one_line(f"criu lazy-pages failed: {_log_reason(log_path)}"))
 
 
-def _run(argv: list[str], timeout_s: float, what: str = "criu") -> subprocess.CompletedProcess:
+def _run(
+    argv: list[str], timeout_s: float, what: str = "criu", pass_fds: tuple[int, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run criu; a timeout or a missing binary becomes RestoreFailed."""
     try:
         return subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            pass_fds=pass_fds,
         )
     except subprocess.TimeoutExpired:
         raise RestoreFailed(f"{what} timed out after {timeout_s:.0f} s") from None

@@ -62,8 +62,9 @@ def plan_num_pages(model: CausalLM, opts: EngineOptions) -> int:
     return max(1, opts.kv_cache_bytes // per_page)
 
 
-def allocate_kv(model: CausalLM, num_pages: int, page_size: int) -> KVPool:
-    return KVPool(model.kv_buffer_specs(), num_pages, page_size, model.dtype, model.device)
+def allocate_kv(model: CausalLM, num_pages: int, page_size: int, alloc=None) -> KVPool:
+    specs = model.kv_buffer_specs()
+    return KVPool(specs, num_pages, page_size, model.dtype, model.device, alloc)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

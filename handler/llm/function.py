@@ -64,7 +64,10 @@ class LLMFunction:
     name = "llm"
     world_size = 1
 
-    def __init__(self, config: InitConfig, model_dir: Path | None = None) -> None:
+    def __init__(
+        self, config: InitConfig, model_dir: Path | None = None, releasable: bool = False
+    ) -> None:
+        """`releasable`: weights and KV pool in releasable regions (for a process snapshot)."""
         self.config = config
         self.device = config.device
         self.source = Path(model_dir) if model_dir is not None else None
@@ -78,6 +81,11 @@ class LLMFunction:
         self._streamer = None
         self._tokenizer = None
         self._checkpoint = None
+        self.memory = None
+        if releasable:
+            from .releasable import ReleasableMemory
+
+            self.memory = ReleasableMemory(config.device)
 
     # ---- cold init -------------------------------------------------------------------------
     def init_stages(self) -> list[Stage]:
@@ -114,6 +122,7 @@ class LLMFunction:
 
         self._model_config = ModelConfig.from_dir(self.source)
         self.model = build_model(self._model_config, self.config.engine_options())
+        self._adopt_parameters(figures)
         report = load_weights(self.model, self._checkpoint)
         self._load_report = report
         figures.update(
@@ -140,7 +149,13 @@ class LLMFunction:
         from .build import allocate_kv
         from .engine.engine import Engine
 
-        kv = allocate_kv(self.model, self.plan.num_pages, self.plan.page_size)
+        pages, page_size = self.plan.num_pages, self.plan.page_size
+        alloc = None
+        if self.memory is not None:
+            from .releasable import kv_region_bytes
+
+            alloc = self.memory.kv_alloc(kv_region_bytes(self.model, pages, page_size))
+        kv = allocate_kv(self.model, pages, page_size, alloc)
         self.engine = Engine(self.model, kv, self.config.engine_options().scheduler)
         figures.update(pages=kv.num_pages, bytes=kv.num_bytes, capacity_tokens=kv.capacity_tokens)
 
@@ -195,20 +210,22 @@ class LLMFunction:
         self.health = self.generate_one()
         figures.update(self.health)
 
-    def generate_one(self) -> dict[str, Any]:
-        """One real 1-token greedy generation through the whole path."""
+    def generate_one(self, max_new_tokens: int = 1) -> dict[str, Any]:
+        """One real greedy generation through the whole path (decode graphs when > 1 token)."""
         from .engine.request import SamplingParams
 
         tok = self.engine.tokenizer
         prompt = tok.encode("Hello") if tok is not None else [0]
-        (result,) = self.engine.generate(
-            [prompt or [0]], SamplingParams(max_new_tokens=1, ignore_eos=True)
-        )
-        return {
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        (result,) = self.engine.generate([prompt or [0]], params)
+        record = {
             "prompt_ids": list(prompt or [0]),
             "token": result.token_ids[0],
             "logprob": result.logprobs[0],
         }
+        if max_new_tokens > 1:
+            record.update(tokens=list(result.token_ids), logprobs=list(result.logprobs))
+        return record
 
     # ---- snapshot ------------------------------------------------------------------------------
     def write_snapshot(self, writer: SnapshotWriterLike, startup: dict[str, Any]) -> dict[str, Any]:
@@ -292,7 +309,12 @@ class LLMFunction:
 
         self._model_config = ModelConfig.from_dir(model_folder)
         self.model = build_model(self._model_config, self.config.engine_options())
+        self._adopt_parameters(figures)
         figures["parameters"] = sum(1 for _ in self.model.parameters())
+
+    def _adopt_parameters(self, figures: Figures) -> None:
+        if self.memory is not None:
+            figures["weights_region_bytes"] = self.memory.adopt_parameters(self.model)
 
     def stage_stream_weights(self, figures: Figures) -> None:
         streamer = self._streamer.result()

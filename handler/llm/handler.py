@@ -28,13 +28,15 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapfn.handler.api import Context
 
 from .engine.request import GenerationResult, SamplingParams
 from .errors import BadRequest
-from .service import LLMService
+
+if TYPE_CHECKING:
+    from .service import LLMService
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")

@@ -39,6 +39,7 @@ class InitConfig:
         12  # x 64 MiB pinned; 12 streamed 31 GB/s on the H200 and pins in 0.3 s
     )
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(os.environ))
+    tier: str = "portable"  # what `snapfn init` writes: "portable" (tier 0) or "process" (tier 1)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:

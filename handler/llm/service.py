@@ -20,18 +20,7 @@ from dataclasses import dataclass, field
 
 from .engine.engine import Engine
 from .engine.request import GenerationResult, RequestOutput, SamplingParams
-
-
-@dataclass
-class ServiceStats:
-    """Counters the metrics endpoint reads."""
-
-    requests: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    steps: int = 0
+from .service_stats import ServiceStats
 
 
 class Stream:

@@ -10,6 +10,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from snapfn.snapshot.errors import BadRequest
+
 from .init_config import InitConfig
 
 
@@ -50,6 +52,13 @@ def add_init_arguments(p: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
     )
     p.add_argument("--snapshot", type=Path, required=True, help="snapshot directory to write")
+    p.add_argument(
+        "--tier",
+        choices=("portable", "process"),
+        default=None,
+        help="portable (tier 0, default; SNAPFN_TIER) or process: also checkpoint the warmed"
+        " worker with criu (+ CUDA checkpoint), falling back to portable if it cannot",
+    )
     add_init_config_arguments(p)
 
 
@@ -59,11 +68,33 @@ def run_init(args: argparse.Namespace) -> int:
     from .embedded import embedded_model_dir
     from .function import LLMFunction
 
-    fn = LLMFunction(init_config_from_args(args), args.model or embedded_model_dir())
-    startup = init_and_snapshot(fn, args.snapshot)
+    config = init_config_from_args(args)
+    model_dir = args.model or embedded_model_dir()
+    if config.tier == "process":
+        startup = _init_process(config, model_dir, args.snapshot)
+    elif config.tier == "portable":
+        startup = init_and_snapshot(LLMFunction(config, model_dir), args.snapshot)
+    else:
+        raise BadRequest(f"tier must be portable or process, not {config.tier!r}")
     print(summary(startup), file=sys.stderr)
-    print(f"snapshot written to {args.snapshot}")
+    print(f"snapshot ({startup.tier}) written to {args.snapshot}")
     return 0
+
+
+def _init_process(config: InitConfig, model_dir: Path, dest: Path):
+    """Cold init in a checkpointable worker, then its process image (or tier 0 if it cannot)."""
+    from snapfn.snapshot.process import ProcessConfig
+    from snapfn.snapshot.process_snapshot import init_process_snapshot
+    from snapfn.snapshot.runtime import stderr_log
+
+    from .function import _config_json
+
+    args = {"model_dir": str(Path(model_dir).absolute()), "init_config": _config_json(config)}
+    host = "snapfn.handler.llm.process_host:make"
+    startup, _ = init_process_snapshot(
+        host, args, dest, ProcessConfig.from_env(os.environ), stderr_log
+    )
+    return startup
 
 
 def add_inspect_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,8 +12,10 @@ refuses double frees, so one request can never write into another's cache.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +79,10 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
+        """`alloc(shape, dtype)` places the buffers (process snapshots use a releasable region);
+        by default they are fresh zeroed tensors on `device`."""
         self.specs = {s.name: s for s in specs}
         self.num_pages = num_pages
         self.page_size = page_size
@@ -85,10 +90,10 @@ class KVPool:
         self.allocator = PageAllocator(num_pages)
         # NOTE: one physical page more than the allocator hands out: the scratch page that
         # padded rows of a CUDA-graph batch read and write, so padding never touches real pages.
+        if alloc is None:
+            alloc = functools.partial(torch.zeros, device=device)
         self.buffers: dict[str, torch.Tensor] = {
-            s.name: torch.zeros(
-                (s.num_layers, num_pages + 1, page_size, *s.token_shape), dtype=dtype, device=device
-            )
+            s.name: alloc((s.num_layers, num_pages + 1, page_size, *s.token_shape), dtype=dtype)
             for s in specs
         }
 

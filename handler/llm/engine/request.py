@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
+
+from snapfn.snapshot import identity
 
 from ..errors import BadRequest
 
@@ -67,6 +70,13 @@ class RequestState(enum.Enum):
 
 
 _ids = itertools.count()
+_id_prefix = ["req"]
+
+
+@identity.on_refresh
+def fresh_request_ids() -> None:
+    """After a process restore: ids that no other replica of the same image hands out."""
+    _id_prefix[0] = f"req-{os.urandom(4).hex()}"
 
 
 @dataclass(eq=False)
@@ -75,7 +85,7 @@ class Request:
 
     prompt_ids: list[int]
     params: SamplingParams
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=lambda: f"{_id_prefix[0]}-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)

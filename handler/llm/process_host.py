@@ -1,0 +1,178 @@
+"""The built-in LLM as a process-snapshot host: what the checkpointed worker runs.
+
+    init             cold init (weights and KV pool in releasable regions), the tier-0 files
+                     written into the snapshot being built, a replay of a few greedy tokens
+    before_snapshot  release the regions' physical memory, empty torch's CUDA cache
+    after_restore    remap → stream weights from the snapshot's restore layout → replay check
+                     (the same tokens and logprobs as recorded at init, through the captured
+                     graphs, else fail closed) → start the engine loop
+    handle           "generate" (streams outputs), "cancel", "info", "health"
+
+Args (JSON, from `snapfn init --tier process`): {"model_dir", "init_config": {...}, "root"}.
+The resume message carries {"snapshot_dir"}: where this restore reads the weights from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.stages import StageRunner, StartupManifest
+
+REPLAY_TOKENS = 4  # prefill + 3 decode steps: the decode graphs are exercised too
+
+
+def log(line: str) -> None:
+    print(f"[snapfn worker] {line}", file=sys.stderr, flush=True)
+
+
+class FilesWriter:
+    """The SnapshotWriterLike the function writes its tier-0 files through, in the worker; the
+    owner process holds the real SnapshotWriter and registers what is recorded here."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.registered: list[list[Any]] = []
+
+    def register_chunked(self, relpath, chunk_bytes, chunk_sha256, file_sha256) -> None:
+        self.registered.append([relpath, chunk_bytes, list(chunk_sha256), file_sha256])
+
+
+class LLMProcessHost:
+    def __init__(self, args: dict[str, Any]) -> None:
+        from .init_config import InitConfig
+
+        self.args = args
+        raw = dict(args["init_config"])
+        overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        overrides["cache_dir"] = Path(raw["cache_dir"])
+        self.config = InitConfig.from_env({}, **overrides)
+        self.uses_cuda = self.config.device.startswith("cuda")
+        self.fn = None
+        self.service = None
+        self.replay: dict[str, Any] = {}
+        self.layout_json = ""
+
+    def init(self) -> dict[str, Any]:
+        from snapfn.snapshot.compat import compat_key
+        from snapfn.snapshot.runtime import cold_init
+
+        from .function import LLMFunction
+
+        self.fn = LLMFunction(self.config, Path(self.args["model_dir"]), releasable=True)
+        startup = cold_init(self.fn, log)
+        self.replay = self.fn.generate_one(REPLAY_TOKENS)
+        writer = FilesWriter(Path(self.args["root"]))
+        section = self.fn.write_snapshot(writer, startup.to_json())
+        self.layout_json = section["layout"]
+        return {
+            "function": self.fn.name,
+            "startup": startup.to_json(),
+            "section": section,
+            "registered": writer.registered,
+            "compat": compat_key(self.fn.device, self.fn.world_size),
+            "replay": self.replay,
+        }
+
+    def before_snapshot(self) -> list[str]:
+        released = self.fn.memory.release()
+        if self.uses_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # warmup's activations need not be in the image
+        log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
+        return ["release_weights_and_kv"]
+
+    def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
+        from .service import LLMService
+
+        runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
+        t0 = time.time()
+        runner.run("remap", lambda f: f.update(self.fn.memory.remap()))
+        weights = Path(resume["snapshot_dir"]) / "weights" / "rank0.bin"
+        runner.run("stream_weights", lambda f: self._stream(f, weights))
+        runner.run("replay_check", self._replay_check)
+        self.service = LLMService(self.fn.engine)
+        return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def _stream(self, figures: dict[str, Any], path: Path) -> None:
+        from snapfn.snapshot.layout import RestoreLayout
+        from snapfn.snapshot.streamer import WeightStreamer
+
+        from .function import _report_fields
+
+        c = self.config
+        layout = RestoreLayout.from_json(self.layout_json)
+        with WeightStreamer(
+            path,
+            layout,
+            device=c.device,
+            num_threads=c.stream_threads,
+            ring_slots=c.stream_ring_slots,
+        ) as streamer:
+            report = streamer.stream_into(dict(self.fn.model.named_parameters()))
+        figures.update(_report_fields(report))
+
+    def _replay_check(self, figures: dict[str, Any]) -> None:
+        got = self.fn.generate_one(REPLAY_TOKENS)
+        figures.update(tokens=got["tokens"], recorded=self.replay["tokens"])
+        if got["tokens"] != self.replay["tokens"] or got["logprobs"] != self.replay["logprobs"]:
+            raise RestoreFailed(
+                f"replay check failed: restored worker answered {got['tokens']} "
+                f"(logprobs {got['logprobs']}), init recorded {self.replay['tokens']} "
+                f"(logprobs {self.replay['logprobs']})"
+            )
+
+    # ---- serving -------------------------------------------------------------------------------
+    def handle(self, message: dict[str, Any], send) -> None:
+        op, rid = message["op"], message.get("id")
+        if op == "generate":
+            self._generate(message, send)
+        elif op == "cancel":
+            self.service.cancel(message["request_id"])
+        elif op == "info":
+            send({"id": rid, "event": "result", **self.info()})
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "max_req_input_len": self.service.max_req_input_len,
+            "kv_usage": self.service.kv_usage(),
+            "stats": dataclasses.asdict(self.service.stats),
+        }
+
+    def _generate(self, message: dict[str, Any], send) -> None:
+        from .engine.request import SamplingParams
+
+        raw = dict(message["params"])
+        for key in ("stop", "stop_token_ids"):
+            raw[key] = tuple(raw.get(key, ()))
+        stream = self.service.submit(list(message["prompt_ids"]), SamplingParams(**raw))
+        rid = message["id"]
+        send({"id": rid, "event": "accepted", "request_id": stream.request_id})
+        for out in stream:
+            send(
+                {
+                    "id": rid,
+                    "event": "output",
+                    "tokens": list(out.new_token_ids),
+                    "logprobs": list(out.new_logprobs),
+                    "text": out.text_delta,
+                    "finished": out.finished,
+                    "reason": out.finish_reason,
+                }
+            )
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+
+
+def make(args: dict[str, Any]) -> LLMProcessHost:
+    return LLMProcessHost(args)

@@ -1,0 +1,89 @@
+"""Bring the built-in LLM up from a snapshot: tier 1 (process image) first, then tier 0.
+
+    service, startup, fn = restore_llm(snapshot_dir, config, source, log)
+
+- the snapshot holds a process image (and SNAPFN_PROCESS_RESTORE is not "off"): restore the
+  worker (snapshot/process_snapshot.py) and serve through a ProcessLLMService; `fn` is None;
+- that fails at any step (the worker is already killed): record the step and reason as a
+  fallback "process → portable" and restore tier 0 in this process, which itself falls back to
+  a cold init — the returned startup manifest says every step that failed and why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed
+
+from .init_config import InitConfig
+
+Log = Callable[[str], None]
+
+
+def process_restore_enabled(snapshot_dir: Path | None, environ=os.environ) -> bool:
+    from snapfn.snapshot.process_snapshot import has_process_image
+
+    if environ.get("SNAPFN_PROCESS_RESTORE", "auto") == "off":
+        return False
+    return snapshot_dir is not None and has_process_image(Path(snapshot_dir))
+
+
+def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_exit=None):
+    """Tier 1 only: (ProcessLLMService, startup manifest); RestoreFailed (with `.startup`)."""
+    from snapfn.snapshot.process import ProcessConfig
+    from snapfn.snapshot.process_snapshot import ProcessRestoreFailed, restore_process_snapshot
+    from snapfn.snapshot.stages import StageRunner
+
+    from ..process_client import ProcessClient
+    from .process_service import ProcessLLMService
+
+    worker, startup, _ = restore_process_snapshot(
+        Path(snapshot_dir),
+        {},
+        device=config.device,
+        config=ProcessConfig.from_env(os.environ),
+        log=log,
+    )
+    runner = StageRunner(startup, log=log, offset_s=startup.total_s)
+    try:
+        client = ProcessClient(worker, on_exit=on_exit)
+        service = runner.run(
+            "connect", lambda f: ProcessLLMService(client, Path(snapshot_dir) / "model")
+        )
+    except Exception as exc:
+        worker.kill()
+        raise ProcessRestoreFailed("connect", str(exc), runner.finish(ok=False)) from exc
+    return service, runner.finish(ok=True)
+
+
+def restore_llm(
+    snapshot_dir: Path, config: InitConfig, source: Path | None, log: Log | None, on_exit=None
+) -> tuple[Any, Any, Any]:
+    """(service, startup, fn): tier 1 when possible, else tier 0 (→ cold init) in this process."""
+    from snapfn.snapshot.runtime import restore
+
+    from .function import LLMFunction
+
+    failed = None
+    if process_restore_enabled(snapshot_dir):
+        try:
+            service, startup = restore_process(snapshot_dir, config, log, on_exit)
+            return service, startup, None
+        except RestoreFailed as exc:
+            failed = exc
+            if log is not None:
+                log(f"{exc}; falling back to the portable snapshot")
+    from .service import LLMService
+
+    fn, startup = restore(lambda: LLMFunction(config, source), Path(snapshot_dir), log=log)
+    if failed is not None:
+        startup.fallbacks.insert(0, _fallback_record(failed))
+        startup.info["failed_process_restore"] = failed.startup.to_json()
+    return LLMService(fn.engine), startup, fn
+
+
+def _fallback_record(exc: RestoreFailed) -> dict[str, str]:
+    return {"from": "process", "to": "portable", "step": exc.step, "reason": str(exc)}

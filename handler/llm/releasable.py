@@ -1,0 +1,93 @@
+"""The LLM's weights and KV pool in releasable regions, for process snapshots (tier 1).
+
+A process snapshot must not carry the weights (they stream back from the restore layout faster
+than criu could restore them) nor the KV pool (empty between requests). Both live in regions
+(snapfn.snapshot.vmm) from the moment they are allocated, before warmup and graph capture, so
+every captured graph points into them:
+
+    memory = ReleasableMemory(device)
+    memory.adopt_parameters(model)      after build_model, before the weights are loaded
+    KVPool(..., alloc=memory.kv_alloc(kv_bytes))
+    memory.release()                    before the checkpoint: physical pages dropped
+    memory.remap()                      after the restore: same addresses, KV zeroed
+    streamer.stream_into(params)        the weights come back
+
+Parameters are placed in `named_parameters()` order at 2 MiB alignment: the restore layout's
+own offsets (layout_writer.py), so the region is an image of the layout file.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from snapfn.snapshot.vmm import Arena, Region, allocate_region, arena_bytes
+
+
+class ReleasableMemory:
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.weights: Region | None = None
+        self.kv: Region | None = None
+
+    def adopt_parameters(self, model: torch.nn.Module) -> int:
+        """Move every parameter into one region (its data copied); returns the region's bytes."""
+        params = list(model.named_parameters())
+        sizes = [p.numel() * p.element_size() for _, p in params]
+        self.weights = allocate_region(arena_bytes(sizes), self.device)
+        arena = Arena(self.weights)
+        for _, param in params:
+            view = arena.take(tuple(param.shape), param.dtype)
+            view.copy_(param.data)
+            param.data = view
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the build's own parameter blocks go back to the driver
+        return self.weights.nbytes
+
+    def kv_alloc(self, num_bytes: int):
+        """An `alloc(shape, dtype)` for KVPool that carves a fresh zeroed region of `num_bytes`."""
+        self.kv = allocate_region(num_bytes, self.device)
+        self.kv.zero()
+        return Arena(self.kv).take
+
+    def regions(self) -> dict[str, Region]:
+        return {name: r for name, r in (("weights", self.weights), ("kv", self.kv)) if r}
+
+    def release(self) -> dict[str, Any]:
+        released = {name: r.nbytes for name, r in self.regions().items()}
+        for region in self.regions().values():
+            region.release()
+        return released
+
+    def remap(self) -> dict[str, Any]:
+        """Map physical memory back at the same addresses; the KV pool reads as zeros again."""
+        start = time.perf_counter()
+        for region in self.regions().values():
+            region.remap()
+        if self.kv is not None and self.device.type == "cuda":
+            self.kv.zero()  # fresh device pages hold anything; CPU pages come back zeroed
+            torch.cuda.synchronize(self.device)
+        bytes_mapped = sum(r.nbytes for r in self.regions().values())
+        return {"bytes": bytes_mapped, "seconds": round(time.perf_counter() - start, 4)}
+
+
+def kv_region_bytes(model: Any, num_pages: int, page_size: int) -> int:
+    """Bytes the KV pool's buffers take in a region (each 2 MiB aligned, scratch page included)."""
+    sizes = [
+        spec.num_layers * (num_pages + 1) * page_size * _numel(spec.token_shape) * _itemsize(model)
+        for spec in model.kv_buffer_specs()
+    ]
+    return arena_bytes(sizes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _itemsize(model: Any) -> int:
+    return torch.empty((), dtype=model.dtype).element_size()

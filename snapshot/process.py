@@ -1,0 +1,272 @@
+"""Process snapshots (tier 1): spawn a worker, checkpoint it with criu (+ the CUDA driver), restore it.
+
+    worker = spawn("pkg.mod:host", args, config)     a process_worker.py child, warmed by its host
+    worker.wait_event("initialized")
+    meta = checkpoint(worker, images_dir, config)     hooks → CUDA lock + checkpoint → criu dump
+    worker = restore(images_dir, meta, resume, config, runner)   criu → CUDA → resume → serve
+
+The worker runs in its own pid namespace when `unshare --pid` works here (root), so an image
+restores under a fresh host pid however many times it is used and whatever took its old pid.
+Its channel and its output are pipes whose identities (`pipe:[inode]`) the dump records; every
+restore hands criu fresh pipes for them (`--inherit-fd`). Any failure raises RestoreFailed
+naming the step, after killing what was started: a half-restored worker never survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot import criu, cuda_checkpoint
+from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.pipe_channel import PipeChannel
+
+Log = Callable[[str], None]
+PIPES = ("ctl", "rep", "out")  # owner → worker, worker → owner, worker's stdout + stderr
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """How process snapshots are made and restored. Built once with `from_env`."""
+
+    criu: criu.CriuConfig = field(default_factory=criu.CriuConfig)
+    lazy: str = "auto"  # lazy pages: "auto" (try, then eager), "on", "off"
+    pid_namespace: str = "auto"  # "auto" (when unshare --pid works), "on", "off"
+    init_timeout_s: float = 3600.0
+    restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
+        values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
+        for name, cast in (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float)):
+            raw = environ.get(f"SNAPFN_PROCESS_{name.upper()}")
+            if raw:
+                values[name] = cast(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        config = cls(**values)
+        for name in ("lazy", "pid_namespace"):
+            if getattr(config, name) not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be auto, on or off, not {getattr(config, name)!r}")
+        return config
+
+
+class Worker:
+    """A live worker (spawned or restored): its host pid, its channel, its output forwarded."""
+
+    def __init__(self, pid: int, channel: PipeChannel, out_fd: int, log: Log | None) -> None:
+        self.pid, self.channel = pid, channel
+        self._out = threading.Thread(target=_forward, args=(out_fd, log), daemon=True)
+        self._out.start()
+
+    def wait_event(self, name: str, timeout_s: float | None) -> dict[str, Any]:
+        """The worker's next message, which must be event `name`; RestoreFailed otherwise."""
+        try:
+            message = self.channel.recv(timeout_s)
+        except TimeoutError:
+            raise RestoreFailed(
+                f"worker pid {self.pid} sent no {name!r} within {timeout_s:.0f} s"
+            ) from None
+        if message is None:
+            raise RestoreFailed(f"worker pid {self.pid} exited before {name!r} (see its log above)")
+        if message.get("event") == "failed":
+            raise RestoreFailed(one_line(f"worker {message['step']} failed: {message['error']}"))
+        if message.get("event") != name:
+            raise RestoreFailed(f"worker sent {message.get('event')!r}, expected {name!r}")
+        return message
+
+    def kill(self) -> None:
+        """SIGKILL the worker (its whole pid namespace goes with it) and close the channel."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.channel.close()
+
+
+def spawn(
+    host: str, args: Mapping[str, Any], config: ProcessConfig, log: Log | None, env=None
+) -> Worker:
+    """Start `python -m snapfn.snapshot.process_worker host args` as a checkpointable worker."""
+    pipes = {name: os.pipe() for name in PIPES}
+    ctl, rep, out = pipes["ctl"], pipes["rep"], pipes["out"]
+    argv = [sys.executable, "-m", "snapfn.snapshot.process_worker", host, _json(args)]
+    argv += [str(ctl[0]), str(rep[1])]
+    if _use_pid_namespace(config.pid_namespace):
+        argv = ["unshare", "--pid", "--fork", *argv]
+
+    popen = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out[1],
+        stderr=out[1],
+        pass_fds=(ctl[0], rep[1]),
+        start_new_session=True,
+        env=env,
+    )
+    for fd in (ctl[0], rep[1], out[1]):
+        os.close(fd)
+    pid = _worker_pid(popen) if argv[0] == "unshare" else popen.pid
+    threading.Thread(target=popen.wait, daemon=True).start()  # reap unshare / the worker
+    return Worker(pid, PipeChannel(rep[0], ctl[1]), out[0], log)
+
+
+def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log | None) -> dict:
+    """Before-snapshot hooks, CUDA lock + checkpoint, criu dump (which ends the worker).
+
+    Returns the process section of the manifest. The worker is killed on any failure.
+    """
+    seconds: dict[str, float] = {}
+    try:
+        start = time.perf_counter()
+        worker.channel.send({"op": "checkpoint"})
+        ready = worker.wait_event("ready", config.init_timeout_s)
+        seconds["before_snapshot"] = time.perf_counter() - start
+        fds = {"ctl": ready["fds"][0], "rep": ready["fds"][1], "out": 1}
+        inherit = {name: os.readlink(f"/proc/{worker.pid}/fd/{fd}") for name, fd in fds.items()}
+        if ready["uses_cuda"]:
+            seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
+            seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
+        dumped = criu.dump(worker.pid, images_dir, config=config.criu)
+        seconds["criu_dump"] = dumped.elapsed_s
+    except BaseException:
+        worker.kill()
+        raise
+    worker.channel.close()
+    if log is not None:
+        log(f"process image: {dumped.image_bytes / 1e6:.1f} MB in {images_dir}")
+    return {
+        "images": images_dir.name,
+        "inherit": inherit,
+        "uses_cuda": ready["uses_cuda"],
+        "hooks": ready["hooks"],
+        "image_bytes": dumped.image_bytes,
+        "seconds": {k: round(v, 4) for k, v in seconds.items()},
+    }
+
+
+def restore(
+    images_dir: Path,
+    meta: Mapping[str, Any],
+    resume: Mapping[str, Any],
+    config: ProcessConfig,
+    run_stage: Callable[[str, Callable[[dict], Any]], Any],
+    log: Log | None,
+) -> tuple[Worker, dict[str, Any]]:
+    """criu restore → CUDA restore + unlock → resume → the worker's "restored" message.
+
+    `run_stage(name, fn)` times each step (a StageRunner's `run`). Returns the worker, serving,
+    and its "restored" message (its identity refresh and its own timed stages).
+    """
+    pipes = {name: os.pipe() for name in PIPES}
+    ours = {"ctl": pipes["ctl"][1], "rep": pipes["rep"][0], "out": pipes["out"][0]}
+    theirs = {"ctl": pipes["ctl"][0], "rep": pipes["rep"][1], "out": pipes["out"][1]}
+    inherit = {theirs[name]: meta["inherit"][name] for name in PIPES}
+    pid = None
+    try:
+        pid = run_stage("criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f))
+        for fd in theirs.values():
+            os.close(fd)
+        theirs = {}
+        worker = Worker(pid, PipeChannel(ours["rep"], ours["ctl"]), ours["out"], log)
+        worker.channel.send({"op": "resume", **resume})
+        if meta["uses_cuda"]:
+            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f))
+        restored = run_stage(
+            "resume", lambda f: worker.wait_event("restored", config.restore_timeout_s)
+        )
+        return worker, restored
+    except BaseException:
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for fd in [*theirs.values(), *ours.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+
+
+def _criu_restore(
+    images: Path, inherit: dict[int, str], config: ProcessConfig, figures: dict
+) -> int:
+    modes = {"on": [True], "off": [False], "auto": [True, False]}[config.lazy]
+    for lazy in modes:
+        try:
+            pid = criu.restore(images, config=config.criu, lazy=lazy, inherit_fds=inherit)
+        except RestoreFailed as exc:
+            if lazy and len(modes) > 1:
+                figures["lazy_failed"] = str(exc)
+                continue
+            raise
+        figures.update(lazy=lazy, pid=pid)
+        return pid
+    raise AssertionError("unreachable")
+
+
+def _cuda_restore(pid: int, figures: dict) -> None:
+    figures["restore_s"] = round(cuda_checkpoint.restore(pid), 4)
+    figures["unlock_s"] = round(cuda_checkpoint.unlock(pid), 4)
+
+
+def _worker_pid(unshare: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """The host pid of unshare's forked child (the worker, pid 1 of its namespace)."""
+    deadline = time.monotonic() + timeout_s
+    children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+    while time.monotonic() < deadline:
+        try:
+            found = children.read_text().split()
+        except OSError:
+            found = []
+        if found:
+            return int(found[0])
+        if unshare.poll() is not None:
+            raise RestoreFailed(f"unshare --pid exited {unshare.returncode} before its child ran")
+        time.sleep(0.002)
+    unshare.kill()
+    raise RestoreFailed("unshare --pid started no child within 10 s")
+
+
+@functools.cache
+def pid_namespace_works() -> bool:
+    """Whether `unshare --pid --fork` runs here (root, and the kernel allows it)."""
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        done = subprocess.run(
+            ["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _use_pid_namespace(mode: str) -> bool:
+    if mode == "on" and not pid_namespace_works():
+        raise RestoreFailed("SNAPFN_PROCESS_PID_NAMESPACE=on but `unshare --pid --fork` fails here")
+    return mode == "on" or (mode == "auto" and pid_namespace_works())
+
+
+def _forward(fd: int, log: Log | None) -> None:
+    """Copy the worker's output lines to `log` until it closes them."""
+    with os.fdopen(fd, "rb", buffering=0) as pipe, contextlib.suppress(OSError):
+        pending = b""
+        while chunk := pipe.read(1 << 16):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if log is not None:
+                    log("worker: " + line.decode(errors="replace"))
+
+
+def _json(args: Mapping[str, Any]) -> str:
+    import json
+
+    return json.dumps(dict(args))

@@ -1,0 +1,166 @@
+"""Tier 1 end to end: build a snapshot that holds a process image, and restore from it.
+
+    init_process_snapshot(host, args, dest)     spawn the worker; it cold-inits and writes the
+                                                tier-0 files into the snapshot being built; then
+                                                checkpoint it into <snapshot>/process/ and publish
+    restore_process_snapshot(snap, resume)      validate → criu restore → CUDA restore → resume
+                                                (the worker remaps, streams weights, replays) →
+                                                a Worker serving on its channel
+
+A checkpoint that fails (criu missing or too old, no CUDA checkpoint API, a failed dump)
+publishes the snapshot without its process image (tier 0) and records the step and reason in
+the startup manifest. A restore that fails raises RestoreFailed after killing the worker; the
+caller falls back to tier 0 with the manifest of the failed attempt.
+
+The manifest gains: "tier": "process", "process": {images, inherit, uses_cuda, hooks,
+image_bytes, seconds, host}, "replay": the greedy tokens + logprobs recorded at init.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot import criu, process
+from snapfn.snapshot.compat import compat_key
+from snapfn.snapshot.errors import RestoreFailed, bad_snapshot
+from snapfn.snapshot.format import validate_snapshot
+from snapfn.snapshot.publish import SnapshotWriter
+from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
+
+Log = Callable[[str], None]
+IMAGES = "process"
+
+
+class ProcessRestoreFailed(RestoreFailed):
+    """A tier-1 restore failed at `step`; `startup` is the manifest of the attempt."""
+
+    def __init__(self, step: str, reason: str, startup: StartupManifest) -> None:
+        super().__init__(f"process restore failed at {step}: {reason}".splitlines()[0])
+        self.step, self.startup = step, startup
+
+
+def init_process_snapshot(
+    host: str,
+    args: Mapping[str, Any],
+    dest: Path,
+    config: process.ProcessConfig,
+    log: Log | None,
+) -> tuple[StartupManifest, dict[str, Any]]:
+    """Build and publish a snapshot at `dest`; its tier is "process" unless the checkpoint failed.
+
+    `args` are the host's; "root" (where the tier-0 files go) is added here.
+    """
+    dest = Path(dest)
+    with SnapshotWriter(dest) as writer:
+        worker = process.spawn(host, {**args, "root": str(writer.root)}, config, log)
+        try:
+            init = worker.wait_event("initialized", config.init_timeout_s)
+        except BaseException:
+            worker.kill()
+            raise
+        startup = StartupManifest.from_json(init["startup"])
+        for relpath, chunk_bytes, chunks, sha in init.get("registered", []):
+            writer.register_chunked(relpath, chunk_bytes, chunks, sha)
+        runner = StageRunner(startup, log=log, offset_s=startup.total_s)
+        meta = _checkpoint_or_fall_back(worker, writer.root / IMAGES, config, runner, log)
+        name = init["function"]
+        manifest: dict[str, Any] = {
+            "tier": "process" if meta else "portable",
+            "function": name,
+            "compat": init["compat"],
+            "startup": startup.to_json(),
+            name: init.get("section", {}),
+        }
+        if meta:
+            manifest.update(process={**meta, "host": host}, replay=init.get("replay"))
+        runner.run("publish", lambda f: writer.publish(manifest))
+    startup.tier = manifest["tier"]
+    return startup, manifest
+
+
+def _checkpoint_or_fall_back(worker, images: Path, config, runner, log) -> dict[str, Any] | None:
+    found = criu.check(config.criu)
+    try:
+        if not found.ok:
+            raise RestoreFailed(found.reason)
+        return runner.run("checkpoint", lambda f: _checkpoint(worker, images, config, log, f))
+    except RestoreFailed as exc:
+        worker.kill()
+        shutil.rmtree(images, ignore_errors=True)
+        runner.manifest.add_fallback("process", "portable", "checkpoint", str(exc))
+        if log is not None:
+            log(f"no process image ({exc}); publishing the portable snapshot only")
+        return None
+
+
+def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, Any]:
+    meta = process.checkpoint(worker, images, config, log)
+    figures.update(meta["seconds"], image_bytes=meta["image_bytes"])
+    return meta
+
+
+def has_process_image(snapshot_dir: Path) -> bool:
+    """Whether the snapshot says it holds a process image (read cheaply, not validated)."""
+    import json
+
+    try:
+        manifest = json.loads((Path(snapshot_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("tier") == "process"
+
+
+def restore_process_snapshot(
+    snapshot_dir: Path,
+    resume: Mapping[str, Any],
+    *,
+    device: str,
+    config: process.ProcessConfig,
+    log: Log | None,
+    world_size: int = 1,
+) -> tuple[process.Worker, StartupManifest, dict[str, Any]]:
+    """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure."""
+    snapshot_dir = Path(snapshot_dir)
+    runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
+    try:
+        manifest = runner.run("validate", lambda f: _validate(snapshot_dir, device, world_size))
+        meta = manifest["process"]
+        worker, restored = process.restore(
+            snapshot_dir / meta["images"],
+            meta,
+            {**resume, "snapshot_dir": str(snapshot_dir.absolute())},
+            config,
+            runner.run,
+            log,
+        )
+    except Exception as exc:
+        runner.finish(ok=False)
+        failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
+        raise ProcessRestoreFailed(failed, str(exc), runner.manifest) from exc
+    _merge_worker_stages(runner.manifest, restored)
+    return worker, runner.finish(ok=True), manifest
+
+
+def _validate(snapshot_dir: Path, device: str, world_size: int) -> dict[str, Any]:
+    current = compat_key(device, world_size, light=True)
+    manifest = validate_snapshot(snapshot_dir, current, verify="sizes")
+    meta = manifest.get("process")
+    if manifest.get("tier") != "process" or not isinstance(meta, dict):
+        raise bad_snapshot(snapshot_dir, "holds no process image (tier is not 'process')")
+    if not (snapshot_dir / meta.get("images", IMAGES) / "inventory.img").is_file():
+        raise bad_snapshot(snapshot_dir, "the process image has no inventory.img")
+    return manifest
+
+
+def _merge_worker_stages(manifest: StartupManifest, restored: dict[str, Any]) -> None:
+    """The worker's own timed stages (remap, stream_weights, replay_check), on our time axis."""
+    offset = float(restored.get("t0", manifest.started_at)) - manifest.started_at
+    for stage in restored.get("stages", []):
+        record = StageRecord(**stage)
+        record.start_s += offset
+        record.name = f"worker.{record.name}"
+        manifest.stages.append(record)
+    manifest.info["identity"] = restored.get("identity", {})

@@ -1,0 +1,189 @@
+"""Regions: memory whose pages can be given back while its addresses stay valid.
+
+A process snapshot keeps the weights and the KV pool out of its image. Both live in a `Region`,
+and tensors are views into it (`region.view(offset, shape, dtype)`), so the CUDA graphs captured
+at init hold addresses inside the region. Before the checkpoint `release()` drops the physical
+pages; after the restore `remap()` maps fresh pages at the same addresses and the weights are
+streamed back in — the graphs replay unchanged.
+
+- CUDA (`CudaRegion`): the driver's virtual memory management through `cuda.bindings`:
+  `cuMemAddressReserve` once, then `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` to map and
+  `cuMemUnmap` + `cuMemRelease` to release. The reservation survives the CUDA driver checkpoint
+  and restore (measured on the H200: DESIGN.md). Torch sees the memory through
+  `__cuda_array_interface__`; its allocator never owns it. Contents after `remap()` are undefined.
+- CPU (`CpuRegion`): an anonymous private mapping; `release()` is `madvise(MADV_DONTNEED)`, which
+  drops the pages (criu dumps only pages that are present), `remap()` has nothing to do and the
+  pages read as zeros until written.
+
+`remap()` raises RestoreFailed (with the driver's error, e.g. out of memory) and leaves the region
+released; `release()` and `remap()` are idempotent.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import torch
+
+from snapfn.snapshot.errors import RestoreFailed, one_line
+
+ALIGN = 2 << 20  # offsets of views, and the CUDA mapping granularity on current GPUs
+
+
+class Region:
+    """`nbytes` of memory at a fixed address on `device`; tensors are views into it."""
+
+    device: torch.device
+    nbytes: int
+    base: torch.Tensor  # uint8 view of the whole region
+    mapped: bool
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape`/`dtype` over bytes [offset, offset + its size) of the region."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        size = itemsize
+        for dim in shape:
+            size *= dim
+        if offset < 0 or offset % itemsize or offset + size > self.nbytes:
+            raise ValueError(
+                f"view [{offset}, {offset + size}) does not fit a {self.nbytes}-byte region"
+            )
+        return self.base[offset : offset + size].view(dtype).view(shape)
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def remap(self) -> None:
+        raise NotImplementedError
+
+    def zero(self) -> None:
+        self.base.zero_()
+
+
+class CpuRegion(Region):
+    def __init__(self, nbytes: int) -> None:
+        self.device = torch.device("cpu")
+        self.nbytes = _round_up(max(nbytes, 1), mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.mapped = True
+
+    def release(self) -> None:
+        self._map.madvise(mmap.MADV_DONTNEED)
+        self.mapped = False
+
+    def remap(self) -> None:
+        self.mapped = True  # anonymous pages come back, zero-filled, on first touch
+
+    def resident_bytes(self) -> int:
+        """Bytes of the region backed by memory now (mincore), to check a release."""
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pages = self.nbytes // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(self.nbytes), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+class CudaRegion(Region):
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.zeros(1, device=device)  # the primary context exists and is current
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = index
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        granularity = _ok(cu.cuMemGetAllocationGranularity(prop, flag), "granularity")
+        self.nbytes = _round_up(max(nbytes, 1), max(int(granularity), ALIGN))
+        self._prop = prop
+        self._access = cu.CUmemAccessDesc()
+        self._access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = index
+        self._access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.address = int(_ok(cu.cuMemAddressReserve(self.nbytes, ALIGN, 0, 0), "reserve"))
+        self._handle: Any = None
+        self.mapped = False
+        self.remap()
+        self.base = torch.as_tensor(_CudaArray(self.address, self.nbytes), device=device)
+
+    def remap(self) -> None:
+        if self.mapped:
+            return
+        cu = self._cu
+        handle = _ok(cu.cuMemCreate(self.nbytes, self._prop, 0), "cuMemCreate")
+        try:
+            _ok(cu.cuMemMap(self.address, self.nbytes, 0, handle, 0), "cuMemMap")
+        except RestoreFailed:
+            cu.cuMemRelease(handle)
+            raise
+        self._handle, self.mapped = handle, True
+        _ok(cu.cuMemSetAccess(self.address, self.nbytes, [self._access], 1), "cuMemSetAccess")
+
+    def release(self) -> None:
+        if not self.mapped:
+            return
+        torch.cuda.synchronize(self.device)
+        _ok(self._cu.cuMemUnmap(self.address, self.nbytes), "cuMemUnmap")
+        _ok(self._cu.cuMemRelease(self._handle), "cuMemRelease")
+        self._handle, self.mapped = None, False
+
+
+class _CudaArray:
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def allocate_region(nbytes: int, device: torch.device | str) -> Region:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaRegion(nbytes, device)
+    if device.type == "cpu":
+        return CpuRegion(nbytes)
+    raise ValueError(f"no releasable regions on {device.type}")
+
+
+class Arena:
+    """Hands out aligned views of one region in order (a bump allocator, never frees)."""
+
+    def __init__(self, region: Region, align: int = ALIGN) -> None:
+        self.region, self.align, self.used = region, align, 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        offset = _round_up(self.used, self.align)
+        tensor = self.region.view(offset, tuple(shape), dtype)
+        self.used = offset + tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def arena_bytes(sizes: list[int], align: int = ALIGN) -> int:
+    """The region size an Arena needs to take tensors of these byte sizes, in order."""
+    used = 0
+    for size in sizes:
+        used = _round_up(used, align) + size
+    return used
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _ok(result: Any, what: str) -> Any:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        name = getattr(err, "name", str(int(err)))
+        raise RestoreFailed(one_line(f"CUDA {what} failed: {name}"))
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
