@@ -170,13 +170,14 @@ def restore(
     ours = {"ctl": pipes["ctl"][1], "rep": pipes["rep"][0], "out": pipes["out"][0]}
     theirs = {"ctl": pipes["ctl"][0], "rep": pipes["rep"][1], "out": pipes["out"][1]}
     inherit = {theirs[name]: meta["inherit"][name] for name in PIPES}
-    pid = None
+    pid, worker = None, None
     try:
         pid = run_stage("criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f))
         for fd in theirs.values():
             os.close(fd)
         theirs = {}
         worker = Worker(pid, PipeChannel(ours["rep"], ours["ctl"]), ours["out"], log)
+        ours = {}  # the worker owns them now: its channel, its output thread
         worker.channel.send({"op": "resume", **resume})
         if meta["uses_cuda"]:
             run_stage("cuda_restore", lambda f: _cuda_restore(pid, f))
@@ -185,7 +186,9 @@ def restore(
         )
         return worker, restored
     except BaseException:
-        if pid is not None:
+        if worker is not None:
+            worker.kill()
+        elif pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         for fd in [*theirs.values(), *ours.values()]:
@@ -256,7 +259,7 @@ def _use_pid_namespace(mode: str) -> bool:
 
 def _forward(fd: int, log: Log | None) -> None:
     """Copy the worker's output lines to `log` until it closes them."""
-    with os.fdopen(fd, "rb", buffering=0) as pipe, contextlib.suppress(OSError):
+    with contextlib.suppress(OSError), os.fdopen(fd, "rb", buffering=0) as pipe:
         pending = b""
         while chunk := pipe.read(1 << 16):
             pending += chunk

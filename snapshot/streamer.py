@@ -125,6 +125,13 @@ class WeightStreamer:
         """Release the pinned ring (to torch's host allocator cache) and the sum64 weights."""
         self._ring = self._weights = None
 
+    def retarget(self, path: str | os.PathLike) -> None:
+        """Stream from `path` from now on: the same table's file elsewhere (a process snapshot
+        keeps its pinned ring across the checkpoint; each restore reads its own snapshot)."""
+        self.path = Path(path)
+        self._checks = ChunkChecks(self.path, self.layout, self.verify)
+        self.layout.validate(os.stat(self.path).st_size)
+
     def prepare(self) -> float:
         """Pin the host ring now (CUDA; nothing on CPU); returns the seconds it took.
 

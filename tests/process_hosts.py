@@ -18,39 +18,51 @@ import torch
 
 from snapfn.snapshot.vmm import Arena, allocate_region
 
-WEIGHT_ELEMS = 1 << 20  # 4 MiB of float32
+WEIGHT_ELEMS = 1 << 20  # 4 MiB of float32 by default (args["weight_mb"])
 
 
 class CounterHost:
-    uses_cuda = False
-
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = args
+        self.uses_cuda = bool(args.get("claim_cuda"))  # injection: pretend to hold a GPU
         self.counter = 0
         self.region = self.weights = None
         self.init_draw = None
 
     def init(self) -> dict[str, Any]:
         self._maybe_fail("init")
-        self.region = allocate_region(WEIGHT_ELEMS * 4, "cpu")
-        self.weights = Arena(self.region).take((WEIGHT_ELEMS,), torch.float32)
-        self.weights.copy_(torch.arange(WEIGHT_ELEMS, dtype=torch.float32))
+        request_prefix()  # the engine's request module is loaded (and registered) at init
+        elems = int(self.args.get("weight_mb", 4)) << 18
+        self.region = allocate_region(elems * 4, "cpu")
+        self.weights = Arena(self.region).take((elems,), torch.float32)
+        self.weights.copy_(torch.arange(elems, dtype=torch.float32))
         Path(self.args["weights_file"]).write_bytes(self.weights.numpy().tobytes())
         self.init_draw = random.random()
         self.counter = int(self.args.get("start", 0))
-        return {"function": "counter", "pid": os.getpid(), "draw": self.init_draw}
+        from snapfn.snapshot.compat import compat_key
+        from snapfn.snapshot.stages import StartupManifest
+
+        startup = StartupManifest(kind="init", tier="cold", ok=True)
+        return {
+            "function": "counter",
+            "startup": startup.to_json(),
+            "compat": compat_key("cpu", 1),
+            "section": {"pid": os.getpid(), "draw": self.init_draw},
+        }
 
     def before_snapshot(self) -> list[str]:
         self._maybe_fail("before_snapshot")
-        self.region.release()
+        if not self.args.get("keep_weights"):
+            self.region.release()
         return ["release_weights"]
 
     def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
         self._maybe_fail("after_restore")
+        time.sleep(float(resume.get("sleep_s", 0)))
         start = time.time()
         zero_after_restore = float(self.weights.sum())
         self.region.remap()
-        data = Path(resume["weights_file"]).read_bytes()
+        data = Path(self.args["weights_file"]).read_bytes()
         self.weights.copy_(torch.frombuffer(bytearray(data), dtype=torch.float32))
         figures = {"zero_after_restore": zero_after_restore, "bytes": len(data)}
         seconds = time.time() - start
@@ -71,6 +83,7 @@ class CounterHost:
                 "draw": random.random(),
                 "weights_sum": float(self.weights.double().sum()),
                 "resident_bytes": self.region.resident_bytes(),
+                "request_prefix": request_prefix(),
             }
         )
 
@@ -82,5 +95,30 @@ class CounterHost:
             raise RuntimeError(f"injected failure at {step}")
 
 
+def request_prefix() -> str:
+    from snapfn.handler.llm.engine import request
+
+    return request.Request([1], request.SamplingParams()).request_id.rsplit("-", 1)[0]
+
+
 def make(args: dict[str, Any]) -> CounterHost:
     return CounterHost(args)
+
+
+class PerturbedLLMHost:
+    """The built-in LLM host whose restored weights differ from the init's (final norm scaled):
+    the replay check must catch it."""
+
+    def __new__(cls, args: dict[str, Any]):
+        from snapfn.handler.llm.process_host import LLMProcessHost
+
+        class Perturbed(LLMProcessHost):
+            def _stream(self, figures, path, fresh_ring):
+                super()._stream(figures, path, fresh_ring)
+                dict(self.fn.model.named_parameters())["model.norm.weight"].data *= 1.5
+
+        return Perturbed(args)
+
+
+def perturbed_llm(args: dict[str, Any]):
+    return PerturbedLLMHost(args)

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ALL_MODES = ("hf", "safetensors", "cold_init", "restore", "restore_zygote", "restore_cold")
+ALL_MODES = (
+    "hf",
+    "safetensors",
+    "cold_init",
+    "restore",
+    "restore_zygote",
+    "restore_cold",
+    "init_process",
+    "restore_process",
+)
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
-    child_mode = "restore" if mode.startswith("restore") else mode
+    child_mode = "restore" if mode in ("restore_zygote", "restore_cold") else mode
+    snapshot = workdir / ("snapshot_process" if mode.endswith("_process") else "snapshot")
     return [
         child_mode,
-        *("--model", str(args.model), "--snapshot", str(workdir / "snapshot")),
+        *("--model", str(args.model), "--snapshot", str(snapshot)),
         *("--device", args.device, "--cache-dir", str(workdir / "cache")),
         *("--t0", repr(time.time()), *extra),
     ]
@@ -152,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         if mode == "restore" and weights.exists():
             floors = floors or measure_floors(args, weights)
             prewarm([p for p in (workdir / "snapshot").rglob("*") if p.is_file()])
+        if mode == "restore_process":
+            prewarm([p for p in (workdir / "snapshot_process").rglob("*") if p.is_file()])
         if mode == "restore_cold":
             files = [p for p in (workdir / "snapshot").rglob("*") if p.is_file()]
             if not drop(files, drop_caches=os.geteuid() == 0):
@@ -161,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 }
                 continue
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
-        with_decode = mode == "cold_init"
+        with_decode = mode in ("cold_init", "restore_process")
         results[mode] = run_mode(mode, args, workdir, decode if with_decode else [])
         print(f"[snapfn bench] {mode}: {_brief(results[mode])}", file=sys.stderr, flush=True)
     report = {
@@ -194,10 +206,33 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     stream = _stage_seconds(results.get("restore", {}), "stream_weights")
     if stream and floors:
         out["restore_stream_vs_h2d_floor"] = round(stream / floors["h2d_floor_s"], 2)
+    tier1, tier0 = (results.get(m, {}).get("first_token_s") for m in ("restore_process", "restore"))
+    if tier1 and tier0:
+        out["restore_process_speedup_vs_restore"] = round(tier0 / tier1, 2)
+    same = [m for m in ("restore", "restore_process") if _same_token(results, m)]
+    out.update({f"{m}_token_equals_cold_init": True for m in same})
     cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
     if cold and floors:
         out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
     return out
+
+
+def _same_token(results: dict[str, Any], mode: str) -> bool:
+    cold, other = results.get("cold_init", {}), results.get(mode, {})
+    keys = ("token", "logprob")
+    return all(k in cold and k in other for k in keys) and all(cold[k] == other[k] for k in keys)
+
+
+PROCESS_STEPS = (
+    "validate",
+    "criu_restore",
+    "cuda_restore",
+    "resume",
+    "worker.remap",
+    "worker.stream_weights",
+    "worker.replay_check",
+    "connect",
+)
 
 
 def _stage_seconds(result: dict[str, Any], name: str) -> float | None:
@@ -229,6 +264,11 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _notes(r: dict[str, Any]) -> str:
     parts = []
+    if r.get("startup", {}).get("tier") == "process":
+        steps = [(n, _stage_seconds(r, n)) for n in PROCESS_STEPS]
+        parts.append(
+            " ".join(f"{n.removeprefix('worker.')} {t:.3f}" for n, t in steps if t is not None)
+        )
     stream = _stage_seconds(r, "stream_weights")
     if stream is not None:
         st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")

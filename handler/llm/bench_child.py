@@ -89,6 +89,57 @@ def mode_restore(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "startup": startup.to_json(), "fallbacks": startup.fallbacks}
 
 
+def mode_init_process(args: argparse.Namespace) -> dict[str, Any]:
+    """Setup for (f): a cold init in a checkpointable worker, then its process image."""
+    from .snapshot_cli import _init_process
+
+    startup = _init_process(_config(args), Path(args.model), Path(args.snapshot))
+    return {"ready_s": since(args.t0), "tier": startup.tier, "startup": startup.to_json()}
+
+
+def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
+    """(f) tier-1 restore: criu + CUDA restore of the warmed worker, weights streamed back.
+
+    This process never imports torch: it drives the worker and asks it for the first token.
+    """
+    from .engine.request import SamplingParams
+    from .process_restore import restore_process
+
+    service, startup = restore_process(Path(args.snapshot), _config(args), log=None)
+    ready = since(args.t0)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    result = service.generate(PROMPT_IDS, params)
+    first = since(args.t0)
+    decode = {}
+    if args.decode_batches:
+        steps = SamplingParams(max_new_tokens=args.decode_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        service.generate(PROMPT_IDS, steps)
+        decode["batch1_ms_per_step"] = round(
+            (time.perf_counter() - t0) / args.decode_tokens * 1e3, 3
+        )
+    service.close()
+    return {
+        "ready_s": ready,
+        "first_token_s": first,
+        "token": result.token_ids[0],
+        "logprob": result.logprobs[0],
+        "decode": decode,
+        "torch_imported": "torch" in sys.modules,
+        "startup": startup.to_json(),
+    }
+
+
+def _config(args: argparse.Namespace):
+    from .init_config import InitConfig
+
+    overrides = {
+        "device": args.device,
+        "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
+    }
+    return InitConfig.from_env(os.environ, **overrides)
+
+
 def _function(args: argparse.Namespace, model_dir: Path | None):
     from .function import LLMFunction
     from .init_config import InitConfig
@@ -148,6 +199,8 @@ MODES = {
     "safetensors": mode_safetensors,
     "cold_init": mode_cold_init,
     "restore": mode_restore,
+    "init_process": mode_init_process,
+    "restore_process": mode_restore_process,
 }
 
 

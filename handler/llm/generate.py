@@ -88,12 +88,25 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .build import EngineOptions, build_engine
-    from .embedded import embedded_model_dir
     from .engine.request import SamplingParams
+    from .process_restore import process_restore_enabled
 
     if args.batch_size < 1:
         raise BadRequest(f"--batch-size must be >= 1, got {args.batch_size}")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    if args.snapshot is not None and process_restore_enabled(args.snapshot):
+        return _run_restored_service(args, params)
+    from .build import EngineOptions, build_engine
+    from .embedded import embedded_model_dir
+
     model_dir = args.model or embedded_model_dir()
     t0 = time.perf_counter()
     if args.snapshot is not None:
@@ -106,31 +119,56 @@ def run(args: argparse.Namespace) -> int:
         engine, model_type = loaded.engine, loaded.config.model_type
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(args, engine.tokenizer)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
     timing = _timed_generate(engine, [ids] * args.batch_size, params)
     result = timing.pop("results")[0]
     _report(args, args.snapshot or model_dir, model_type, engine, load_s, timing)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": list(result.token_ids),
-                    "text": result.text,
-                    "logprobs": list(result.logprobs),
-                }
-            )
-        )
-    else:
-        print(result.text if engine.tokenizer else " ".join(map(str, result.token_ids)))
+    _print_result(args, result, engine.tokenizer is not None)
     return 0
+
+
+def _run_restored_service(args: argparse.Namespace, params) -> int:
+    """A snapshot with a process image: restore it (tier 1, falling back to tier 0 → cold)
+    and generate through the service, as the front doors do."""
+    from snapfn.snapshot.runtime import summary
+
+    from .init_config import InitConfig
+    from .process_restore import restore_llm
+
+    config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
+    t0 = time.perf_counter()
+    service, startup, _ = restore_llm(
+        args.snapshot, config, args.model or _recorded_source(args.snapshot), log=None
+    )
+    load_s = time.perf_counter() - t0
+    print(summary(startup), file=sys.stderr)
+    try:
+        ids = _prompt_ids(args, service.tokenizer)
+        start = time.perf_counter()
+        streams = [service.submit(ids, params) for _ in range(args.batch_size)]
+        result = streams[0].result()
+        for stream in streams[1:]:
+            stream.result()
+        first = streams[0].first_token_at or time.perf_counter()
+        total = time.perf_counter() - start
+    finally:
+        service.close()
+    steps = max(len(result.token_ids) - 1, 1)
+    print(
+        f"[snapfn] {args.snapshot} ({startup.tier}) on {args.device}: ready in {load_s:.2f} s; "
+        f"batch {args.batch_size}: first token {(first - start) * 1e3:.1f} ms, "
+        f"decode {(total - (first - start)) / steps * 1e3:.2f} ms/token",
+        file=sys.stderr,
+    )
+    _print_result(args, result, service.tokenizer is not None)
+    return 0
+
+
+def _print_result(args: argparse.Namespace, result, has_tokenizer: bool) -> None:
+    if args.json:
+        doc = {"token_ids": list(result.token_ids), "text": result.text}
+        print(json.dumps({**doc, "logprobs": list(result.logprobs)}))
+    else:
+        print(result.text if has_tokenizer else " ".join(map(str, result.token_ids)))
 
 
 def _timed_generate(engine, prompts: list[list[int]], params) -> dict:

@@ -40,9 +40,11 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
     from ..process_client import ProcessClient
     from .process_service import ProcessLLMService
 
+    # SNAPFN_PROCESS_FRESH_RING=1: pin a new host ring instead of the one in the image
+    resume = {"fresh_ring": os.environ.get("SNAPFN_PROCESS_FRESH_RING") == "1"}
     worker, startup, _ = restore_process_snapshot(
         Path(snapshot_dir),
-        {},
+        resume,
         device=config.device,
         config=ProcessConfig.from_env(os.environ),
         log=log,

@@ -1,0 +1,85 @@
+"""Tier 1 on a GPU: VMM regions under captured graphs, and a whole restore equal to a cold init."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from snapfn.handler.llm.embedded import embedded_model_dir
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.vmm import Arena, allocate_region
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_cuda_region_release_and_remap_keep_a_captured_graph_valid():
+    region = allocate_region(64 << 20, "cuda")
+    weights = Arena(region).take((1 << 20,), torch.float32)
+    weights.copy_(torch.arange(1 << 20, device="cuda", dtype=torch.float32))
+    out = torch.zeros((), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(weights.sum())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(weights.sum())
+    graph.replay()
+    expected, address = out.item(), weights.data_ptr()
+    region.release()
+    assert not region.mapped and torch.cuda.mem_get_info()[0] > 0
+    region.remap()
+    weights.copy_(torch.arange(1 << 20, device="cuda", dtype=torch.float32))
+    out.zero_()
+    graph.replay()
+    assert out.item() == expected and weights.data_ptr() == address
+
+
+@pytest.mark.parametrize("pid_namespace", ["on", "off"], ids=["pidns", "nopidns"])
+def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, monkeypatch, pid_namespace):
+    from snapfn.handler.llm.engine.request import SamplingParams
+    from snapfn.handler.llm.process_restore import restore_llm
+    from snapfn.handler.llm.service import LLMService
+    from snapfn.handler.llm.snapshot_cli import _init_process
+    from snapfn.snapshot.criu import CriuConfig, check
+    from snapfn.snapshot.process import pid_namespace_works
+    from snapfn.snapshot.runtime import cold_init
+
+    found = check(CriuConfig.from_env(os.environ))
+    if not found.ok:
+        pytest.skip(f"criu cannot run here: {found.reason}")
+    if pid_namespace == "on" and not pid_namespace_works():
+        pytest.skip("unshare --pid does not work here")
+    monkeypatch.setenv("SNAPFN_PROCESS_PID_NAMESPACE", pid_namespace)
+    config = InitConfig(device="cuda", mem_fraction_static=0.1, cache_dir=tmp_path / "cache")
+    startup = _init_process(config, embedded_model_dir(), tmp_path / "snap")
+    assert startup.tier == "process", startup.fallbacks
+
+    from snapfn.handler.llm.function import LLMFunction
+
+    cold = LLMFunction(config, embedded_model_dir())
+    cold_init(cold, log=None)
+    reference = LLMService(cold.engine)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+    want = [reference.generate(p, params) for p in prompts]
+    reference.close()
+    cold.release()
+
+    service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)
+    try:
+        assert fn is None and restored.tier == "process", restored.fallbacks
+        got = [service.generate(p, params) for p in prompts]
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+        assert restored.stage("cuda_restore").ok
+        print({s.name: round(s.seconds, 3) for s in restored.stages})
+    finally:
+        service.close()
