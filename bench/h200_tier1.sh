@@ -10,13 +10,7 @@ work=/tmp/snapfn-h200
 mkdir -p "$work" "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m snapfn.handler.cli doctor
-python3 -m pytest -q -p no:cacheprovider tests/test_process.py tests/test_process_gpu.py -k "not equals_cold_init" 2>&1 | tail -5
-if ! python3 -m pytest -q -s -p no:cacheprovider tests/test_process_gpu.py -k "pidns and not nopidns" 2>&1 | tee "$out/gpu-tests.log" | tail -25; then :; fi
-if ! grep -q "1 passed" "$out/gpu-tests.log"; then
-  echo "tier 1 in a pid namespace failed on the GPU: trying without"
-  export SNAPFN_PROCESS_PID_NAMESPACE=off
-  python3 -m pytest -q -s -p no:cacheprovider tests/test_process_gpu.py -k "nopidns" 2>&1 | tail -25
-fi
+python3 -m pytest -q -s -p no:cacheprovider tests/test_process_gpu.py tests/test_process_llm.py 2>&1 | tail -25
 python3 -m snapfn.handler.cli make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b"
 python3 -m snapfn.handler.cli bench --model "$work/llama8b" --device cuda --workdir "$work/bench" \
   --modes cold_init,restore,restore_zygote,init_process,restore_process \

@@ -15,6 +15,7 @@ naming the step, after killing what was started: a half-restored worker never su
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -59,6 +60,13 @@ class ProcessConfig:
             if getattr(config, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be auto, on or off, not {getattr(config, name)!r}")
         return config
+
+    def for_device(self, device: str) -> ProcessConfig:
+        """This config for a worker on `device`. CUDA fails inside a fresh pid namespace
+        (cudaGetDeviceCount: error 304, measured on the H200), so "auto" means none there."""
+        if device.startswith("cuda") and self.pid_namespace == "auto":
+            return dataclasses.replace(self, pid_namespace="off")
+        return self
 
 
 class Worker:

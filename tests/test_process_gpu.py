@@ -42,22 +42,17 @@ def test_cuda_region_release_and_remap_keep_a_captured_graph_valid():
     assert out.item() == expected and weights.data_ptr() == address
 
 
-@pytest.mark.parametrize("pid_namespace", ["on", "off"], ids=["pidns", "nopidns"])
-def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, monkeypatch, pid_namespace):
+def test_tier1_restore_on_cuda_equals_cold_init(tmp_path):
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.process_restore import restore_llm
     from snapfn.handler.llm.service import LLMService
     from snapfn.handler.llm.snapshot_cli import _init_process
     from snapfn.snapshot.criu import CriuConfig, check
-    from snapfn.snapshot.process import pid_namespace_works
     from snapfn.snapshot.runtime import cold_init
 
     found = check(CriuConfig.from_env(os.environ))
     if not found.ok:
         pytest.skip(f"criu cannot run here: {found.reason}")
-    if pid_namespace == "on" and not pid_namespace_works():
-        pytest.skip("unshare --pid does not work here")
-    monkeypatch.setenv("SNAPFN_PROCESS_PID_NAMESPACE", pid_namespace)
     config = InitConfig(device="cuda", mem_fraction_static=0.1, cache_dir=tmp_path / "cache")
     startup = _init_process(config, embedded_model_dir(), tmp_path / "snap")
     assert startup.tier == "process", startup.fallbacks

@@ -103,23 +103,31 @@ class LLMProcessHost:
         self.service = LLMService(self.fn.engine)
         return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
 
-    def _stream(self, figures: dict[str, Any], path: Path) -> None:
+    def _new_streamer(self, path: Path):
         from snapfn.snapshot.layout import RestoreLayout
         from snapfn.snapshot.streamer import WeightStreamer
 
-        from .function import _report_fields
-
         c = self.config
-        layout = RestoreLayout.from_json(self.layout_json)
-        with WeightStreamer(
+        streamer = WeightStreamer(
             path,
-            layout,
+            RestoreLayout.from_json(self.layout_json),
             device=c.device,
             num_threads=c.stream_threads,
             ring_slots=c.stream_ring_slots,
-        ) as streamer:
-            report = streamer.stream_into(dict(self.fn.model.named_parameters()))
-        figures.update(_report_fields(report))
+        )
+        streamer.prepare()
+        return streamer
+
+    def _stream(self, figures: dict[str, Any], path: Path, fresh_ring: bool) -> None:
+        from .function import _report_fields
+
+        if fresh_ring or self.streamer is None:
+            self.streamer = None
+            self.streamer = self._new_streamer(path)
+        else:
+            self.streamer.retarget(path)
+        report = self.streamer.stream_into(dict(self.fn.model.named_parameters()))
+        figures.update(_report_fields(report), kept_ring=not fresh_ring)
 
     def _replay_check(self, figures: dict[str, Any]) -> None:
         got = self.fn.generate_one(REPLAY_TOKENS)

@@ -91,9 +91,8 @@ def _init_process(config: InitConfig, model_dir: Path, dest: Path):
 
     args = {"model_dir": str(Path(model_dir).absolute()), "init_config": _config_json(config)}
     host = "snapfn.handler.llm.process_host:make"
-    startup, _ = init_process_snapshot(
-        host, args, dest, ProcessConfig.from_env(os.environ), stderr_log
-    )
+    process_config = ProcessConfig.from_env(os.environ).for_device(config.device)
+    startup, _ = init_process_snapshot(host, args, dest, process_config, stderr_log)
     return startup
 
 

@@ -1,0 +1,169 @@
+"""The built-in LLM through a process snapshot (tier 1) on CPU: equal to a cold init, and a
+replay mismatch or a dead worker never serves. Skips with criu's reason where criu cannot run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snapfn.handler.llm.embedded import embedded_model_dir
+from snapfn.handler.llm.engine.request import SamplingParams
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.criu import CriuConfig, check
+from snapfn.snapshot.process import ProcessConfig
+from snapfn.snapshot.stages import Readiness
+
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def criu_ok():
+    found = check(CriuConfig.from_env(os.environ))
+    if not found.ok:
+        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_importable():
+    here = str(Path(__file__).parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+        yield
+
+
+def config(tmp: Path) -> InitConfig:
+    return InitConfig(kv_cache_bytes_cpu=32 << 20, cache_dir=tmp / "cache")
+
+
+@pytest.fixture(scope="module")
+def tier1(tmp_path_factory):
+    from snapfn.handler.llm.snapshot_cli import _init_process
+
+    tmp = tmp_path_factory.mktemp("llm1")
+    startup = _init_process(config(tmp), embedded_model_dir(), tmp / "snap")
+    assert startup.tier == "process", startup.fallbacks
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def cold_outputs(tier1):
+    from snapfn.handler.llm.function import LLMFunction
+    from snapfn.handler.llm.service import LLMService
+    from snapfn.snapshot.runtime import cold_init
+
+    fn = LLMFunction(config(tier1), embedded_model_dir())
+    cold_init(fn, log=None)
+    service = LLMService(fn.engine)
+    try:
+        return [service.generate(p, s) for p in PROMPTS for s in (GREEDY, SAMPLED)]
+    finally:
+        service.close()
+        fn.release()
+
+
+def test_tier1_restore_generates_exactly_what_a_cold_init_does(tier1, cold_outputs):
+    from snapfn.handler.llm.process_restore import restore_llm
+
+    service, startup, fn = restore_llm(tier1 / "snap", config(tier1), None, log=None)
+    try:
+        assert fn is None and startup.tier == "process" and not startup.fallbacks
+        got = [service.generate(p, s) for p in PROMPTS for s in (GREEDY, SAMPLED)]
+        for g, w in zip(got, cold_outputs, strict=True):
+            assert (g.token_ids, g.logprobs, g.text) == (w.token_ids, w.logprobs, w.text)
+        replay = startup.stage("worker.replay_check").figures
+        assert replay["tokens"] == replay["recorded"] and len(replay["tokens"]) == 4
+    finally:
+        service.close()
+
+
+def test_the_restorer_does_not_import_torch(tier1):
+    code = (
+        "import sys\nfrom pathlib import Path\n"
+        "from snapfn.handler.llm.init_config import InitConfig\n"
+        "from snapfn.handler.llm.process_restore import restore_process\n"
+        "from snapfn.handler.llm.engine.request import SamplingParams\n"
+        f"s, st = restore_process(Path({str(tier1 / 'snap')!r}), InitConfig(), None)\n"
+        "r = s.generate([1, 2, 3], SamplingParams(max_new_tokens=3))\n"
+        "print('torch' in sys.modules, st.tier, len(r.token_ids))\ns.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "process", "3"], done.stderr[-2000:]
+
+
+def test_a_replay_mismatch_fails_closed_and_falls_back_to_tier_0(tmp_path, cold_outputs):
+    from snapfn.handler.llm.function import _config_json
+    from snapfn.handler.llm.process_restore import restore_llm
+    from snapfn.snapshot.process_snapshot import init_process_snapshot
+
+    args = {"model_dir": str(embedded_model_dir()), "init_config": _config_json(config(tmp_path))}
+    _, manifest = init_process_snapshot(
+        "process_hosts:perturbed_llm",
+        args,
+        tmp_path / "snap",
+        ProcessConfig.from_env(os.environ),
+        None,
+    )
+    assert manifest["tier"] == "process"
+    service, startup, fn = restore_llm(tmp_path / "snap", config(tmp_path), None, log=None)
+    try:
+        (fallback,) = startup.fallbacks
+        assert (fallback["from"], fallback["to"], fallback["step"]) == (
+            "process",
+            "portable",
+            "resume",
+        )
+        assert "replay check failed" in fallback["reason"]
+        assert startup.tier == "portable" and fn is not None
+        assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+    finally:
+        service.close()
+
+
+def test_generate_cli_restores_tier1_and_prints_the_cold_tokens(tier1, cold_outputs):
+    argv = [
+        sys.executable,
+        "-m",
+        "snapfn.handler.cli",
+        "generate",
+        "--snapshot",
+        str(tier1 / "snap"),
+    ]
+    argv += ["--prompt-ids", "1,2,3,4", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["token_ids"] == list(cold_outputs[0].token_ids)
+    assert "restore (process) ok" in done.stderr
+
+
+def test_worker_runtime_serves_tier1_and_fails_when_the_worker_dies(tier1):
+    from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+
+    target = ServeTarget(kind="llm", snapshot_dir=tier1 / "snap", init_config=config(tier1))
+    runtime = WorkerRuntime(target)
+    runtime.start(background=False)
+    try:
+        assert runtime.readiness.state is Readiness.UP and runtime.startup.tier == "process"
+        answer = runtime.invoke({"prompt": "Hello", "max_tokens": 5})
+        assert answer["usage"]["completion_tokens"] == 5
+        os.kill(runtime.llm.client.worker.pid, signal.SIGKILL)
+        _wait_for(lambda: runtime.readiness.state is Readiness.FAILED)
+        assert "worker process exited" in runtime.readiness.reason
+    finally:
+        runtime.close()
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
