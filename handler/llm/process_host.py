@@ -81,14 +81,28 @@ class LLMProcessHost:
         }
 
     def before_snapshot(self) -> list[str]:
+        import os
+
+        hooks = ["release_weights_and_kv"]
         released = self.fn.memory.release()
+        if os.environ.get("SNAPFN_PROCESS_KEEP_RING", "1") == "0":
+            self.streamer = None  # re-pinned after each restore instead of riding in the image
+            hooks.append("drop_pinned_ring")
         if self.uses_cuda:
             import torch
 
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # warmup's activations need not be in the image
+            if self.streamer is None:
+                torch._C._accelerator_emptyHostCache()
+            free, total = torch.cuda.mem_get_info()
+            log(
+                f"at checkpoint: device in use {(total - free) / 1e9:.2f} GB, torch reserved "
+                f"{torch.cuda.memory_reserved() / 1e9:.2f} GB, allocated "
+                f"{torch.cuda.memory_allocated() / 1e9:.2f} GB"
+            )
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
-        return ["release_weights_and_kv"]
+        return hooks
 
     def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
         from .service import LLMService

@@ -33,13 +33,19 @@ def process_restore_enabled(snapshot_dir: Path | None, environ=os.environ) -> bo
 
 def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_exit=None):
     """Tier 1 only: (ProcessLLMService, startup manifest); RestoreFailed (with `.startup`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from snapfn.snapshot.process import ProcessConfig
     from snapfn.snapshot.process_snapshot import ProcessRestoreFailed, restore_process_snapshot
     from snapfn.snapshot.stages import StageRunner
 
     from ..process_client import ProcessClient
-    from .process_service import ProcessLLMService
+    from .process_service import ProcessLLMService, load_tokenizer
 
+    # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary) loads while the worker restores
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
+    tokenizer = pool.submit(load_tokenizer, Path(snapshot_dir) / "model")
+    pool.shutdown(wait=False)
     # SNAPFN_PROCESS_FRESH_RING=1: pin a new host ring instead of the one in the image
     resume = {"fresh_ring": os.environ.get("SNAPFN_PROCESS_FRESH_RING") == "1"}
     worker, startup, _ = restore_process_snapshot(
@@ -52,9 +58,7 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
     runner = StageRunner(startup, log=log, offset_s=startup.total_s)
     try:
         client = ProcessClient(worker, on_exit=on_exit)
-        service = runner.run(
-            "connect", lambda f: ProcessLLMService(client, Path(snapshot_dir) / "model")
-        )
+        service = runner.run("connect", lambda f: ProcessLLMService(client, tokenizer.result()))
     except Exception as exc:
         worker.kill()
         raise ProcessRestoreFailed("connect", str(exc), runner.finish(ok=False)) from exc

@@ -101,16 +101,19 @@ class RemoteStream:
         self._service.client.forget(self._rid)
 
 
-class ProcessLLMService:
-    def __init__(self, client: ProcessClient, model_dir: Path) -> None:
-        from .tokenizer import Tokenizer
+def load_tokenizer(model_dir: Path):
+    from .tokenizer import Tokenizer
 
+    folder = Path(model_dir)
+    return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
+
+
+class ProcessLLMService:
+    def __init__(self, client: ProcessClient, tokenizer: Any) -> None:
+        """`tokenizer`: the model's (`load_tokenizer`), or None for a model without one."""
         self.client = client
         self.stats = ServiceStats()
-        folder = Path(model_dir)
-        self._tokenizer = (
-            Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
-        )
+        self._tokenizer = tokenizer
         self._max_req_input_len = int(self.info()["max_req_input_len"])
 
     @property
