@@ -90,13 +90,16 @@ class CpuRegion(Region):
 
 
 class CudaRegion(Region):
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, in_allocator: bool = False) -> None:
+        """`in_allocator`: called from inside torch's allocator (RegionPool): no torch calls,
+        `device` must carry its index and its context must already be current."""
         from cuda.bindings import driver as cu
 
         self._cu = cu
         self.device = device
+        if not in_allocator:
+            torch.zeros(1, device=device)  # the primary context exists and is current
         index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.zeros(1, device=device)  # the primary context exists and is current
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -113,7 +116,13 @@ class CudaRegion(Region):
         self._handle: Any = None
         self.mapped = False
         self.remap()
-        self.base = torch.as_tensor(_CudaArray(self.address, self.nbytes), device=device)
+        self._base: torch.Tensor | None = None
+
+    @property
+    def base(self) -> torch.Tensor:  # type: ignore[override]
+        if self._base is None:
+            self._base = torch.as_tensor(_CudaArray(self.address, self.nbytes), device=self.device)
+        return self._base
 
     def remap(self) -> None:
         if self.mapped:
@@ -128,13 +137,77 @@ class CudaRegion(Region):
         self._handle, self.mapped = handle, True
         _ok(cu.cuMemSetAccess(self.address, self.nbytes, [self._access], 1), "cuMemSetAccess")
 
-    def release(self) -> None:
+    def release(self, synchronize: bool = True) -> None:
         if not self.mapped:
             return
-        torch.cuda.synchronize(self.device)
+        if synchronize:
+            torch.cuda.synchronize(self.device)
         _ok(self._cu.cuMemUnmap(self.address, self.nbytes), "cuMemUnmap")
         _ok(self._cu.cuMemRelease(self._handle), "cuMemRelease")
         self._handle, self.mapped = None, False
+
+    def close(self, synchronize: bool = True) -> None:
+        """Release the memory and give the addresses back (the region is unusable after)."""
+        self.release(synchronize)
+        _ok(self._cu.cuMemAddressFree(self.address, self.nbytes), "cuMemAddressFree")
+
+
+class RegionPool:
+    """Regions behind a torch `MemPool`: torch's caching allocator gets its segments from here.
+
+    CUDA graphs captured into `mempool()` keep their intermediates in these regions, which a
+    process snapshot releases like the KV pool: a replay recomputes every intermediate from the
+    static inputs, so their contents never matter across a checkpoint. The callbacks run inside
+    torch's allocator (with its lock held): they call the driver only, never torch.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        import ctypes
+
+        self.device = torch.device(device)
+        self.regions: dict[int, CudaRegion] = {}
+        alloc_type = ctypes.CFUNCTYPE(
+            ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
+        )
+        free_type = ctypes.CFUNCTYPE(
+            None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
+        )
+        self._callbacks = (alloc_type(self._malloc), free_type(self._free))  # kept alive
+        pointers = [ctypes.cast(c, ctypes.c_void_p).value for c in self._callbacks]
+        self.allocator = torch._C._cuda_customAllocator(*pointers)
+        self.pool = None
+
+    def mempool(self):
+        """The torch MemPool to capture graphs into (`torch.cuda.graph(g, pool=mp.id)`)."""
+        if self.pool is None:
+            self.pool = torch.cuda.MemPool(allocator=self.allocator)
+        return self.pool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions.values())
+
+    def _malloc(self, size: int, device: int, stream: int) -> int | None:
+        try:
+            region = CudaRegion(size, torch.device("cuda", device), in_allocator=True)
+        except Exception:  # noqa: BLE001 - out of memory: torch raises its own OOM on None
+            return None
+        self.regions[region.address] = region
+        return region.address
+
+    def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        region = self.regions.pop(ptr, None)
+        if region is not None:
+            region.close(synchronize=False)
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for region in self.regions.values():
+            region.release(synchronize=False)
+
+    def remap(self) -> None:
+        for region in self.regions.values():
+            region.remap()
 
 
 class _CudaArray:

@@ -42,6 +42,31 @@ def test_cuda_region_release_and_remap_keep_a_captured_graph_valid():
     assert out.item() == expected and weights.data_ptr() == address
 
 
+def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
+    from snapfn.snapshot.vmm import RegionPool
+
+    weights = torch.randn(256, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda")
+    regions = RegionPool("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.relu(x @ weights).sum(dim=1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=regions.mempool().id):
+        out = torch.relu(x @ weights).sum(dim=1)  # intermediates live in the pool's regions
+    graph.replay()
+    expected = out.clone()
+    spans = [(r.address, r.address + r.nbytes) for r in regions.regions.values()]
+    assert any(lo <= out.data_ptr() < hi for lo, hi in spans), spans
+    regions.release()
+    regions.remap()
+    out.zero_()
+    graph.replay()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_tier1_restore_on_cuda_equals_cold_init(tmp_path):
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.process_restore import restore_llm

@@ -183,7 +183,8 @@ class LLMFunction:
 
     def stage_capture_graphs(self, figures: Figures) -> None:
         if self.uses_graphs():
-            stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len)
+            pool = self.memory.graph_pool() if self.memory is not None else None
+            stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len, pool)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
         elif self.device.startswith("cuda"):

@@ -93,8 +93,9 @@ class LLMProcessHost:
 
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # warmup's activations need not be in the image
-            if self.streamer is None:
-                torch._C._accelerator_emptyHostCache()
+            if self.streamer is None:  # the ring's pinned blocks leave torch's host cache
+                empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
+                (empty or torch._C._host_emptyCache)()
             free, total = torch.cuda.mem_get_info()
             log(
                 f"at checkpoint: device in use {(total - free) / 1e9:.2f} GB, torch reserved "

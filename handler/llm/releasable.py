@@ -31,6 +31,14 @@ class ReleasableMemory:
         self.device = torch.device(device)
         self.weights: Region | None = None
         self.kv: Region | None = None
+        self.graphs = None  # RegionPool behind the decode graphs' memory pool (CUDA)
+
+    def graph_pool(self):
+        """A MemPool id for graph capture whose memory is released with the rest (CUDA)."""
+        from snapfn.snapshot.vmm import RegionPool
+
+        self.graphs = RegionPool(self.device)
+        return self.graphs.mempool().id
 
     def adopt_parameters(self, model: torch.nn.Module) -> int:
         """Move every parameter into one region (its data copied); returns the region's bytes."""
@@ -59,6 +67,9 @@ class ReleasableMemory:
         released = {name: r.nbytes for name, r in self.regions().items()}
         for region in self.regions().values():
             region.release()
+        if self.graphs is not None:
+            released["graphs"] = self.graphs.nbytes
+            self.graphs.release()
         return released
 
     def remap(self) -> dict[str, Any]:
@@ -66,10 +77,13 @@ class ReleasableMemory:
         start = time.perf_counter()
         for region in self.regions().values():
             region.remap()
+        if self.graphs is not None:
+            self.graphs.remap()  # intermediates only: every replay rewrites them
         if self.kv is not None and self.device.type == "cuda":
             self.kv.zero()  # fresh device pages hold anything; CPU pages come back zeroed
             torch.cuda.synchronize(self.device)
         bytes_mapped = sum(r.nbytes for r in self.regions().values())
+        bytes_mapped += self.graphs.nbytes if self.graphs is not None else 0
         return {"bytes": bytes_mapped, "seconds": round(time.perf_counter() - start, 4)}
 
 

@@ -61,10 +61,10 @@ class Engine:
         self._lock = threading.Lock()
         self.graphs: DecodeGraphs | None = None
 
-    def capture_graphs(self, buckets: list[int], max_seq_len: int) -> GraphStats:
+    def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
         graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
-        graphs.capture()
+        graphs.capture(pool)
         self.graphs = graphs
         return graphs.stats
 

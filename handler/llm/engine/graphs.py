@@ -84,12 +84,12 @@ class DecodeGraphs:
             q_lens_cpu=(1,) * n,
         )
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared graph memory pool."""
+    def capture(self, pool=None) -> None:
+        """Capture every bucket, largest first, into one shared graph memory pool (`pool`: a
+        MemPool id to capture into, e.g. one whose memory a process snapshot releases)."""
         import time
 
         start = time.perf_counter()
-        pool = None
         for n in sorted(self.buckets, reverse=True):
             batch = self._static_batch(n)
             stream = torch.cuda.Stream()
