@@ -156,6 +156,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "inherit": inherit,
         "uses_cuda": ready["uses_cuda"],
         "hooks": ready["hooks"],
+        "worker": ready.get("figures", {}),
         "image_bytes": dumped.image_bytes,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
     }

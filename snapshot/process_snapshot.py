@@ -101,7 +101,7 @@ def _checkpoint_or_fall_back(worker, images: Path, config, runner, log) -> dict[
 
 def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, Any]:
     meta = process.checkpoint(worker, images, config, log)
-    figures.update(meta["seconds"], image_bytes=meta["image_bytes"])
+    figures.update(meta["seconds"], image_bytes=meta["image_bytes"], **meta["worker"])
     return meta
 
 

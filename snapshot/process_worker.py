@@ -54,7 +54,13 @@ def main(argv: list[str]) -> int:
         hooks = host.before_snapshot()
         _quiesce()
         channel.send(
-            {"event": "ready", "hooks": hooks, "uses_cuda": bool(host.uses_cuda), "fds": fds}
+            {
+                "event": "ready",
+                "hooks": hooks,
+                "uses_cuda": bool(host.uses_cuda),
+                "fds": fds,
+                "figures": getattr(host, "checkpoint_figures", {}),
+            }
         )
         message = channel.recv()  # the dump happens while waiting here; a restore resumes here
         if message is None or message.get("op") != "resume":

@@ -97,11 +97,12 @@ class LLMProcessHost:
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
                 (empty or torch._C._host_emptyCache)()
             free, total = torch.cuda.mem_get_info()
-            log(
-                f"at checkpoint: device in use {(total - free) / 1e9:.2f} GB, torch reserved "
-                f"{torch.cuda.memory_reserved() / 1e9:.2f} GB, allocated "
-                f"{torch.cuda.memory_allocated() / 1e9:.2f} GB"
-            )
+            self.checkpoint_figures = {
+                "device_in_use_bytes": total - free,
+                "torch_reserved_bytes": torch.cuda.memory_reserved(),
+                "torch_allocated_bytes": torch.cuda.memory_allocated(),
+            }
+            log(f"at checkpoint: {self.checkpoint_figures}")
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
         return hooks
 
