@@ -169,11 +169,14 @@ def restore(
     config: ProcessConfig,
     run_stage: Callable[[str, Callable[[dict], Any]], Any],
     log: Log | None,
+    gate: Callable[[dict], Any] | None = None,
 ) -> tuple[Worker, dict[str, Any]]:
-    """criu restore → CUDA restore + unlock → resume → the worker's "restored" message.
+    """criu restore → [gate] → resume + CUDA restore → the worker's "restored" message.
 
-    `run_stage(name, fn)` times each step (a StageRunner's `run`). Returns the worker, serving,
-    and its "restored" message (its identity refresh and its own timed stages).
+    `run_stage(name, fn)` times each step (a StageRunner's `run`). `gate` (stage "gate") runs
+    once the worker exists but before it resumes: checks that ran beside the criu restore
+    raise there, and the worker is killed. Returns the worker, serving, and its "restored"
+    message (its identity refresh and its own timed stages).
     """
     pipes = {name: os.pipe() for name in PIPES}
     ours = {"ctl": pipes["ctl"][1], "rep": pipes["rep"][0], "out": pipes["out"][0]}
@@ -187,6 +190,8 @@ def restore(
         theirs = {}
         worker = Worker(pid, PipeChannel(ours["rep"], ours["ctl"]), ours["out"], log)
         ours = {}  # the worker owns them now: its channel, its output thread
+        if gate is not None:
+            run_stage("gate", gate)
         worker.channel.send({"op": "resume", **resume})
         if meta["uses_cuda"]:
             run_stage("cuda_restore", lambda f: _cuda_restore(pid, f))

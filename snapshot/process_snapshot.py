@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from snapfn.snapshot import criu, process
-from snapfn.snapshot.compat import compat_key
-from snapfn.snapshot.errors import RestoreFailed, bad_snapshot
+from snapfn.snapshot.compat import check_compat, compat_key
+from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, bad_snapshot
 from snapfn.snapshot.format import validate_snapshot
 from snapfn.snapshot.publish import SnapshotWriter
 from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
@@ -148,9 +149,21 @@ def restore_process_snapshot(
     """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
+    # NOTE: the compat key needs cuInit (~0.3 s on the H200), which the CUDA checkpoint calls
+    # need anyway: it runs beside the criu restore, and the worker resumes only if it matches.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-compat")
+    current = pool.submit(_current_compat, device, world_size, config)
+    pool.shutdown(wait=False)
     try:
-        manifest = runner.run("validate", lambda f: _validate(snapshot_dir, device, world_size))
+        manifest = runner.run("validate", lambda f: _validate(snapshot_dir))
         meta = manifest["process"]
+
+        def gate(figures: dict) -> None:
+            try:
+                check_compat(manifest["compat"], current.result())
+            except IncompatibleSnapshot as exc:
+                raise IncompatibleSnapshot(f"snapshot {snapshot_dir}: {exc}") from None
+
         worker, restored = process.restore(
             snapshot_dir / meta["images"],
             meta,
@@ -158,6 +171,7 @@ def restore_process_snapshot(
             config,
             runner.run,
             log,
+            gate,
         )
     except Exception as exc:
         runner.finish(ok=False)
@@ -167,9 +181,17 @@ def restore_process_snapshot(
     return worker, runner.finish(ok=True), manifest
 
 
-def _validate(snapshot_dir: Path, device: str, world_size: int) -> dict[str, Any]:
-    current = compat_key(device, world_size, light=True)
-    manifest = validate_snapshot(snapshot_dir, current, verify="sizes")
+def _current_compat(device: str, world_size: int, config: process.ProcessConfig) -> dict:
+    key = compat_key(device, world_size, light=True)
+    if device.startswith("cuda"):
+        from snapfn.snapshot import cuda_checkpoint
+
+        cuda_checkpoint.available()  # cuInit now, not on the restore's critical path
+    return key
+
+
+def _validate(snapshot_dir: Path) -> dict[str, Any]:
+    manifest = validate_snapshot(snapshot_dir, None, verify="sizes")
     meta = manifest.get("process")
     if manifest.get("tier") != "process" or not isinstance(meta, dict):
         raise bad_snapshot(snapshot_dir, "holds no process image (tier is not 'process')")

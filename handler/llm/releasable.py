@@ -75,16 +75,30 @@ class ReleasableMemory:
     def remap(self) -> dict[str, Any]:
         """Map physical memory back at the same addresses; the KV pool reads as zeros again."""
         start = time.perf_counter()
-        for region in self.regions().values():
-            region.remap()
+        self.remap_weights()
+        self.remap_kv()
+        return {"bytes": self.mapped_bytes(), "seconds": round(time.perf_counter() - start, 4)}
+
+    def remap_weights(self) -> None:
+        """The weights' region and the graphs' (intermediates only: replays rewrite them)."""
+        if self.weights is not None:
+            self.weights.remap()
         if self.graphs is not None:
-            self.graphs.remap()  # intermediates only: every replay rewrites them
-        if self.kv is not None and self.device.type == "cuda":
-            self.kv.zero()  # fresh device pages hold anything; CPU pages come back zeroed
-            torch.cuda.synchronize(self.device)
-        bytes_mapped = sum(r.nbytes for r in self.regions().values())
-        bytes_mapped += self.graphs.nbytes if self.graphs is not None else 0
-        return {"bytes": bytes_mapped, "seconds": round(time.perf_counter() - start, 4)}
+            self.graphs.remap()
+
+    def remap_kv(self) -> float:
+        """The KV pool's region, zeroed (it may run on a side thread while weights stream)."""
+        start = time.perf_counter()
+        if self.kv is not None:
+            self.kv.remap()
+            if self.device.type == "cuda":
+                self.kv.zero()  # fresh device pages hold anything; CPU pages come back zeroed
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def mapped_bytes(self) -> int:
+        mapped = sum(r.nbytes for r in self.regions().values())
+        return mapped + (self.graphs.nbytes if self.graphs is not None else 0)
 
 
 def kv_region_bytes(model: Any, num_pages: int, page_size: int) -> int:
