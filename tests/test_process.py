@@ -70,7 +70,7 @@ def test_restored_worker_keeps_its_state_and_gets_its_weights_back(snapshot, con
     worker, startup, _ = restore(dest, config)
     try:
         names = [s.name for s in startup.stages]
-        assert names[:3] == ["validate", "criu_restore", "resume"], names
+        assert names[:4] == ["validate", "criu_restore", "gate", "resume"], names
         assert "worker.stream_weights" in names and startup.ok
         stream = startup.stage("worker.stream_weights").figures
         assert stream["zero_after_restore"] == 0.0  # the weights were not in the image
