@@ -106,6 +106,7 @@ class LLMProcessHost:
                 "torch_allocated_bytes": torch.cuda.memory_allocated(),
             }
             log(f"at checkpoint: {self.checkpoint_figures}")
+            log(f"allocator: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}; segments: {_segments()}")
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
         return hooks
 
@@ -221,3 +222,19 @@ class LLMProcessHost:
 
 def make(args: dict[str, Any]) -> LLMProcessHost:
     return LLMProcessHost(args)
+
+
+def _segments() -> dict[str, Any]:
+    """torch's CUDA segments at the checkpoint, summed by pool and kind (a diagnosis aid)."""
+    import torch
+
+    summary: dict[str, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = f"pool{tuple(seg.get('segment_pool_id', ()))}/{seg.get('segment_type')}"
+        total = summary.setdefault(key, [0, 0, 0])
+        total[0] += 1
+        total[1] += seg.get("total_size", 0)
+        total[2] += seg.get("allocated_size", 0)
+    return {
+        k: f"{n} seg, {t / 1e9:.3f} GB, {a / 1e9:.3f} GB used" for k, (n, t, a) in summary.items()
+    }
