@@ -55,6 +55,18 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_arguments",
         "run",
     ),
+    "push": (
+        "upload a snapshot to s3://bucket/prefix (verified first, manifest last)",
+        "snapfn.snapshot.store_cli",
+        "add_push_arguments",
+        "run_push",
+    ),
+    "pull": (
+        "fetch a snapshot from s3://bucket/prefix (verified, resumable, published atomically)",
+        "snapfn.snapshot.store_cli",
+        "add_pull_arguments",
+        "run_pull",
+    ),
     "make-model": (
         "write a synthetic checkpoint in the Hugging Face layout",
         "llm.make_model",

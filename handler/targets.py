@@ -6,7 +6,8 @@ Contract:
   subcommands read them back with the same `serve_target(args)`.
 - `serve_target(args)` is the `ServeTarget` the flags describe, validated before any worker
   starts: `--function` excludes `--model`/`--snapshot`; with none of the three, the embedded
-  model must be built here. Engine settings are `InitConfig.from_env(os.environ)` overridden by
+  model must be built here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot
+  cache (snapshot/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings are `InitConfig.from_env(os.environ)` overridden by
   the flags given.
 
 Imports stay light (no flask, gunicorn or torch at import): the queue worker imports this
@@ -27,14 +28,40 @@ def add_target_arguments(p: argparse.ArgumentParser, verb: str) -> None:
     """The target group; `verb` ("serve", "run") words its help."""
     what = p.add_argument_group(f"what to {verb} (default: the embedded model)")
     what.add_argument("--model", type=Path, help="HF model folder (cold init, or fallback)")
-    what.add_argument(
-        "--snapshot",
-        type=Path,
-        help="restore from this snapshot folder "
+    add_snapshot_arguments(
+        what,
+        "restore from this snapshot folder "
         "(empty or missing: cold init, then write the snapshot there)",
     )
     what.add_argument("--function", help=f"{verb} a user function, module:function")
     what.add_argument("--function-dir", type=Path, help="folder searched first for its module")
+
+
+def add_snapshot_arguments(group: Any, help_text: str) -> None:
+    """`--snapshot DIR|s3://…` and `--cache-max-bytes`; `snapshot_path` reads them back."""
+    group.add_argument(
+        "--snapshot",
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help=f"{help_text}; an s3:// snapshot is pulled into the local snapshot cache first "
+        "(SNAPFN_SNAPSHOT_CACHE, endpoint from AWS_ENDPOINT_URL)",
+    )
+    group.add_argument(
+        "--cache-max-bytes",
+        help="bound of the snapshot cache, LRU eviction (default: "
+        "SNAPFN_SNAPSHOT_CACHE_MAX_BYTES or 100G)",
+    )
+
+
+def snapshot_path(args: argparse.Namespace) -> Path | None:
+    """`--snapshot` as a local folder: an s3:// URI is pulled into the snapshot cache first."""
+    from snapfn.snapshot.s3_transfer import is_s3_uri
+
+    if args.snapshot is None or not is_s3_uri(args.snapshot):
+        return None if args.snapshot is None else Path(args.snapshot)
+    from snapfn.snapshot.cache import SnapshotCacheConfig, cached_snapshot
+
+    config = SnapshotCacheConfig.from_env(os.environ, max_bytes=args.cache_max_bytes)
+    return cached_snapshot(args.snapshot, config)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +100,8 @@ def serve_target(args: argparse.Namespace) -> Any:
         max_running_requests=args.max_running_requests,
         kv_cache_bytes_cpu=kv_bytes,
     )
-    return ServeTarget(model_dir=args.model, snapshot_dir=args.snapshot, init_config=init_config)
+    snapshot_dir = snapshot_path(args)
+    return ServeTarget(model_dir=args.model, snapshot_dir=snapshot_dir, init_config=init_config)
 
 
 def _require_embedded_model() -> None:

@@ -63,6 +63,7 @@ __all__ = [
     "digests_problem",
     "entry_problem",
     "list_files",
+    "parse_manifest",
     "read_manifest",
     "relpath_problem",
     "validate_snapshot",
@@ -84,14 +85,24 @@ def read_manifest(snapshot_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not root.is_dir():
         raise bad_snapshot(root, "no snapshot directory there")
     try:
-        manifest = json.loads((root / MANIFEST).read_bytes())
+        data = (root / MANIFEST).read_bytes()
     except FileNotFoundError:
         raise bad_snapshot(root, f"{MANIFEST} is missing (incomplete or not a snapshot)") from None
     except OSError as e:
         raise bad_snapshot(root, f"cannot read {MANIFEST}: {e.strerror}") from None
+    return parse_manifest(root, data)
+
+
+def parse_manifest(where: object, data: bytes) -> dict[str, Any]:
+    """Parse and shape-check the bytes of a manifest.json; `where` names the snapshot in refusals.
+
+    `read_manifest` reads a directory's; the S3 store (store.py) checks a fetched one with it.
+    """
+    try:
+        manifest = json.loads(data)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise bad_snapshot(root, f"{MANIFEST} is not valid JSON ({e})") from None
-    _check_manifest_shape(root, manifest)
+        raise bad_snapshot(where, f"{MANIFEST} is not valid JSON ({e})") from None
+    _check_manifest_shape(where, manifest)
     return manifest
 
 
@@ -167,7 +178,7 @@ def check_chunk(relpath: str, index: int, data: bytes | memoryview, expected_sha
 # ---------------------------------------------------------------- manifest shape and listing
 
 
-def _check_manifest_shape(root: Path, manifest: Any) -> None:
+def _check_manifest_shape(root: object, manifest: Any) -> None:
     if not isinstance(manifest, dict):
         raise bad_snapshot(root, f"{MANIFEST} is not a JSON object")
     if "format_version" not in manifest:

@@ -46,7 +46,7 @@ from snapfn.snapshot.staging import (
     temp_sibling,
 )
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "SnapshotWriter"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "SnapshotWriter", "install_snapshot"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _RESERVED_KEYS = ("format_version", "created_at", "files")
@@ -193,6 +193,21 @@ class SnapshotWriter:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def install_snapshot(staged: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
+    """Install `staged`, a complete snapshot its caller filled, fsynced and verified, at `dest`.
+
+    For writers that fill a directory themselves (the S3 store's pull copies a manifest as it
+    is): fsyncs every directory under `staged`, installs it with the replace guarantee above and
+    deletes the snapshot it replaced. Returns `dest`.
+    """
+    dest = Path(dest).absolute()
+    _fsync_tree_dirs(Path(staged))
+    replaced = _install(Path(staged), dest)
+    if replaced is not None:
+        remove_tree(replaced)
+    return dest
 
 
 def _manifest_header(fields: dict[str, Any]) -> dict[str, Any]:

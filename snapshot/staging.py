@@ -6,6 +6,7 @@ exit. A temp dir is stale when the pid in its name is not alive on this host and
 taken; `remove_stale_temp_dirs` removes those (the next writer of the same `dest` calls it), and
 leaves alone anything whose pid lives, whose lock is held (a writer in another pid namespace), or
 whose name does not match exactly. Removal tolerates entries vanishing under it (two cleaners).
+`remove_if_unlocked` is also how a pull from the S3 store clears an abandoned staging dir.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["make_locked_temp_dir", "remove_stale_temp_dirs", "remove_tree", "temp_sibling"]
+__all__ = [
+    "make_locked_temp_dir",
+    "remove_if_unlocked",
+    "remove_stale_temp_dirs",
+    "remove_tree",
+    "temp_sibling",
+]
 
 _TEMP_SUFFIX = re.compile(r"(\d+)-[0-9a-f]{16}")
 
@@ -55,7 +62,7 @@ def remove_stale_temp_dirs(dest: str | os.PathLike[str]) -> list[Path]:
         if not candidate.name.startswith(prefix):
             continue
         match = _TEMP_SUFFIX.fullmatch(candidate.name[len(prefix) :])
-        if match and not _pid_alive(int(match.group(1))) and _remove_if_unlocked(candidate):
+        if match and not _pid_alive(int(match.group(1))) and remove_if_unlocked(candidate):
             removed.append(candidate)
     return removed
 
@@ -73,7 +80,7 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, onerror=lambda _fn, _path, info: tolerate_missing(info[1]))
 
 
-def _remove_if_unlocked(path: Path) -> bool:
+def remove_if_unlocked(path: Path) -> bool:
     """Remove `path` if no live writer holds its flock; True if removed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -105,3 +105,17 @@ def llama_with_tokenizer(tiny_llama_dir, tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text("{}")
     return d
+
+
+@pytest.fixture(scope="session")
+def embedded_snapshot(tmp_path_factory):
+    """A real tier-0 snapshot of the embedded model, made once (the S3 store and cache tests)."""
+    from snapfn.handler.llm.embedded import embedded_model_dir
+    from snapfn.handler.llm.function import LLMFunction
+    from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.snapshot.runtime import init_and_snapshot
+
+    tmp = tmp_path_factory.mktemp("embedded")
+    config = InitConfig(max_num_batched_tokens=64, kv_cache_bytes_cpu=1 << 20, cache_dir=tmp / "c")
+    init_and_snapshot(LLMFunction(config, embedded_model_dir()), tmp / "embedded", log=None)
+    return tmp / "embedded"

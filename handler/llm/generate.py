@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..targets import add_snapshot_arguments, snapshot_path
 from .errors import BadRequest
 
 
@@ -36,11 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
     )
-    p.add_argument(
-        "--snapshot",
-        type=Path,
-        default=None,
-        help="restore from this snapshot instead of loading the model (falls back to a cold init)",
+    add_snapshot_arguments(
+        p, "restore from this snapshot instead of loading the model (falls back to a cold init)"
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help=f"prompt text (default: {d.prompt!r})")
@@ -108,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
     from .embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
+    snapshot = snapshot_path(args)
     t0 = time.perf_counter()
-    if args.snapshot is not None:
-        engine, model_type = _restore(args)
+    if snapshot is not None:
+        engine, model_type = _restore(args, snapshot)
     else:
         opts = EngineOptions(
             device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20
@@ -217,7 +216,7 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
-def _restore(args: argparse.Namespace):
+def _restore(args: argparse.Namespace, snapshot: Path):
     """Restore the LLM function from a snapshot (tier 0), falling back to a cold init."""
     from snapfn.snapshot.runtime import restore, summary
 
@@ -225,8 +224,8 @@ def _restore(args: argparse.Namespace):
     from .init_config import InitConfig
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
-    source = args.model or _recorded_source(args.snapshot)
-    fn, startup = restore(lambda: LLMFunction(config, source), args.snapshot)
+    source = args.model or _recorded_source(snapshot)
+    fn, startup = restore(lambda: LLMFunction(config, source), snapshot)
     print(summary(startup), file=sys.stderr)
     return fn.engine, fn.engine.model.config.model_type
 
