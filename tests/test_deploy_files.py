@@ -1,9 +1,10 @@
-"""The deployment image: infra/Dockerfile (+ .dockerignore) and infra/healthcheck.py.
+"""The deployment files: infra/Dockerfile (+ .dockerignore, infra/healthcheck.py) and
+template.yaml.
 
-The Dockerfile passes hadolint (shown to reject a broken copy), and is checked against snapfn
-itself: its structure (stages, dependencies before code, volumes, entrypoint, user), its
-SNAPFN_* variables (ones snapfn reads), its command (parsed by snapfn's own parser). The health
-check runs against a stand-in server and against snapfn's real /health.
+Each passes its linter (hadolint, cfn-lint), each linter is shown to reject a broken copy, and
+the files are checked against each other and against snapfn itself: every SNAPFN_* variable is
+one snapfn reads, every container command parses with snapfn's own argument parser, mounts land
+on the image's volumes, the scaling policies reach zero and come back from it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from dataclasses import fields
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,7 @@ from snapfn.handler.llm.init_config import InitConfig
 from snapfn.handler.serve_config import ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "template.yaml"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
 # the variables snapfn reads: ServeConfig and InitConfig fields, and the CRIU wrapper's
 SNAPFN_VARIABLES = {f"SNAPFN_{f.name.upper()}" for f in (*fields(ServeConfig), *fields(InitConfig))}
@@ -313,3 +316,340 @@ def test_healthcheck_reads_snapfns_real_health_endpoint(tmp_path):
         finally:
             server.shutdown()
             runtime.close()
+
+
+# ---- template.yaml: helpers --------------------------------------------------------------
+def cfn_lint(text: str) -> list[str]:
+    """cfn-lint's findings (errors, warnings and informational) as 'ID line: message'."""
+    api = pytest.importorskip("cfnlint.api", reason="cfn-lint is not installed (the test extra)")
+    config = api.ManualArgs(include_checks=["I"])
+    return [f"{m.rule.id} {m.linenumber}: {m.message}" for m in api.lint(text, config=config)]
+
+
+def load_template(text: str | None = None) -> dict[str, Any]:
+    decode = pytest.importorskip("cfnlint.decode", reason="cfn-lint is not installed")
+    template, errors = decode.decode_str(text if text is not None else TEMPLATE.read_text())
+    assert not errors, errors
+    return template
+
+
+def resources(template: dict, kind: str) -> dict[str, dict]:
+    return {n: r for n, r in template["Resources"].items() if r["Type"] == kind}
+
+
+def refs(value: Any) -> set[str]:
+    """Every logical name a value refers to (Ref, GetAtt, ${Name} or ${Name.Attr} in Sub)."""
+    found: set[str] = set()
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if key == "Ref":
+                found.add(inner)
+            elif key == "Fn::GetAtt":
+                found.add(inner[0] if isinstance(inner, list) else inner.split(".")[0])
+            elif key == "Fn::Sub":
+                text = inner[0] if isinstance(inner, list) else inner
+                found |= {m.split(".")[0] for m in re.findall(r"\$\{([^!}][^}]*)\}", text)}
+            found |= refs(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            found |= refs(inner)
+    return found
+
+
+def branches(value: Any) -> list[Any]:
+    """Both arms of a top-level Fn::If, or the value itself."""
+    if isinstance(value, dict) and "Fn::If" in value:
+        return list(value["Fn::If"][1:])
+    return [value]
+
+
+def as_text(value: Any) -> str:
+    """A CloudFormation value as the string it could become (intrinsics → placeholders)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "Fn::Sub" in value:
+        return re.sub(r"\$\{[^}]+\}", "x", value["Fn::Sub"])
+    return "x"
+
+
+# ---- template.yaml: cfn-lint ----------------------------------------------------------------
+def test_template_passes_cfn_lint():
+    assert cfn_lint(TEMPLATE.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "old, new, rule",
+    [
+        ("SSEAlgorithm: AES256", "SSEAlgorithm: AES257", "E3030"),  # a bad enum value
+        ('MinSize: "0"', 'MinSiz: "0"', "E3002"),  # a misspelt property
+        ("      ScalableDimension: ecs:service:DesiredCount\n", "", "E3003"),  # a required one
+        ("DependsOn: [ClusterCapacityProviders]", "DependsOn: [Cluster]", "W3005"),  # a warning
+    ],
+)
+def test_cfn_lint_rejects_a_broken_template(old, new, rule):
+    text = TEMPLATE.read_text()
+    assert old in text
+    findings = cfn_lint(text.replace(old, new, 1))
+    assert any(f.startswith(rule) for f in findings), findings
+
+
+# ---- template.yaml: what it must hold -------------------------------------------------------
+def test_template_bucket_is_encrypted_versioned_private_and_tls_only():
+    t = load_template()
+    ((name, bucket),) = resources(t, "AWS::S3::Bucket").items()
+    props = bucket["Properties"]
+    (rule,) = props["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+    assert rule["ServerSideEncryptionByDefault"]["SSEAlgorithm"] in ("AES256", "aws:kms")
+    assert props["VersioningConfiguration"]["Status"] == "Enabled"
+    assert all(v is True for v in props["PublicAccessBlockConfiguration"].values())
+    assert len(props["PublicAccessBlockConfiguration"]) == 4
+    assert bucket["DeletionPolicy"] == "Retain"
+    (policy,) = resources(t, "AWS::S3::BucketPolicy").values()
+    denies = [
+        s
+        for s in policy["Properties"]["PolicyDocument"]["Statement"]
+        if s["Effect"] == "Deny"
+        and s["Condition"].get("Bool", {}).get("aws:SecureTransport") in (False, "false")
+    ]
+    assert denies and denies[0]["Action"] == "s3:*" and denies[0]["Principal"] == "*"
+    assert refs(policy["Properties"]["Bucket"]) == {name} == refs(denies[0]["Resource"])
+    assert len(denies[0]["Resource"]) == 2  # the bucket and its objects
+
+
+def test_template_queue_redrives_to_a_dead_letter_queue():
+    t = load_template()
+    queues = resources(t, "AWS::SQS::Queue")
+    redrives = {
+        n: q["Properties"]["RedrivePolicy"]
+        for n, q in queues.items()
+        if "RedrivePolicy" in q["Properties"]
+    }
+    assert list(redrives) == ["JobQueue"]
+    (dlq,) = refs(redrives["JobQueue"]["deadLetterTargetArn"])
+    assert dlq in queues and dlq != "JobQueue"
+    assert 1 <= redrives["JobQueue"]["maxReceiveCount"] <= 10
+    # the worker's default visibility timeout and long poll match the queue's
+    assert queues["JobQueue"]["Properties"]["VisibilityTimeout"] == 60
+    assert queues["JobQueue"]["Properties"]["ReceiveMessageWaitTimeSeconds"] == 20
+
+
+def test_template_gpu_capacity_scales_to_zero_instances():
+    t = load_template()
+    (asg,) = resources(t, "AWS::AutoScaling::AutoScalingGroup").values()
+    assert str(asg["Properties"]["MinSize"]) == "0"
+    assert "DesiredCapacity" not in asg["Properties"]  # ECS managed scaling owns it
+    assert asg["Properties"]["NewInstancesProtectedFromScaleIn"] is True
+    (provider,) = resources(t, "AWS::ECS::CapacityProvider").values()
+    group = provider["Properties"]["AutoScalingGroupProvider"]
+    assert group["ManagedScaling"]["Status"] == "ENABLED"
+    assert group["ManagedTerminationProtection"] == "ENABLED"
+    (assoc,) = resources(t, "AWS::ECS::ClusterCapacityProviderAssociations").values()
+    assert refs(assoc["Properties"]["CapacityProviders"]) == {"GpuCapacityProvider"}
+    for service in resources(t, "AWS::ECS::Service").values():
+        assert service["Properties"]["DesiredCount"] == 0
+        assert refs(service["Properties"]["CapacityProviderStrategy"]) == {"GpuCapacityProvider"}
+
+
+def test_template_instances_use_the_gpu_ami_and_mount_nvme_where_tasks_look():
+    t = load_template()
+    (lt,) = resources(t, "AWS::EC2::LaunchTemplate").values()
+    data = lt["Properties"]["LaunchTemplateData"]
+    (ami_param,) = refs(data["ImageId"])
+    param = t["Parameters"][ami_param]
+    assert param["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"
+    assert re.fullmatch(
+        r"/aws/service/ecs/optimized-ami/[^/]+/gpu/recommended/image_id", param["Default"]
+    )
+    assert data["MetadataOptions"]["HttpTokens"] == "required"
+    user_data = data["UserData"]["Fn::Base64"]["Fn::Sub"]
+    assert "ECS_ENABLE_GPU_SUPPORT=true" in user_data and "ECS_CLUSTER=${Cluster}" in user_data
+    assert "NVMe Instance Storage" in user_data
+    mount_point = re.search(r"^mount_point=(\S+)$", user_data, re.M).group(1)
+    uid = dockerfile_user()
+    assert f"chown -R {uid}:{uid}" in user_data
+    for task in resources(t, "AWS::ECS::TaskDefinition").values():
+        for volume in task["Properties"]["Volumes"]:
+            assert volume["Host"]["SourcePath"].startswith(mount_point + "/")
+            assert volume["Host"]["SourcePath"].split("/")[-1] in user_data
+
+
+def test_template_tasks_get_a_gpu_and_the_cache_on_the_image_volumes():
+    t = load_template()
+    volumes = set(dockerfile_volumes())
+    for name, task in resources(t, "AWS::ECS::TaskDefinition").items():
+        (container,) = task["Properties"]["ContainerDefinitions"]
+        (gpu,) = [r for r in container["ResourceRequirements"] if r["Type"] == "GPU"]
+        assert refs(gpu["Value"]) == {"GpusPerTask"}
+        assert {m["ContainerPath"] for m in container["MountPoints"]} == volumes, name
+        assert task["Properties"]["RequiresCompatibilities"] == ["EC2"]
+        assert refs(container["LogConfiguration"]["Options"]) >= {"LogGroup"}
+    (log_group,) = resources(t, "AWS::Logs::LogGroup").values()
+    assert refs(log_group["Properties"]["RetentionInDays"]) == {"LogRetentionDays"}
+
+
+def test_template_container_commands_parse_with_snapfn():
+    t = load_template()
+    tasks = resources(t, "AWS::ECS::TaskDefinition")
+    (serve,) = tasks["HttpTaskDefinition"]["Properties"]["ContainerDefinitions"]
+    (worker,) = tasks["QueueTaskDefinition"]["Properties"]["ContainerDefinitions"]
+    assert "EntryPoint" not in serve  # the image's: snapfn serve
+    assert dockerfile_entrypoint() == ["snapfn", "serve"]
+    assert worker["EntryPoint"] == ["snapfn", "worker"]
+    for entry, container in ((["serve"], serve), (["worker"], worker)):
+        for command in branches(container["Command"]):
+            args = parse_snapfn(entry + [as_text(a) for a in command])
+            assert args.snapshot is not None
+            assert str(args.snapshot).startswith("s3:")
+    worker_args = branches(worker["Command"])[0]
+    assert refs(worker_args[worker_args.index("--queue-url") + 1]) == {"JobQueue"}
+
+
+def test_template_environment_is_what_snapfn_reads():
+    t = load_template()
+    for task in resources(t, "AWS::ECS::TaskDefinition").values():
+        (container,) = task["Properties"]["ContainerDefinitions"]
+        names = {e["Name"] for e in container.get("Environment", [])}
+        for secrets in branches(container.get("Secrets", [])):
+            names |= {s["Name"] for s in secrets if isinstance(s, dict) and "Name" in s}
+        assert names and names <= SNAPFN_VARIABLES, names - SNAPFN_VARIABLES
+
+
+def test_template_http_service_sits_behind_the_alb_health_check():
+    t = load_template()
+    (tg,) = resources(t, "AWS::ElasticLoadBalancingV2::TargetGroup").values()
+    assert tg["Properties"]["HealthCheckPath"] == "/health"
+    assert tg["Properties"]["TargetType"] == "ip"
+    (listener,) = resources(t, "AWS::ElasticLoadBalancingV2::Listener").values()
+    assert refs(listener["Properties"]["DefaultActions"]) == {"TargetGroup"}
+    service = t["Resources"]["HttpService"]["Properties"]
+    (lb,) = service["LoadBalancers"]
+    (container,) = t["Resources"]["HttpTaskDefinition"]["Properties"]["ContainerDefinitions"]
+    assert lb["ContainerName"] == container["Name"]
+    assert (
+        lb["ContainerPort"]
+        == container["PortMappings"][0]["ContainerPort"]
+        == tg["Properties"]["Port"]
+    )
+    assert service["HealthCheckGracePeriodSeconds"] >= 600  # a cold start takes minutes
+
+
+def scaling_policies(t: dict, target: str) -> dict[str, dict]:
+    return {
+        n: p["Properties"]
+        for n, p in resources(t, "AWS::ApplicationAutoScaling::ScalingPolicy").items()
+        if refs(p["Properties"]["ScalingTargetId"]) == {target}
+    }
+
+
+def alarm_metrics(alarm: dict) -> set[str]:
+    props = alarm["Properties"]
+    if "MetricName" in props:
+        return {props["MetricName"]}
+    return {m["MetricStat"]["Metric"]["MetricName"] for m in props["Metrics"] if "MetricStat" in m}
+
+
+def alarms_of(t: dict, policy: str) -> list[dict]:
+    alarms = resources(t, "AWS::CloudWatch::Alarm").values()
+    return [a for a in alarms if policy in refs(a["Properties"]["AlarmActions"])]
+
+
+@pytest.mark.parametrize(
+    "target, service, wake_metric",
+    [
+        ("HttpScalableTarget", "HttpService", "HTTPCode_ELB_503_Count"),
+        ("QueueScalableTarget", "QueueService", "ApproximateNumberOfMessagesVisible"),
+    ],
+)
+def test_template_services_scale_from_and_to_zero(target, service, wake_metric):
+    t = load_template()
+    scalable = t["Resources"][target]["Properties"]
+    assert (
+        scalable["MinCapacity"] == 0 and scalable["ScalableDimension"] == "ecs:service:DesiredCount"
+    )
+    assert service in refs(scalable["ResourceId"])
+    policies = scaling_policies(t, target)
+    steps = {n: p for n, p in policies.items() if p["PolicyType"] == "StepScaling"}
+    to_zero = [
+        n
+        for n, p in steps.items()
+        if p["StepScalingPolicyConfiguration"]["AdjustmentType"] == "ExactCapacity"
+        and [s["ScalingAdjustment"] for s in p["StepScalingPolicyConfiguration"]["StepAdjustments"]]
+        == [0]
+    ]
+    from_zero = [
+        n
+        for n, p in steps.items()
+        if p["StepScalingPolicyConfiguration"]["AdjustmentType"] == "ChangeInCapacity"
+        and all(
+            s["ScalingAdjustment"] > 0
+            for s in p["StepScalingPolicyConfiguration"]["StepAdjustments"]
+        )
+    ]
+    assert len(to_zero) == 1 and len(from_zero) == 1, policies
+    (wake,) = alarms_of(t, from_zero[0])
+    assert wake_metric in alarm_metrics(wake)
+    (idle,) = alarms_of(t, to_zero[0])
+    assert idle["Properties"]["TreatMissingData"] == "breaching"  # no data = no traffic
+    # the idle alarm must also see what wakes the service, or it would undo a wake-up
+    assert wake_metric in alarm_metrics(idle)
+    assert refs(idle["Properties"]["EvaluationPeriods"]) == {"IdleMinutes"}
+
+
+def test_template_http_tracks_alb_requests_per_target():
+    t = load_template()
+    (tracking,) = [
+        p
+        for p in scaling_policies(t, "HttpScalableTarget").values()
+        if p["PolicyType"] == "TargetTrackingScaling"
+    ]
+    spec = tracking["TargetTrackingScalingPolicyConfiguration"]["PredefinedMetricSpecification"]
+    assert spec["PredefinedMetricType"] == "ALBRequestCountPerTarget"
+    assert refs(spec["ResourceLabel"]) == {"LoadBalancer", "TargetGroup"}
+
+
+def statements(role: dict) -> list[dict]:
+    return [
+        s for p in role["Properties"].get("Policies", []) for s in p["PolicyDocument"]["Statement"]
+    ]
+
+
+def test_template_task_roles_reach_only_this_bucket_and_queue():
+    t = load_template()
+    for name in ("HttpTaskRole", "QueueTaskRole"):
+        for s in statements(t["Resources"][name]):
+            actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
+            assert s["Effect"] == "Allow" and "*" not in s["Resource"], (name, s)
+            assert all(not a.endswith("*") for a in actions), (name, s)
+            services = {a.split(":")[0] for a in actions}
+            if services == {"s3"}:
+                assert refs(s["Resource"]) <= {"SnapshotBucket", "SnapshotPrefix"}, s
+                objects = as_text(s["Resource"])
+                assert objects == "x" or objects.startswith(("x/x/", "x/results/")), s
+            else:
+                assert services == {"sqs"} and refs(s["Resource"]) == {"JobQueue"}, s
+    http_actions = {
+        a
+        for s in statements(t["Resources"]["HttpTaskRole"])
+        for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
+    }
+    assert http_actions == {"s3:GetObject", "s3:ListBucket"}  # serve only reads the snapshot
+
+
+def test_template_parameters_and_outputs():
+    t = load_template()
+    assert {
+        "InstanceType",
+        "ImageUri",
+        "ModelName",
+        "ModelPath",
+        "SnapshotPrefix",
+        "VpcId",
+        "SubnetIds",
+    } <= set(t["Parameters"])
+    assert {
+        "Endpoint",
+        "SnapshotUri",
+        "QueueUrl",
+        "DeadLetterQueueUrl",
+        "SnapshotPublisherPolicyArn",
+    } <= set(t["Outputs"])
