@@ -1,10 +1,11 @@
-"""The deployment files: infra/Dockerfile (+ .dockerignore, infra/healthcheck.py) and
-template.yaml.
+"""The deployment files: template.yaml, infra/Dockerfile (+ .dockerignore, infra/healthcheck.py)
+and infra/k8s/.
 
-Each passes its linter (hadolint, cfn-lint), each linter is shown to reject a broken copy, and
-the files are checked against each other and against snapfn itself: every SNAPFN_* variable is
-one snapfn reads, every container command parses with snapfn's own argument parser, mounts land
-on the image's volumes, the scaling policies reach zero and come back from it.
+Each is checked by its own linter or schema (cfn-lint, hadolint, kubernetes-validate, KEDA
+schemas in keda_schemas.py), each checker is shown to reject a broken copy, and the files are
+checked against each other and against snapfn itself: every SNAPFN_* variable is one snapfn
+reads, every container command parses with snapfn's own argument parser, mounts land on the
+image's volumes, the scaling policies reach zero and come back from it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from snapfn.handler.cli import build_parser
 from snapfn.handler.llm.init_config import InitConfig
 from snapfn.handler.serve_config import ServeConfig
 
+from keda_schemas import SCHEMAS
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "template.yaml"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
+K8S = ROOT / "infra" / "k8s"
+KUBERNETES_VERSION = "1.33.0"
 # the variables snapfn reads: ServeConfig and InitConfig fields, and the CRIU wrapper's
 SNAPFN_VARIABLES = {f"SNAPFN_{f.name.upper()}" for f in (*fields(ServeConfig), *fields(InitConfig))}
 SNAPFN_VARIABLES |= {"SNAPFN_CRIU", "SNAPFN_CRIU_PREFIX"}
@@ -653,3 +659,138 @@ def test_template_parameters_and_outputs():
         "DeadLetterQueueUrl",
         "SnapshotPublisherPolicyArn",
     } <= set(t["Outputs"])
+
+
+# ---- infra/k8s ------------------------------------------------------------------------------
+def k8s_documents() -> dict[tuple[str, str], dict]:
+    """(kind, name) → document, for every manifest in infra/k8s."""
+    docs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                name = doc.get("metadata", {}).get("name", path.name)  # a Kustomization has none
+                docs[(doc["kind"], name)] = doc
+    return docs
+
+
+def kubernetes_validate(doc: dict) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    kv.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_k8s_core_manifests_pass_the_kubernetes_schemas():
+    checked = 0
+    for doc in k8s_documents().values():
+        if doc["apiVersion"].startswith(("keda.sh/", "kustomize.config.k8s.io/")):
+            continue
+        kubernetes_validate(doc)
+        checked += 1
+    assert checked >= 6  # namespace, service account, config map, 2 deployments, service
+
+
+def test_kubernetes_validate_rejects_a_broken_deployment():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    doc = k8s_documents()[("Deployment", "snapfn-serve")]
+    container = doc["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")  # a misspelt field
+    with pytest.raises(kv.ValidationError):
+        kv.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_keda_objects_pass_their_crd_schemas():
+    import jsonschema
+
+    docs = k8s_documents()
+    for kind, schema in SCHEMAS.items():
+        matching = [d for (k, _), d in docs.items() if k == kind]
+        assert matching, kind
+        for doc in matching:
+            jsonschema.validate(doc, schema)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda so: so["spec"].update(minReplicaCount="0"),  # a string, not an integer
+        lambda so: so["spec"]["triggers"][0]["metadata"].pop("queueURL"),  # required
+        lambda so: so["spec"]["triggers"][0]["metadata"].update(queueLenght="5"),  # a typo
+        lambda so: so["spec"].update(minReplicas=0),  # not a ScaledObject field
+    ],
+)
+def test_keda_schema_rejects_a_broken_scaled_object(edit):
+    import jsonschema
+
+    doc = k8s_documents()[("ScaledObject", "snapfn-worker")]
+    edit(doc)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, SCHEMAS["ScaledObject"])
+
+
+def test_k8s_scaled_object_takes_the_worker_from_zero_with_pod_identity():
+    docs = k8s_documents()
+    scaled = docs[("ScaledObject", "snapfn-worker")]["spec"]
+    assert scaled["minReplicaCount"] == 0
+    target = docs[("Deployment", scaled["scaleTargetRef"]["name"])]
+    assert target["spec"]["template"]["spec"]["containers"][0]["command"] == ["snapfn", "worker"]
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "aws-sqs-queue"
+    auth = docs[("TriggerAuthentication", trigger["authenticationRef"]["name"])]["spec"]
+    assert auth["podIdentity"]["provider"] == "aws"
+    env = docs[("ConfigMap", "snapfn-env")]["data"]
+    assert trigger["metadata"]["queueURL"] == env["QUEUE_URL"]
+    assert trigger["metadata"]["awsRegion"] == env["AWS_REGION"]
+
+
+def deployments() -> dict[str, dict]:
+    return {name: d for (kind, name), d in k8s_documents().items() if kind == "Deployment"}
+
+
+def test_k8s_deployments_use_a_gpu_the_configmap_and_the_image_volumes():
+    docs = k8s_documents()
+    env = docs[("ConfigMap", "snapfn-env")]["data"]
+    assert {k for k in env if k.startswith("SNAPFN_")} <= SNAPFN_VARIABLES
+    assert all(isinstance(v, str) for v in env.values())
+    uid = int(dockerfile_user())
+    for name, deployment in deployments().items():
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+        assert container["envFrom"] == [{"configMapRef": {"name": "snapfn-env"}}]
+        assert {m["mountPath"] for m in container["volumeMounts"]} == set(dockerfile_volumes())
+        (volume,) = pod["volumes"]
+        assert volume["hostPath"]["path"] == "/mnt/snapfn-nvme"  # template.yaml's mount point
+        assert pod["securityContext"]["runAsUser"] == uid and pod["securityContext"]["runAsNonRoot"]
+        assert pod["serviceAccountName"] in {n for (k, n) in docs if k == "ServiceAccount"}
+        # every $(VAR) in the arguments comes from the config map, and snapfn accepts them
+        args = container["args"]
+        for var in re.findall(r"\$\((\w+)\)", " ".join(args)):
+            assert var in env, var
+        entry = container.get("command", dockerfile_entrypoint())[1:]
+        parsed = parse_snapfn(
+            entry + [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+        )
+        assert str(parsed.snapshot).startswith("s3:")
+
+
+def test_k8s_serve_probes_health_on_the_service_port():
+    docs = k8s_documents()
+    deployment = docs[("Deployment", "snapfn-serve")]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (port,) = container["ports"]
+    assert str(port["containerPort"]) == docs[("ConfigMap", "snapfn-env")]["data"]["SNAPFN_PORT"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == "/health" and get["port"] == port["name"], probe
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # restores take minutes
+    service = docs[("Service", "snapfn")]["spec"]
+    assert (
+        service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert service["ports"][0]["targetPort"] == port["name"]
+
+
+def test_k8s_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == manifests
