@@ -278,7 +278,7 @@ def call_handler(handler: Handler, event: Any, context: Context) -> Any:
         raise BadRequest(f"the event must be a JSON object, got {type(event).__name__}")
     try:
         result = handler(event, context)
-    except BadRequest:
+    except (BadRequest, FunctionError):  # FunctionError: a remote handler's, already shaped
         raise
     except (Exception, SystemExit) as exc:  # SystemExit: a handler calling sys.exit()
         raise FunctionError.from_exception(exc) from exc

@@ -99,6 +99,7 @@ class WorkerRuntime:
         self._function: LoadedFunction | None = None
         self._llm_function: LLMFunction | None = None
         self._llm_handler: LLMHandler | None = None
+        self._remote = None  # RemoteHandler of a restored function worker (tier 1)
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
@@ -157,8 +158,8 @@ class WorkerRuntime:
         self.readiness.set(Readiness.FAILED, reason)
 
     def _planned_startup(self) -> tuple[str, str]:
-        if self.target.kind == "llm" and _holds_files(self.target.snapshot_dir):
-            return "restore", "portable"
+        if _holds_files(self.target.snapshot_dir):
+            return "restore", "portable" if self.target.kind == "llm" else "process"
         return "init", "cold"
 
     # ---- kind="llm" ----------------------------------------------------------------------------
@@ -197,11 +198,54 @@ class WorkerRuntime:
     def _worker_exited(self, reason: str) -> None:
         """A restored process-snapshot worker died: this runtime can no longer serve."""
         if self._log is not None:
-            self._log(f"the llm worker process is gone ({reason})")
+            self._log(f"the {self.function_name} worker process is gone ({reason})")
         self.readiness.set(Readiness.FAILED, f"worker process exited: {reason}")
 
     # ---- kind="function" -----------------------------------------------------------------------
     def _start_function(self, log: Log) -> None:
+        failed = None
+        if _holds_files(self.target.snapshot_dir):
+            try:
+                return self._restore_function(log)
+            except SnapfnError as exc:  # every step of a tier-1 restore raises one
+                failed = exc
+                log(f"{exc}; falling back to a cold init of {self.function_name}")
+        self._cold_start_function(log)
+        if failed is not None:
+            self.startup.tier = "cold (fallback)"
+            step = getattr(failed, "step", "validate")
+            self.startup.add_fallback("process", "cold", step, str(failed))
+            attempt = getattr(failed, "startup", None)
+            if attempt is not None:
+                self.startup.info["failed_process_restore"] = attempt.to_json()
+
+    def _restore_function(self, log: Log) -> None:
+        """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""
+        import os
+
+        from snapfn.snapshot.process import ProcessConfig
+        from snapfn.snapshot.process_snapshot import restore_process_snapshot
+
+        from .function_host import RemoteHandler
+        from .process_client import ProcessClient
+
+        worker, self.startup, manifest = restore_process_snapshot(
+            Path(self.target.snapshot_dir),
+            {},
+            device="cpu",
+            config=ProcessConfig.from_env(os.environ),
+            log=log,
+        )
+        recorded = manifest.get("function", {}).get("spec")
+        if recorded != self.target.function:
+            worker.kill()
+            raise BadRequest(
+                f"snapshot {self.target.snapshot_dir} holds function {recorded!r}, "
+                f"not {self.target.function!r}"
+            )
+        self._handler = self._remote = RemoteHandler(ProcessClient(worker, self._worker_exited))
+
+    def _cold_start_function(self, log: Log) -> None:
         self.startup = StartupManifest(
             kind="init", tier="cold", info={"function": self.function_name}
         )
@@ -291,6 +335,9 @@ class WorkerRuntime:
                 self.readiness.set(Readiness.FAILED, "closed")
 
     def _release(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         if self.llm is not None:
             self.llm.close()
         if self._llm_function is not None:

@@ -5,7 +5,8 @@ Contract:
   `add_engine_arguments(p)` adds the LLM engine flags (`--device`, `--dtype`, …). Both
   subcommands read them back with the same `serve_target(args)`.
 - `serve_target(args)` is the `ServeTarget` the flags describe, validated before any worker
-  starts: `--function` excludes `--model`/`--snapshot`; with none of the three, the embedded
+  starts: `--function` excludes `--model` (with `--snapshot`: the function's process snapshot,
+  made by `snapfn init --function`); with none of the three, the embedded
   model must be built here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot
   cache (snapshot/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings are `InitConfig.from_env(os.environ)` overridden by
   the flags given.
@@ -81,12 +82,13 @@ def serve_target(args: argparse.Namespace) -> Any:
     from .runtime import ServeTarget
 
     if args.function is not None:
-        if args.model is not None or args.snapshot is not None:
-            raise BadRequest("--function serves a user function: drop --model/--snapshot")
+        if args.model is not None:
+            raise BadRequest("--function serves a user function: drop --model")
         return ServeTarget(
             kind="function",
             function=args.function,
             function_dir=args.function_dir,
+            snapshot_dir=snapshot_path(args),
             init_config=InitConfig.from_env(os.environ),
         )
     if args.model is None and args.snapshot is None:

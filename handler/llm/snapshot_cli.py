@@ -59,6 +59,13 @@ def add_init_arguments(p: argparse.ArgumentParser) -> None:
         help="portable (tier 0, default; SNAPFN_TIER) or process: also checkpoint the warmed"
         " worker with criu (+ CUDA checkpoint), falling back to portable if it cannot",
     )
+    p.add_argument(
+        "--function",
+        default=None,
+        help="snapshot a user function (module:function) instead of the LLM: its init hooks run"
+        " in a checkpointable worker, which is dumped with criu (tier 1; CPU)",
+    )
+    p.add_argument("--function-dir", type=Path, default=None, help="folder searched first")
     add_init_config_arguments(p)
 
 
@@ -70,7 +77,17 @@ def run_init(args: argparse.Namespace) -> int:
 
     config = init_config_from_args(args)
     model_dir = args.model or embedded_model_dir()
-    if config.tier == "process":
+    if args.function is not None:
+        from snapfn.snapshot.runtime import stderr_log
+
+        from ..function_host import init_function_snapshot
+
+        startup = init_function_snapshot(
+            args.function, args.snapshot, args.function_dir, stderr_log
+        )
+        if startup.tier != "process":
+            raise BadRequest(f"no process snapshot of {args.function}: {startup.fallbacks}")
+    elif config.tier == "process":
         startup = _init_process(config, model_dir, args.snapshot)
     elif config.tier == "portable":
         startup = init_and_snapshot(LLMFunction(config, model_dir), args.snapshot)
