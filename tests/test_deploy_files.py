@@ -205,7 +205,7 @@ def test_dockerfile_environment_and_volumes():
     assert env["SNAPFN_CACHE_DIR"] in volumes  # compile caches live under it
     assert any("snapshots" in v for v in volumes)
     cmd = [json.loads(rest) for word, rest in final if word == "CMD"][0]
-    assert parse_snapfn(["serve", *cmd]).snapshot == Path(volumes[1]) / "default"
+    assert Path(parse_snapfn(["serve", *cmd]).snapshot) == Path(volumes[1]) / "default"
 
 
 def test_dockerignore_keeps_what_the_image_copies_and_drops_local_state():
