@@ -171,7 +171,12 @@ def _tier1_finding(findings: list[Finding], driver: str | None) -> Finding:
         return Finding("tier 1 (process)", True, f"possible for CPU functions, {lazy}")
     if not by_name["cuda checkpoint api"].ok:
         return Finding("tier 1 (process)", False, "CPU only: no CUDA driver checkpoint API")
-    return Finding("tier 1 (process)", True, f"possible with GPU state, {lazy}")
+    return Finding(
+        "tier 1 (process)",
+        True,
+        f"possible with GPU state (GPU workers restore with eager pages, under their own pid);"
+        f" CPU functions: {lazy}",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -191,3 +191,17 @@ def _gone(pid: int, wait_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_snapshot_for_another_machine_is_refused_before_the_worker_resumes(config, tmp_path):
+    import json
+
+    dest, _ = make_snapshot(tmp_path, config)
+    manifest_path = dest / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["compat"]["torch"] = "0.0.0"  # made with another torch
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ProcessRestoreFailed, match="torch='0.0.0'") as info:
+        restore(dest, config)
+    assert info.value.step == "gate"
+    assert _gone(info.value.startup.stage("criu_restore").figures["pid"])
