@@ -7,7 +7,8 @@ Contract:
 - `serve_target(args)` is the `ServeTarget` the flags describe, validated before any worker
   starts: `--function` excludes `--model`/`--snapshot`; with none of the three, the embedded
   model must be built here. Engine settings are `InitConfig.from_env(os.environ)` overridden by
-  the flags given.
+  the flags given. `check_target_flags(args)` is the part of that validation that imports
+  nothing heavy (the activator runs it without torch).
 
 Imports stay light (no flask, gunicorn or torch at import): the queue worker imports this
 module without the HTTP stack, and the runtime's `InitConfig` is imported when a target is built.
@@ -53,17 +54,14 @@ def serve_target(args: argparse.Namespace) -> Any:
     from .llm.init_config import InitConfig
     from .runtime import ServeTarget
 
+    check_target_flags(args)
     if args.function is not None:
-        if args.model is not None or args.snapshot is not None:
-            raise BadRequest("--function serves a user function: drop --model/--snapshot")
         return ServeTarget(
             kind="function",
             function=args.function,
             function_dir=args.function_dir,
             init_config=InitConfig.from_env(os.environ),
         )
-    if args.model is None and args.snapshot is None:
-        _require_embedded_model()
     kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb is not None else None
     init_config = InitConfig.from_env(
         os.environ,
@@ -74,6 +72,15 @@ def serve_target(args: argparse.Namespace) -> Any:
         kv_cache_bytes_cpu=kv_bytes,
     )
     return ServeTarget(model_dir=args.model, snapshot_dir=args.snapshot, init_config=init_config)
+
+
+def check_target_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that describe no target (torch-free: nothing heavy imported)."""
+    if args.function is not None:
+        if args.model is not None or args.snapshot is not None:
+            raise BadRequest("--function serves a user function: drop --model/--snapshot")
+    elif args.model is None and args.snapshot is None:
+        _require_embedded_model()
 
 
 def _require_embedded_model() -> None:
