@@ -13,7 +13,8 @@ Contract (`Instance`, driven by `activator_pool.InstancePool` on the event loop'
 - `run_until_exit()` returns the master's exit code once the master is gone and no process of
   the group runs (`process_group.clear_group`): its memory is released.
 - `kill()`: SIGKILL the group now and clear it (a failed start, a crash's leftovers).
-- `outstanding` (requests routed here, not finished) and `last_active_s` are the pool's.
+- `routable`: UP and the master still running. `outstanding` (requests routed here, not
+  finished) and `last_active_s` are the pool's.
 The instance's stderr is the activator's; its stdout lines are logged.
 """
 
@@ -83,6 +84,16 @@ class Instance:
         self._proc: asyncio.subprocess.Process | None = None
         self._kill_timer: asyncio.TimerHandle | None = None
         self._stdout_task: asyncio.Task | None = None
+
+    @property
+    def routable(self) -> bool:
+        """UP, and its master still runs: a crash shows here before the pool hears of it (the
+        pool learns once the crashed group is cleared, and its orphaned workers still listen)."""
+        return (
+            self.state is InstanceState.UP
+            and self._proc is not None
+            and self._proc.returncode is None
+        )
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self, timeout_s: float) -> None:

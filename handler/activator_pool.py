@@ -103,7 +103,7 @@ class InstancePool:
         instance.last_active_s = time.monotonic()
 
     def _pick(self) -> Instance | None:
-        up = [i for i in self._instances.values() if i.state is InstanceState.UP]
+        up = [i for i in self._instances.values() if i.routable]
         return min(up, key=lambda i: (i.outstanding, i.id), default=None)
 
     async def _hold(self) -> Instance:

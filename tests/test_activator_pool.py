@@ -31,6 +31,10 @@ class FakeInstance:
         self._started, self._exited = asyncio.Event(), asyncio.Event()
         self._failure: str | None = None
 
+    @property
+    def routable(self) -> bool:
+        return self.state is InstanceState.UP and not self._exited.is_set()
+
     def up(self) -> None:
         self._started.set()
 
@@ -177,10 +181,13 @@ def test_a_crashed_instance_with_requests_in_flight_is_replaced_at_once():
         await settle()
         h.launched[0].up()
         await task
-        h.launched[0].crash()
+        late = asyncio.create_task(h.pool.acquire())  # runs before the pool hears of …
+        h.launched[0].crash()  # … this crash: the dead instance must not be picked
         await settle()
         assert len(h.launched) == 2 and h.pool.count_by_state() == {"starting": 1}
         assert h.sample("snapfn_activator_instance_exits_total", reason="crash") == 1
+        h.launched[1].up()
+        assert (await late).id == 2  # held for the replacement, never sent to the dead one
 
     scenario(run())
 
