@@ -37,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
     ),
     "serve": (
-        "serve HTTP (OpenAI-compatible + /invoke) under gunicorn",
+        "serve HTTP (OpenAI-compatible + /invoke) under gunicorn; --idle-timeout scales to zero",
         "serve",
         "add_arguments",
         "run",

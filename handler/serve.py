@@ -2,12 +2,17 @@
 
     snapfn serve [--model DIR] [--snapshot DIR] | --function module:fn
                  [--host 127.0.0.1] [--port 8000] [--workers 1] [--threads 32] [--api-key KEY]
+                 [--idle-timeout SECONDS [--max-instances N] [--target-concurrency N]]
 
 Each gunicorn worker builds its own `WorkerRuntime` after fork (`gunicorn.conf.py`'s
 `post_fork`) and starts it in the background; the Flask app (`http.create_app`) answers at once
 and holds requests until the runtime is up. Settings: `ServeConfig` defaults, then
 `SNAPFN_<FIELD>` environment variables (`SNAPFN_API_KEY` keeps the key out of `ps`), then flags.
 The master prints `snapfn serve: listening on http://HOST:PORT` once it is bound.
+
+With `--idle-timeout`, `run` hands over to the scale-to-zero activator (`activator.py`) before
+anything imports torch: it owns the port and starts instances of this same command (without
+`--idle-timeout`) on demand. An instance started by it exits with it (`parent_watch.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import logging
 import os
 import runpy
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,7 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 
 from .http import create_app
+from .parent_watch import exit_with_parent
 from .serve_config import ServeConfig
 from .targets import add_engine_arguments, add_target_arguments, serve_target
 
@@ -44,6 +51,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--startup-queue-size", type=int, help=f"default {d.startup_queue_size}")
     net.add_argument("--startup-wait-s", type=float, help=f"default {d.startup_wait_s}")
     add_engine_arguments(p)
+    scale = p.add_argument_group("scale to zero (an activator starts instances on demand)")
+    scale.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="run the activator: stop an instance idle this long, down to zero",
+    )
+    scale.add_argument(
+        "--max-instances", type=int, help="instances at most (default: one per GPU, 1 on CPU)"
+    )
+    scale.add_argument(
+        "--target-concurrency",
+        type=int,
+        help=f"requests in flight per instance before another starts (default "
+        f"{d.target_concurrency})",
+    )
 
 
 def preload_for_fork(target: Any) -> None:
@@ -65,8 +88,18 @@ def preload_for_fork(target: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = serve_config(args, os.environ)
+    if config.idle_timeout_s is not None:
+        # NOTE: imported here: the activator stays a light process (no torch, no CUDA)
+        from .activator import run_activator
+
+        return run_activator(args, config, os.environ)
+    if not exit_with_parent(os.environ):
+        print("snapfn serve: the activator that started this instance is gone", file=sys.stderr)
+        return 1
     target = serve_target(args)
-    config = serve_config(args, os.environ, target)
+    if config.model_name is None:
+        config = replace(config, model_name=default_model_name(target))
     preload_for_fork(target)
     server, master_pid = SnapfnServer(target, config), os.getpid()
     try:
@@ -78,16 +111,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_config(args: argparse.Namespace, environ, target: Any) -> ServeConfig:
+def serve_config(args: argparse.Namespace, environ) -> ServeConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("host", "port", "workers", "threads", "api_key", "model_name")
         + ("max_body_bytes", "startup_queue_size", "startup_wait_s")
+        + ("max_instances", "target_concurrency")
     }
-    config = ServeConfig.from_env(environ, **overrides)
-    if config.model_name is None:
-        config = replace(config, model_name=default_model_name(target))
-    return config
+    overrides["idle_timeout_s"] = args.idle_timeout
+    return ServeConfig.from_env(environ, **overrides)
 
 
 def default_model_name(target: Any) -> str:

@@ -3,8 +3,9 @@
 Contract: a frozen dataclass built once, before any worker forks: its defaults, then the
 `SNAPFN_<FIELD>` environment variables (`from_env(environ, ...)`, with the mapping passed in),
 then the CLI flags given as overrides (None = not given). Bad values raise `BadRequest` naming
-the field or variable. The CLI (`serve.py`), the app (`http.create_app`) and the start-up gate
-read it; nothing writes it back.
+the field or variable. The CLI (`serve.py`), the app (`http.create_app`), the start-up gate and
+the scale-to-zero activator (`activator.py`, on when `idle_timeout_s` is set) read it; nothing
+writes it back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class ServeConfig:
     startup_wait_s: float = 300.0
     retry_after_s: int = 5
     invoke_timeout_s: float | None = None  # /invoke deadline; None = the target's own
+    # the scale-to-zero activator (`activator.py`): on when idle_timeout_s is set
+    idle_timeout_s: float | None = None  # stop an instance idle this long (down to zero)
+    max_instances: int | None = None  # None: one per GPU (1 on a machine without GPUs)
+    target_concurrency: int = 8  # requests in flight per instance before another one starts
+    instance_start_timeout_s: float = 600.0  # an instance not up by then is killed
 
     def __post_init__(self) -> None:
         positive = ("workers", "threads", "worker_timeout_s", "max_body_bytes", "max_choices")
@@ -43,6 +49,19 @@ class ServeConfig:
             raise BadRequest(f"port must be in [0, 65535], got {self.port}")
         if self.startup_queue_size < 0 or self.startup_wait_s < 0:
             raise BadRequest("startup_queue_size and startup_wait_s must be >= 0")
+        self._check_activator_fields()
+
+    def _check_activator_fields(self) -> None:
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise BadRequest(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.max_instances is not None and self.max_instances < 1:
+            raise BadRequest(f"max_instances must be >= 1, got {self.max_instances}")
+        if self.target_concurrency < 1 or not self.instance_start_timeout_s > 0:
+            raise BadRequest("target_concurrency must be >= 1, instance_start_timeout_s > 0")
+        if self.max_instances is not None and self.idle_timeout_s is None:
+            raise BadRequest(
+                "max_instances needs idle_timeout_s (the activator): add --idle-timeout"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> ServeConfig:

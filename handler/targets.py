@@ -6,10 +6,11 @@ Contract:
   subcommands read them back with the same `serve_target(args)`.
 - `serve_target(args)` is the `ServeTarget` the flags describe, validated before any worker
   starts: `--function` excludes `--model` (with `--snapshot`: the function's process snapshot,
-  made by `snapfn init --function`); with none of the three, the embedded
-  model must be built here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot
-  cache (snapshot/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings are `InitConfig.from_env(os.environ)` overridden by
-  the flags given.
+  made by `snapfn init --function`); with none of the three, the embedded model must be built
+  here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot cache
+  (snapshot/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings
+  are `InitConfig.from_env(os.environ)` overridden by the flags given. `check_target_flags(args)`
+  is the part of that validation that imports nothing heavy (the activator runs it without torch).
 
 Imports stay light (no flask, gunicorn or torch at import): the queue worker imports this
 module without the HTTP stack, and the runtime's `InitConfig` is imported when a target is built.
@@ -81,9 +82,8 @@ def serve_target(args: argparse.Namespace) -> Any:
     from .llm.init_config import InitConfig
     from .runtime import ServeTarget
 
+    check_target_flags(args)
     if args.function is not None:
-        if args.model is not None:
-            raise BadRequest("--function serves a user function: drop --model")
         return ServeTarget(
             kind="function",
             function=args.function,
@@ -91,8 +91,6 @@ def serve_target(args: argparse.Namespace) -> Any:
             snapshot_dir=snapshot_path(args),
             init_config=InitConfig.from_env(os.environ),
         )
-    if args.model is None and args.snapshot is None:
-        _require_embedded_model()
     kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb is not None else None
     init_config = InitConfig.from_env(
         os.environ,
@@ -104,6 +102,15 @@ def serve_target(args: argparse.Namespace) -> Any:
     )
     snapshot_dir = snapshot_path(args)
     return ServeTarget(model_dir=args.model, snapshot_dir=snapshot_dir, init_config=init_config)
+
+
+def check_target_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that describe no target (torch-free: nothing heavy imported)."""
+    if args.function is not None:
+        if args.model is not None:
+            raise BadRequest("--function serves a user function: drop --model")
+    elif args.model is None and args.snapshot is None:
+        _require_embedded_model()
 
 
 def _require_embedded_model() -> None:

@@ -20,3 +20,15 @@ def test_serve_config_from_env_then_overrides():
     config = ServeConfig.from_env(env, port=9100, threads=None)
     assert (config.api_key, config.port, config.startup_wait_s) == ("k", 9100, 2.5)
     assert config.threads == ServeConfig().threads
+
+
+def test_activator_settings_are_checked():
+    assert ServeConfig().idle_timeout_s is None  # no activator unless asked for
+    config = ServeConfig.from_env({"SNAPFN_IDLE_TIMEOUT_S": "30", "SNAPFN_MAX_INSTANCES": "2"})
+    assert (config.idle_timeout_s, config.max_instances) == (30.0, 2)
+    with pytest.raises(BadRequest, match="needs idle_timeout_s"):
+        ServeConfig(max_instances=2)
+    with pytest.raises(BadRequest, match="idle_timeout_s must be > 0"):
+        ServeConfig(idle_timeout_s=0)
+    with pytest.raises(BadRequest, match="target_concurrency"):
+        ServeConfig(idle_timeout_s=1, target_concurrency=0)
