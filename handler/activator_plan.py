@@ -33,7 +33,7 @@ from .targets import check_target_flags
 
 # `snapfn serve` flags (argparse dests) an instance gets as given; the rest are the activator's
 FORWARDED_FLAGS = (
-    ("model", "snapshot", "function", "function_dir")  # what to serve
+    ("model", "snapshot", "cache_max_bytes", "function", "function_dir")  # what to serve
     + ("device", "dtype", "max_model_len", "max_running_requests", "kv_cache_mb")  # engine
     + ("workers", "threads", "model_name", "max_body_bytes")  # each instance's server
     + ("startup_queue_size", "startup_wait_s")

@@ -95,8 +95,8 @@ def test_every_serve_flag_is_forwarded_or_the_activators():
 
 
 def test_target_flags_are_checked_before_anything_starts(tmp_path):
-    with pytest.raises(BadRequest, match="drop --model/--snapshot"):
-        plan_for("--function", "m:f", "--snapshot", str(tmp_path))
+    with pytest.raises(BadRequest, match="drop --model"):
+        plan_for("--function", "m:f", "--model", str(tmp_path))
 
 
 def test_the_activator_never_imports_torch():

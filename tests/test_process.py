@@ -205,3 +205,18 @@ def test_a_snapshot_for_another_machine_is_refused_before_the_worker_resumes(con
         restore(dest, config)
     assert info.value.step == "gate"
     assert _gone(info.value.startup.stage("criu_restore").figures["pid"])
+
+
+def test_a_failed_criu_dump_publishes_the_portable_tier_with_criu_reason(tmp_path):
+    from criu_fakes import fake_criu
+
+    body = (
+        '[ "$1" = check ] && exit 0\n'
+        "for a; do case $prev in --log-file) log=$a;; esac; prev=$a; done\n"
+        'echo "(00.01) Error (criu/cr-dump.c:1): injected dump failure" > "$log"\nexit 1\n'
+    )
+    criu = CriuConfig(binary=str(fake_criu(tmp_path, body)))
+    _, manifest = make_snapshot(tmp_path, process.ProcessConfig(criu=criu))
+    assert manifest["tier"] == "portable"
+    (fallback,) = manifest["startup"]["fallbacks"]
+    assert fallback["step"] == "checkpoint" and "injected dump failure" in fallback["reason"]

@@ -55,11 +55,13 @@ def tier1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cold_outputs(tier1):
+    """A cold init as the process snapshot's worker does it (weights in a releasable region:
+    CPU GEMMs may round differently on differently aligned weights, so both sides use one)."""
     from snapfn.handler.llm.function import LLMFunction
     from snapfn.handler.llm.service import LLMService
     from snapfn.snapshot.runtime import cold_init
 
-    fn = LLMFunction(config(tier1), embedded_model_dir())
+    fn = LLMFunction(config(tier1), embedded_model_dir(), releasable=True)
     cold_init(fn, log=None)
     service = LLMService(fn.engine)
     try:
