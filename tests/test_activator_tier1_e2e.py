@@ -1,0 +1,68 @@
+"""The activator in front of a process snapshot (tier 1) on CPU: each cold start restores the
+checkpointed worker, and an idled-out instance takes its restored worker with it.
+Skips with criu's reason where criu cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import requests
+
+from snapfn.handler.cli import main
+from snapfn.snapshot.criu import CriuConfig, check
+
+from activator_client import Activator
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def activator(tmp_path_factory):
+    found = check(CriuConfig.from_env(os.environ))
+    if not found.ok:
+        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
+    root = tmp_path_factory.mktemp("activator-tier1")
+    args = ["init", "--tier", "process", "--snapshot", str(root / "snap")]
+    assert main([*args, "--cache-dir", str(root / "cache"), "--max-num-batched-tokens", "64"]) == 0
+    a = Activator(
+        ["--snapshot", str(root / "snap"), "--model-name", "embedded", "--idle-timeout", "1"],
+        tmp_path_factory.mktemp("activator"),
+    )
+    yield a
+    a.stop()
+
+
+def workers() -> list[int]:
+    done = subprocess.run(
+        ["pgrep", "-f", "snapfn.snapshot.process_worker"], capture_output=True, text=True
+    )
+    return [int(p) for p in done.stdout.split()]
+
+
+def complete(url: str) -> requests.Response:
+    body = {"model": "embedded", "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_each_cold_start_restores_the_process_image_and_idle_stops_it(activator):
+    activator.wait_for_instances(0)
+    first = complete(activator.url)
+    assert first.status_code == 200, first.text
+    cold = activator.startup()["last_cold_start"]
+    assert (cold["kind"], cold["tier"], cold["ok"]) == ("restore", "process", True)
+    assert "criu_restore" in [s["name"] for s in cold["stages"]]
+    assert len(workers()) == 1  # the restored worker serving the instance
+
+    activator.wait_for_instances(0)
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:  # it exits once its channel closes
+        time.sleep(0.05)
+    assert workers() == []
+
+    second = complete(activator.url)
+    assert second.status_code == 200
+    assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert activator.startup()["last_cold_start"]["tier"] == "process"
