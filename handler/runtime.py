@@ -8,13 +8,17 @@ The HTTP server (one per gunicorn worker, after fork) and the queue worker each 
     runtime.invoke({"prompt": "Hello"})    # handler(event, context) → JSON-able
 
 Bring-up by kind:
-- "llm" (the built-in function): `snapshot_dir` holds files → restore from it (a failed check or
-  stage falls back to a cold init and rewrites the snapshot, all recorded in the startup
-  manifest); `snapshot_dir` empty or missing → cold init, then write the snapshot there; no
-  `snapshot_dir` → cold init only. The engine then runs under an `LLMService` (`runtime.llm`,
-  which the OpenAI endpoints use) and `invoke` calls an `LLMHandler` bound to it.
-- "function": import `module:function` and run its init hooks, each a timed stage. Process
-  snapshots come later: `prepare_snapshot()` / `after_restore()` run the function's hooks.
+- "llm" (the built-in function): `snapshot_dir` holds files → restore from it: its process image
+  (tier 1: the engine runs in the restored worker, `runtime.llm` is a ProcessLLMService), else
+  or on any failure its portable tier (tier 0, in this process), else a cold init that rewrites
+  the snapshot — every fallback recorded in the startup manifest; `snapshot_dir` empty or
+  missing → cold init, then write the snapshot there; no `snapshot_dir` → cold init only. The
+  engine runs under an `LLMService` (`runtime.llm`, which the OpenAI endpoints use) and `invoke`
+  calls an `LLMHandler` bound to it.
+- "function": `snapshot_dir` holds a process snapshot (`snapfn init --function`) → restore the
+  checkpointed worker and invoke it over its channel; otherwise, or if that fails, import
+  `module:function` and run its init hooks, each a timed stage. `prepare_snapshot()` /
+  `after_restore()` run an in-process function's hooks.
 
 Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
 then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
@@ -25,63 +29,23 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapfn.snapshot.errors import BadRequest, InitFailed, SnapfnError
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
 
-from .api import Context, Handler, LoadedFunction, call_handler, load_function, parse_function_spec
+from .api import Context, Handler, LoadedFunction, call_handler, load_function
+from .serve_target import DEFAULT_TIMEOUT_S, KINDS, NotReady, ServeTarget
+
+__all__ = ["DEFAULT_TIMEOUT_S", "KINDS", "NotReady", "ServeTarget", "WorkerRuntime"]
 
 if TYPE_CHECKING:
     from .llm.function import LLMFunction
     from .llm.handler import LLMHandler
-    from .llm.init_config import InitConfig
     from .llm.service import LLMService
 
-KINDS = ("llm", "function")
-DEFAULT_TIMEOUT_S = 900.0  # Lambda's longest function timeout
 Log = Callable[[str], None]
-
-
-def _default_init_config() -> InitConfig:
-    # NOTE: imported lazily: init_config imports torch, which a kind="function" target may not
-    # need and which the gunicorn master should not pay for.
-    from .llm.init_config import InitConfig
-
-    return InitConfig()
-
-
-@dataclass(frozen=True)
-class ServeTarget:
-    """What a worker serves. Validated when built (BadRequest says what to fix)."""
-
-    kind: str = "llm"  # "llm" (built-in) or "function"
-    model_dir: Path | None = None  # llm: HF model folder for a cold init (default: embedded)
-    snapshot_dir: Path | None = None  # llm: restore from here (fallback: cold init, rewriting it)
-    function: str | None = None  # "module:function" for kind="function"
-    init_config: InitConfig = field(default_factory=_default_init_config)
-    function_dir: Path | None = None  # function: searched first for its module (Lambda task root)
-    timeout_s: float = DEFAULT_TIMEOUT_S  # an invocation's deadline unless invoke() gives one
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise BadRequest(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "function":
-            if self.function is None:
-                raise BadRequest('kind="function" needs function="module:function"')
-            parse_function_spec(self.function)
-        elif self.function is not None:
-            raise BadRequest(f'function={self.function!r} needs kind="function"')
-        if not self.timeout_s > 0:
-            raise BadRequest(f"timeout_s must be > 0, got {self.timeout_s}")
-
-
-class NotReady(SnapfnError):
-    """The worker is still starting (or was closed): retry later (HTTP 503 + Retry-After)."""
-
-    code = "not_ready"
 
 
 class WorkerRuntime:
