@@ -101,11 +101,11 @@ def test_the_restorer_does_not_import_torch(tier1):
 
 
 def test_a_replay_mismatch_fails_closed_and_falls_back_to_tier_0(tmp_path, cold_outputs):
-    from snapfn.handler.llm.function import _config_json
     from snapfn.handler.llm.process_restore import restore_llm
+    from snapfn.handler.llm.snapshot_files import config_json
     from snapfn.snapshot.process_snapshot import init_process_snapshot
 
-    args = {"model_dir": str(embedded_model_dir()), "init_config": _config_json(config(tmp_path))}
+    args = {"model_dir": str(embedded_model_dir()), "init_config": config_json(config(tmp_path))}
     _, manifest = init_process_snapshot(
         "process_hosts:perturbed_llm",
         args,

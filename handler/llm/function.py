@@ -16,8 +16,6 @@ and the "llm" section of manifest.json (memory plan, buckets, tensor table, heal
 
 from __future__ import annotations
 
-import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,15 +25,8 @@ from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
 
 from . import runtime_env
 from .init_config import InitConfig
+from .snapshot_files import config_json, copy_model_files, model_content_hash, report_fields
 
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 WEIGHTS_FILE = "weights/rank0.bin"
 # Modules a zygote imports before forking restore workers (none of them touches CUDA at import).
 ZYGOTE_PRELOAD = (
@@ -113,7 +104,7 @@ class LLMFunction:
 
         self._checkpoint = Checkpoint.open(self.source)  # index + shard headers, read once
         report = prewarm(self._checkpoint.files, num_threads=self.config.prewarm_threads)
-        figures.update(_report_fields(report))
+        figures.update(report_fields(report))
 
     def stage_load_weights(self, figures: Figures) -> None:
         from .build import build_model
@@ -239,13 +230,13 @@ class LLMFunction:
             WEIGHTS_FILE, layout.chunk_bytes, layout.chunk_sha256, layout.file_sha256
         )
         folder = self.source if self.source is not None else self._restored_from / "model"
-        _copy_model_files(folder, root / "model")
+        copy_model_files(folder, root / "model")
         caches = runtime_env.save_caches(self.config.cache_dir, root / "caches")
         return {
             "model_content_hash": model_content_hash(self._model_config.raw, layout),
             "source_model_dir": str(self.source) if self.source else None,
             "model_type": self._model_config.model_type,
-            "init_config": _config_json(self.config),
+            "init_config": config_json(self.config),
             "memory_plan": self.plan.to_json(),
             "graph_buckets": self.graph_stats.buckets if self.graph_stats else [],
             "layout": layout.to_json(),
@@ -323,7 +314,7 @@ class LLMFunction:
             report = streamer.stream_into(dict(self.model.named_parameters()))
         finally:
             streamer.close()
-        figures.update(_report_fields(report))
+        figures.update(report_fields(report))
 
     def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
         from .memory import MemoryPlan
@@ -354,38 +345,3 @@ class LLMFunction:
             import torch
 
             torch.cuda.empty_cache()
-
-
-def _report_fields(report: Any) -> dict[str, Any]:
-    from dataclasses import asdict, is_dataclass
-
-    data = asdict(report) if is_dataclass(report) else dict(vars(report))
-    return {
-        k: (round(v, 4) if isinstance(v, float) else v)
-        for k, v in data.items()
-        if not isinstance(v, list)
-    }
-
-
-def _copy_model_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in MODEL_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-
-
-def _config_json(config: InitConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return {k: (str(v) if isinstance(v, os.PathLike) else v) for k, v in asdict(config).items()}
-
-
-def model_content_hash(config_raw: dict[str, Any], layout: Any) -> str:
-    """sha256 over the model as loaded: its config and every tensor's name, dtype, shape and
-    bytes (through the restore layout's whole-file sha256, computed while it was written)."""
-    import hashlib
-    import json
-
-    tensors = {name: [e.dtype, list(e.shape)] for name, e in layout.tensors.items()}
-    doc = {"config": config_raw, "tensors": tensors, "weights_sha256": layout.file_sha256}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -152,7 +152,7 @@ class LLMProcessHost:
     def _stream(self, figures: dict[str, Any], path: Path, ring) -> None:
         """`ring`: a future of a fresh streamer (its ring pinning on a side thread), or None
         to reuse the one whose ring rode in the image."""
-        from .function import _report_fields
+        from .snapshot_files import report_fields
 
         if ring is not None:
             self.streamer = None
@@ -162,7 +162,7 @@ class LLMProcessHost:
         else:
             self.streamer.retarget(path)
         report = self.streamer.stream_into(dict(self.fn.model.named_parameters()))
-        figures.update(_report_fields(report), kept_ring=ring is None)
+        figures.update(report_fields(report), kept_ring=ring is None)
 
     def _replay_check(self, figures: dict[str, Any]) -> None:
         got = self.fn.generate_one(REPLAY_TOKENS)

@@ -104,9 +104,9 @@ def _init_process(config: InitConfig, model_dir: Path, dest: Path):
     from snapfn.snapshot.process_snapshot import init_process_snapshot
     from snapfn.snapshot.runtime import stderr_log
 
-    from .function import _config_json
+    from .snapshot_files import config_json
 
-    args = {"model_dir": str(Path(model_dir).absolute()), "init_config": _config_json(config)}
+    args = {"model_dir": str(Path(model_dir).absolute()), "init_config": config_json(config)}
     host = "snapfn.handler.llm.process_host:make"
     process_config = ProcessConfig.from_env(os.environ).for_device(config.device)
     startup, _ = init_process_snapshot(host, args, dest, process_config, stderr_log)
