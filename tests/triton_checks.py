@@ -16,7 +16,7 @@ import torch
 from snapfn.handler.llm.models.layers import RMSNorm
 from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
 
-# NOTE: triton's interpreter (3.9) casts float32 to bfloat16 by truncation, where compiled
+# NOTE: triton's interpreter (3.7.1, 3.9.0) casts float32 to bfloat16 by truncation, where compiled
 # kernels and torch round to nearest even. So on CPU a bf16 result is compared with the float32
 # value truncated (`_round`), exactly where the kernel's last step is that one cast.
 BF16_ULP = 2**-7  # relative spacing of bf16 values at the bottom of a binade
