@@ -1,12 +1,16 @@
 """Backend registry: attention / GEMM / MoE implementations chosen by name.
 
-`get_backend("auto", device)` picks the fastest importable backend for the device; today that
-is the torch reference everywhere (GPU backends are registered by a later issue).
+`get_backend("auto", device)` picks the fastest importable backend for the device: "triton"
+(our own Triton kernels over the torch reference) on CUDA when triton is installed, the torch
+reference otherwise. Other GPU backends are registered by a later issue.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+
+import torch
 
 from .base import Backend, ExpertWeights
 
@@ -25,7 +29,19 @@ def _torch_factory() -> Backend:
     return TorchBackend()
 
 
+def _triton_factory() -> Backend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
 register_backend("torch", _torch_factory)
+register_backend("triton", _triton_factory)
+
+
+def _triton_installed() -> bool:
+    # NOTE: find_spec only: importing triton takes seconds and may touch CUDA.
+    return importlib.util.find_spec("triton") is not None
 
 
 def available_backends() -> list[str]:
@@ -35,7 +51,7 @@ def available_backends() -> list[str]:
 def get_backend(name: str = "auto", device: str = "cpu") -> Backend:
     """Instantiate backend `name`; "auto" picks the best registered one for `device`."""
     if name == "auto":
-        name = "torch"
+        name = "triton" if torch.device(device).type == "cuda" and _triton_installed() else "torch"
     if name not in _FACTORIES:
         raise ValueError(f"unknown backend {name!r} (available: {', '.join(available_backends())})")
     return _FACTORIES[name]()

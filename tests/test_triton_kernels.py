@@ -1,0 +1,109 @@
+"""Our Triton kernels against the torch reference (`tests/triton_checks.py` holds the cases).
+
+On CPU the cases run in a subprocess under triton's interpreter (`TRITON_INTERPRET=1` must be
+set before triton is imported, and this pytest process must not be switched to it); on CUDA
+they run compiled, in-process. Both skip when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from snapfn.handler.llm.kernels import available_backends, get_backend
+
+import triton_checks
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "triton_checks", "--device", "cpu"],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    return {r["case"]: r for r in results}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", triton_checks.CASES)
+def test_interpreted_kernel_matches_reference(case, interpreted_results):
+    assert case in interpreted_results, f"{case} did not run"
+    result = interpreted_results[case]
+    assert result["ok"], result["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1",
+    reason="TRITON_INTERPRET=1: kernels would not compile",
+)
+@needs_triton
+@pytest.mark.parametrize("case", triton_checks.CASES)
+def test_cuda_kernel_matches_reference(case):
+    triton_checks.run_case(case, "cuda")
+
+
+def test_registry_lists_triton():
+    assert "triton" in available_backends()
+    assert get_backend("triton").name == "triton"
+
+
+def test_auto_is_torch_on_cpu():
+    assert get_backend("auto", "cpu").name == "torch"
+
+
+def test_auto_is_triton_on_cuda_only_when_installed():
+    # get_backend does not touch the device: this runs on CPU-only machines too
+    want = "triton" if HAS_TRITON else "torch"
+    assert get_backend("auto", "cuda").name == want
+    assert get_backend("auto", "cuda:0").name == want
+
+
+def test_triton_backend_inherits_non_fp8_linear():
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    assert torch.equal(get_backend("triton").linear(x, w, b), get_backend("torch").linear(x, w, b))
+
+
+def test_importing_the_package_does_not_import_triton():
+    code = (
+        "import sys\n"
+        "import snapfn.handler.llm.build\n"
+        "from snapfn.handler.llm.kernels import get_backend\n"
+        "get_backend('triton')\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@needs_triton
+def test_compiled_kernels_refuse_cpu_tensors():
+    code = (
+        "import torch\n"
+        "from snapfn.handler.llm.kernels import triton_kernels as tk\n"
+        "try:\n"
+        "    tk.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
+        "except ValueError as exc:\n"
+        "    assert 'CUDA tensors' in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

@@ -1,0 +1,162 @@
+"""Triton kernels against the torch reference, case by case, on one device.
+
+`python -m triton_checks --device cpu` (with `TRITON_INTERPRET=1`, set before triton is
+imported) runs every case and prints one JSON line per case; `tests/test_triton_kernels.py`
+runs it in a subprocess on CPU and calls `run_case` in-process on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from snapfn.handler.llm.models.layers import RMSNorm
+from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
+
+# NOTE: triton's interpreter (3.7.1, 3.9.0) casts float32 to bfloat16 by truncation, where compiled
+# kernels and torch round to nearest even. So on CPU a bf16 result is compared with the float32
+# value truncated (`_round`), exactly where the kernel's last step is that one cast.
+BF16_ULP = 2**-7  # relative spacing of bf16 values at the bottom of a binade
+# RMSNorm (atol, rtol), compiled / interpreted: the row sum's order and rsqrt differ from
+# torch's in the last float32 bits, which may flip the bf16 rounding of the normalised value
+# (1 ulp) and then of its product with the weight; truncation adds up to 1 ulp more.
+RMS_TOL = {
+    (torch.float32, False): (1e-5, 1e-5),
+    (torch.float32, True): (1e-5, 1e-5),
+    (torch.bfloat16, False): (1e-6, 2 * BF16_ULP),
+    (torch.bfloat16, True): (1e-6, 3 * BF16_ULP),
+}
+EXACT = (0.0, 0.0)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# hidden sizes: tiny test models (64), Llama head_dim q/k-norm (128), MLA kv latent rank (512),
+# a non-power of two (GLM-5's 6144 is 3 * 2^11; 96 keeps the masking case small)
+RMS_SHAPES = {"tiny": (5, 64), "heads": (3, 4, 128), "latent": (7, 512), "odd": (4, 96)}
+# [N, K] and stacked experts [E, N, K]; partial edge blocks included
+FP8_SHAPES = {"square": (256, 128), "edges": (300, 200), "experts": (3, 136, 260)}
+
+CASES = (
+    [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
+    + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
+    + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
+    + [f"linear_fp8-{d}" for d in DTYPES]
+)
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], eps, weight.dtype, x.device)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+def interpreted() -> bool:
+    import triton
+
+    return triton.knobs.runtime.interpret
+
+
+def _round(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 tensor cast to `dtype` the way the kernels' last cast does on this run."""
+    if dtype == torch.bfloat16 and interpreted():
+        return (value.view(torch.int32) & -(1 << 16)).view(torch.float32).to(dtype)  # exact
+    return value.to(dtype)
+
+
+def _check_close(name: str, got: torch.Tensor, want: torch.Tensor, tol) -> dict:
+    atol, rtol = tol
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    return {"max_abs_err": err}
+
+
+def _check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str, fused: bool) -> dict:
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    x[0] *= 1e-3  # a row whose mean square (~1e-5) is near eps, so eps must be right
+    x = x.to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype).to(device)
+    eps, tol = 1e-6, RMS_TOL[dtype, interpreted()]
+    if not fused:
+        got = tk.rms_norm(x, weight, eps)
+        return _check_close("rms_norm", got, reference_rms_norm(x, weight, eps), tol)
+    residual = torch.randn(shape, generator=gen).to(dtype).to(device)
+    out, total = tk.add_rms_norm(x, residual, weight, eps)
+    want_total = x + residual
+    # the sum is the same float32 value cast once, in the kernel and in torch: exact
+    _check_close("add_rms_norm sum", total, _round(x.float() + residual.float(), dtype), EXACT)
+    if not interpreted():
+        _check_close("add_rms_norm sum", total, want_total, EXACT)
+    return _check_close("add_rms_norm", out, reference_rms_norm(want_total, weight, eps), tol)
+
+
+def _random_fp8(shape: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(sum(shape))
+    weight = torch.randn(shape, generator=gen) * 0.05
+    weight[..., :64, :] *= 40  # blocks of different scales
+    q, scale_inv = quantize_fp8_block(weight)
+    return q.to(device), scale_inv.to(device)
+
+
+def _reference_dequant(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+    if interpreted():
+        return _round(dequantize_fp8_block(q, scale_inv, torch.float32), dtype)
+    return dequantize_fp8_block(q, scale_inv, dtype)
+
+
+def _check_dequant(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+
+    q, scale_inv = _random_fp8(shape, device)
+    got = tk.dequantize_fp8_block(q, scale_inv, dtype)
+    # one float32 multiply and one cast in both: exact
+    return _check_close("dequant_fp8", got, _reference_dequant(q, scale_inv, dtype), EXACT)
+
+
+def _check_linear(dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import get_backend
+
+    q, scale_inv = _random_fp8((200, 136), device)
+    x = torch.randn(9, 136, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    bias = torch.randn(200).to(dtype).to(device)
+    got = get_backend("triton").linear(x, q, bias, scale_inv)
+    if interpreted():
+        want = torch.nn.functional.linear(x, _reference_dequant(q, scale_inv, dtype), bias)
+    else:
+        want = get_backend("torch").linear(x, q, bias, scale_inv)
+    # the same dequantized weight through the same F.linear: exact
+    return _check_close("linear_fp8", got, want, EXACT)
+
+
+def run_case(case: str, device: str) -> dict:
+    """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
+    kind, *rest = case.split("-")
+    dtype = DTYPES[rest[-1]]
+    if kind in ("rms_norm", "add_rms_norm"):
+        return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")
+    if kind == "dequant_fp8":
+        return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
+    if kind == "linear_fp8":
+        return _check_linear(dtype, device)
+    raise ValueError(f"unknown case {case!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    for case in CASES:
+        try:
+            result = {"case": case, "ok": True, **run_case(case, args.device)}
+        except AssertionError as exc:
+            result = {"case": case, "ok": False, "error": str(exc)}
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
