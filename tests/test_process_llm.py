@@ -169,3 +169,11 @@ def _wait_for(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_inspect_shows_the_process_image(tier1):
+    from snapfn.handler.llm.snapshot_cli import format_table, load_startup
+
+    table = format_table(*load_startup(tier1 / "snap"))
+    assert "process image (tier 1):" in table and "release_weights_and_kv" in table
+    assert "checkpoint" in table  # the checkpoint stage's timing is in the startup manifest

@@ -169,6 +169,15 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
         )
         lines.append(f"graph buckets: {llm['graph_buckets'] or 'none (eager decode)'}")
         lines.append(f"compile caches saved: {llm['compile_caches'] or 'none'}")
+    process = manifest.get("process")
+    if isinstance(process, dict):
+        worker = process.get("worker", {})
+        gpu = worker.get("device_in_use_bytes")
+        lines.append(
+            f"process image (tier 1): {process.get('image_bytes', 0) / 1e6:.1f} MB"
+            + (f", {gpu / 1e9:.2f} GB left on the GPU at the checkpoint" if gpu else "")
+            + f"; before-snapshot hooks: {', '.join(process.get('hooks', [])) or 'none'}"
+        )
     if "compat" in manifest:
         lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
     return "\n".join(lines)
