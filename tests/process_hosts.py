@@ -105,20 +105,14 @@ def make(args: dict[str, Any]) -> CounterHost:
     return CounterHost(args)
 
 
-class PerturbedLLMHost:
-    """The built-in LLM host whose restored weights differ from the init's (final norm scaled):
-    the replay check must catch it."""
-
-    def __new__(cls, args: dict[str, Any]):
-        from snapfn.handler.llm.process_host import LLMProcessHost
-
-        class Perturbed(LLMProcessHost):
-            def _stream(self, figures, path, fresh_ring):
-                super()._stream(figures, path, fresh_ring)
-                dict(self.fn.model.named_parameters())["model.norm.weight"].data *= 1.5
-
-        return Perturbed(args)
-
-
 def perturbed_llm(args: dict[str, Any]):
+    """The built-in LLM host whose restored weights differ from the init's (final norm scaled
+    after streaming): the replay check must catch it."""
+    from snapfn.handler.llm.process_host import LLMProcessHost
+
+    class PerturbedLLMHost(LLMProcessHost):
+        def _stream(self, figures, path, ring):
+            super()._stream(figures, path, ring)
+            dict(self.fn.model.named_parameters())["model.norm.weight"].data *= 1.5
+
     return PerturbedLLMHost(args)
