@@ -114,6 +114,18 @@ def _quiesce() -> None:
     gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get("SNAPFN_PROCESS_TRIM", "1") == "1":
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Give the C heap's free pages back to the kernel (glibc keeps them in its arenas, and
+    criu would dump them): 161.6 → 157.5 MB for the embedded model's CPU worker."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 if __name__ == "__main__":
