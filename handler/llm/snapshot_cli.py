@@ -94,7 +94,8 @@ def run_init(args: argparse.Namespace) -> int:
     else:
         raise BadRequest(f"tier must be portable or process, not {config.tier!r}")
     print(summary(startup), file=sys.stderr)
-    print(f"snapshot ({startup.tier}) written to {args.snapshot}")
+    written = "portable" if startup.tier == "cold" else startup.tier  # a tier-0 init's own tier
+    print(f"snapshot ({written}) written to {args.snapshot}")
     return 0
 
 
