@@ -57,12 +57,42 @@ Target = Callable[[dict[str, Any], Any], object]
 # ---------------------------------------------------------------- channels
 
 
-class Channel:
+class JsonLines:
+    """The receiving half of a JSON-lines channel: `recv() -> dict | None`, one message a line.
+
+    Subclasses provide `_read(timeout_s) -> bytes` (b"" once the peer has closed; a
+    TimeoutError when nothing came within `timeout_s`, None meaning no limit)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def _read(self, timeout_s: float | None) -> bytes:
+        raise NotImplementedError
+
+    def recv(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The next message; None once the peer has closed. Raises TimeoutError after timeout_s."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (end := self._buffer.find(b"\n")) < 0:
+            if len(self._buffer) > MAX_LINE_BYTES:
+                raise BadRequest(f"channel line over {MAX_LINE_BYTES} bytes")
+            remaining_s = None if deadline is None else deadline - time.monotonic()
+            if remaining_s is not None and remaining_s <= 0:
+                raise TimeoutError(f"no channel message within {timeout_s} s")
+            chunk = self._read(remaining_s)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        return json.loads(line)
+
+
+class Channel(JsonLines):
     """JSON-lines connection over a stream socket: `send(dict)`, `recv() -> dict | None`."""
 
     def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
         self._sock = sock
-        self._buffer = bytearray()
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -71,23 +101,9 @@ class Channel:
         self._sock.settimeout(None)
         self._sock.sendall(json.dumps(message).encode() + b"\n")
 
-    def recv(self, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """The next message; None once the peer has closed. Raises TimeoutError after timeout_s."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (end := self._buffer.find(b"\n")) < 0:
-            if len(self._buffer) > MAX_LINE_BYTES:
-                raise BadRequest(f"control-channel line over {MAX_LINE_BYTES} bytes")
-            remaining_s = None if deadline is None else deadline - time.monotonic()
-            if remaining_s is not None and remaining_s <= 0:
-                raise TimeoutError(f"no control-channel message within {timeout_s} s")
-            self._sock.settimeout(remaining_s)
-            chunk = self._sock.recv(1 << 16)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line = bytes(self._buffer[:end])
-        del self._buffer[: end + 1]
-        return json.loads(line)
+    def _read(self, timeout_s: float | None) -> bytes:
+        self._sock.settimeout(timeout_s)
+        return self._sock.recv(1 << 16)
 
     def close(self) -> None:
         self._sock.close()

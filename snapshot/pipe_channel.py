@@ -13,21 +13,18 @@ import json
 import os
 import select
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from snapfn.snapshot.errors import BadRequest
-
-MAX_LINE_BYTES = 64 << 20
+from snapfn.snapshot.channel import JsonLines
 
 
-class PipeChannel:
+class PipeChannel(JsonLines):
     """`send(dict)` writes one line to `write_fd`; `recv()` reads one from `read_fd`."""
 
     def __init__(self, read_fd: int, write_fd: int) -> None:
+        super().__init__()
         self.read_fd, self.write_fd = read_fd, write_fd
-        self._buffer = bytearray()
         self._send_lock = threading.Lock()
         self._closed = False
 
@@ -37,23 +34,10 @@ class PipeChannel:
             while data:
                 data = data[os.write(self.write_fd, data) :]
 
-    def recv(self, timeout_s: float | None = None) -> dict[str, Any] | None:
-        """The next message; None once the writer is gone. TimeoutError after `timeout_s`."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (end := self._buffer.find(b"\n")) < 0:
-            if len(self._buffer) > MAX_LINE_BYTES:
-                raise BadRequest(f"channel line over {MAX_LINE_BYTES} bytes")
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.read_fd], [], [], left)[0]:
-                    raise TimeoutError(f"no message on the channel within {timeout_s} s")
-            chunk = os.read(self.read_fd, 1 << 16)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line = bytes(self._buffer[:end])
-        del self._buffer[: end + 1]
-        return json.loads(line)
+    def _read(self, timeout_s: float | None) -> bytes:
+        if timeout_s is not None and not select.select([self.read_fd], [], [], timeout_s)[0]:
+            raise TimeoutError(f"no message on the channel within {timeout_s:.3g} s")
+        return os.read(self.read_fd, 1 << 16)
 
     def close(self) -> None:
         if not self._closed:
