@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from snapfn.snapshot.errors import BadRequest, SnapfnError
 
 from ..process_client import ProcessClient
 from .engine.request import GenerationResult, RequestOutput, SamplingParams
-from .service_stats import ServiceStats
+from .stream import ServiceStats, Stream
 
 INFO_TIMEOUT_S = 10.0
 
@@ -30,74 +29,41 @@ class WorkerError(SnapfnError):
     code = "worker_error"
 
 
-class RemoteStream:
-    """The outputs of one request in the worker, in order (LLMService's Stream, remotely)."""
+class RemoteStream(Stream):
+    """The outputs of one request in the worker, in order: an LLMService Stream whose items
+    arrive as the worker's messages (routed by the ProcessClient to `replies`)."""
 
     def __init__(
         self,
         service: ProcessLLMService,
         rid: int,
         replies: queue.Queue,
-        accepted: dict,
+        request_id: str,
         prompt_ids: list[int],
     ) -> None:
-        self.request_id = accepted["request_id"]
-        self.prompt_ids = prompt_ids
-        self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None
-        self._service, self._rid, self._replies = service, rid, replies
-        self._done = False
+        super().__init__(service, request_id, prompt_ids)
+        self._rid, self._replies = rid, replies
 
-    def __iter__(self) -> Iterator[RequestOutput]:
-        return self._iter_until(None)
-
-    def _iter_until(self, deadline: float | None) -> Iterator[RequestOutput]:
-        while not self._done:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                message = self._replies.get(timeout=wait)
-            except queue.Empty:
-                self.cancel()
-                raise TimeoutError(f"request {self.request_id} did not finish in time") from None
-            if message["event"] == "error":
-                self._finish()
-                raise WorkerError(message["message"])
-            out = RequestOutput(
-                self.request_id,
-                tuple(message["tokens"]),
-                tuple(message["logprobs"]),
-                message["text"],
-                message["finished"],
-                message["reason"],
-            )
-            if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-            if out.finished:
-                self._finish()
-                self._service.stats.finished += 1
-            self._service.stats.generated_tokens += len(out.new_token_ids)
-            yield out
-
-    def result(self, timeout_s: float | None = None) -> GenerationResult:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        outs = list(self._iter_until(deadline))
-        return GenerationResult(
+    def _take(self, timeout_s: float | None) -> RequestOutput:
+        message = self._replies.get(timeout=timeout_s)
+        if message["event"] == "error":
+            raise WorkerError(message["message"])
+        out = RequestOutput(
             self.request_id,
-            tuple(self.prompt_ids),
-            tuple(t for o in outs for t in o.new_token_ids),
-            tuple(lp for o in outs for lp in o.new_logprobs),
-            "".join(o.text_delta for o in outs),
-            (outs[-1].finish_reason if outs else None) or "unknown",
+            tuple(message["tokens"]),
+            tuple(message["logprobs"]),
+            message["text"],
+            message["finished"],
+            message["reason"],
         )
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        stats = self._service.stats
+        stats.generated_tokens += len(out.new_token_ids)
+        stats.finished += out.finished
+        return out
 
-    def cancel(self) -> None:
-        if not self._done:
-            self._finish()
-            self._service.stats.cancelled += 1
-            self._service.client.notify({"op": "cancel", "request_id": self.request_id})
-
-    def _finish(self) -> None:
-        self._done = True
+    def _on_done(self) -> None:
         self._service.client.forget(self._rid)
 
 
@@ -149,7 +115,7 @@ class ProcessLLMService:
             raise WorkerError(first["message"])
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt_ids)
-        return RemoteStream(self, first["id"], replies, first, list(prompt_ids))
+        return RemoteStream(self, first["id"], replies, first["request_id"], list(prompt_ids))
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None
@@ -157,6 +123,7 @@ class ProcessLLMService:
         return self.submit(prompt_ids, params).result(timeout_s)
 
     def cancel(self, request_id: str) -> None:
+        self.stats.cancelled += 1
         self.client.notify({"op": "cancel", "request_id": request_id})
 
     def kv_usage(self) -> float:

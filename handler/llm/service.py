@@ -12,79 +12,12 @@ only caller of `step`. Outputs reach streams through per-request queues.
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .engine.engine import Engine
 from .engine.request import GenerationResult, RequestOutput, SamplingParams
-from .service_stats import ServiceStats
-
-
-class Stream:
-    """Outputs of one request, in order; iterate it, or call `result()`."""
-
-    def __init__(self, service: LLMService, request_id: str, prompt_ids: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None
-        self._service = service
-        self._outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        self._done = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if self.first_token_at is None and isinstance(item, RequestOutput):
-            self.first_token_at = time.perf_counter()
-        self._outputs.put(item)
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while not self._done:
-            item = self._outputs.get()
-            if isinstance(item, BaseException):
-                self._done = True
-                raise item
-            self._done = item.finished
-            yield item
-
-    def result(self, timeout_s: float | None = None) -> GenerationResult:
-        """Wait for the request to finish and collect its tokens, logprobs and text."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        tokens, logprobs, text, reason = [], [], [], None
-        for out in self._iter_until(deadline):
-            tokens += out.new_token_ids
-            logprobs += out.new_logprobs
-            text.append(out.text_delta)
-            reason = out.finish_reason
-        return GenerationResult(
-            self.request_id,
-            tuple(self.prompt_ids),
-            tuple(tokens),
-            tuple(logprobs),
-            "".join(text),
-            reason or "unknown",
-        )
-
-    def _iter_until(self, deadline: float | None) -> Iterator[RequestOutput]:
-        while not self._done:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = self._outputs.get(timeout=wait)
-            except queue.Empty:
-                self.cancel()
-                raise TimeoutError(f"request {self.request_id} did not finish in time") from None
-            if isinstance(item, BaseException):
-                self._done = True
-                raise item
-            self._done = item.finished
-            yield item
-
-    def cancel(self) -> None:
-        if not self._done:
-            self._done = True
-            self._service.cancel(self.request_id)
+from .stream import ServiceStats, Stream
 
 
 @dataclass
