@@ -89,25 +89,12 @@ def _light_key(device: str, world_size: int) -> dict[str, Any]:
             cuda_runtime_version=versions.get("cuda"),
             triton=_triton_version(),
         )
-        key = {name: key[name] for name in _CUDA_ORDER}
     key["torch"] = versions.get("__version__")
     key["python"] = f"{sys.version_info.major}.{sys.version_info.minor}"
     key["world_size"] = int(world_size)
     return key
 
 
-_CUDA_ORDER = (
-    "format_version",
-    "device_type",
-    "machine",
-    "gpu_name",
-    "compute_capability",
-    "gpu_total_memory_bytes",
-    "driver_version",
-    "cuda_driver_version",
-    "cuda_runtime_version",
-    "triton",
-)
 _VERSION_LINE = re.compile(r"^(__version__|cuda)\s*(?::\s*[^=]+)?=\s*['\"]([^'\"]+)['\"]", re.M)
 
 

@@ -60,7 +60,10 @@ class LLMProcessHost:
         self.service = None
         self.replay: dict[str, Any] = {}
         self.layout_json = ""
-        self.streamer = None  # kept across the checkpoint only with SNAPFN_PROCESS_KEEP_RING=1
+        # NOTE: by default the streamer's pinned ring is pinned after each restore, on a side
+        # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
+        self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
+        self.streamer = None  # with keep_ring: made at init, its ring rides in the image
 
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
@@ -74,7 +77,8 @@ class LLMProcessHost:
         writer = FilesWriter(Path(self.args["root"]))
         section = self.fn.write_snapshot(writer, startup.to_json())
         self.layout_json = section["layout"]
-        self.streamer = self._new_streamer(Path(self.args["root"]) / "weights" / "rank0.bin")
+        if self.keep_ring:
+            self.streamer = self._new_streamer(Path(self.args["root"]) / "weights" / "rank0.bin")
         return {
             "function": self.fn.name,
             "startup": startup.to_json(),
@@ -85,19 +89,14 @@ class LLMProcessHost:
         }
 
     def before_snapshot(self) -> list[str]:
-        hooks = ["release_weights_and_kv"]
+        hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])
         released = self.fn.memory.release()
-        # NOTE: by default the pinned ring is dropped and re-pinned after each restore on a side
-        # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
-        if os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") != "1":
-            self.streamer = None
-            hooks.append("drop_pinned_ring")
         if self.uses_cuda:
             import torch
 
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # warmup's activations need not be in the image
-            if self.streamer is None:  # the ring's pinned blocks leave torch's host cache
+            if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
                 (empty or torch._C._host_emptyCache)()
             free, total = torch.cuda.mem_get_info()
@@ -107,7 +106,6 @@ class LLMProcessHost:
                 "torch_allocated_bytes": torch.cuda.memory_allocated(),
             }
             log(f"at checkpoint: {self.checkpoint_figures}")
-            log(f"allocator: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}; segments: {_segments()}")
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
         return hooks
 
@@ -124,11 +122,10 @@ class LLMProcessHost:
         # mapping + zeroing the KV pool (0.4 s for 110 GB on the H200) run while the weights'
         # region is mapped and the weights stream in; the replay check needs both.
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-resume")
-        fresh = bool(resume.get("fresh_ring")) or self.streamer is None
-        ring = pool.submit(self._new_streamer, weights) if fresh else None
+        ring = None if self.keep_ring else pool.submit(self._new_streamer, weights)
         kv = pool.submit(memory.remap_kv)
         pool.shutdown(wait=False)
-        runner.run("remap", lambda f: f.update(memory.remap_weights() or {}))
+        runner.run("remap", lambda f: memory.remap_weights())
         runner.run("stream_weights", lambda f: self._stream(f, weights, ring))
         runner.run("remap_kv", lambda f: f.update(overlapped_s=round(kv.result(), 4)))
         runner.run("replay_check", self._replay_check)
@@ -223,19 +220,3 @@ class LLMProcessHost:
 
 def make(args: dict[str, Any]) -> LLMProcessHost:
     return LLMProcessHost(args)
-
-
-def _segments() -> dict[str, Any]:
-    """torch's CUDA segments at the checkpoint, summed by pool and kind (a diagnosis aid)."""
-    import torch
-
-    summary: dict[str, list[int]] = {}
-    for seg in torch.cuda.memory_snapshot():
-        key = f"pool{tuple(seg.get('segment_pool_id', ()))}/{seg.get('segment_type')}"
-        total = summary.setdefault(key, [0, 0, 0])
-        total[0] += 1
-        total[1] += seg.get("total_size", 0)
-        total[2] += seg.get("allocated_size", 0)
-    return {
-        k: f"{n} seg, {t / 1e9:.3f} GB, {a / 1e9:.3f} GB used" for k, (n, t, a) in summary.items()
-    }

@@ -46,11 +46,9 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
     tokenizer = pool.submit(load_tokenizer, Path(snapshot_dir) / "model")
     pool.shutdown(wait=False)
-    # SNAPFN_PROCESS_FRESH_RING=1: pin a new host ring instead of the one in the image
-    resume = {"fresh_ring": os.environ.get("SNAPFN_PROCESS_FRESH_RING") == "1"}
     worker, startup, _ = restore_process_snapshot(
         Path(snapshot_dir),
-        resume,
+        {},
         device=config.device,
         config=ProcessConfig.from_env(os.environ),
         log=log,

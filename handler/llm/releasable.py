@@ -9,7 +9,8 @@ every captured graph points into them:
     memory.adopt_parameters(model)      after build_model, before the weights are loaded
     KVPool(..., alloc=memory.kv_alloc(kv_bytes))
     memory.release()                    before the checkpoint: physical pages dropped
-    memory.remap()                      after the restore: same addresses, KV zeroed
+    memory.remap_weights()              after the restore: same addresses
+    memory.remap_kv()                   (beside the weight stream): the KV pool, zeroed
     streamer.stream_into(params)        the weights come back
 
 Parameters are placed in `named_parameters()` order at 2 MiB alignment: the restore layout's
@@ -72,13 +73,6 @@ class ReleasableMemory:
             self.graphs.release()
         return released
 
-    def remap(self) -> dict[str, Any]:
-        """Map physical memory back at the same addresses; the KV pool reads as zeros again."""
-        start = time.perf_counter()
-        self.remap_weights()
-        self.remap_kv()
-        return {"bytes": self.mapped_bytes(), "seconds": round(time.perf_counter() - start, 4)}
-
     def remap_weights(self) -> None:
         """The weights' region and the graphs' (intermediates only: replays rewrite them)."""
         if self.weights is not None:
@@ -95,10 +89,6 @@ class ReleasableMemory:
                 self.kv.zero()  # fresh device pages hold anything; CPU pages come back zeroed
                 torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
-
-    def mapped_bytes(self) -> int:
-        mapped = sum(r.nbytes for r in self.regions().values())
-        return mapped + (self.graphs.nbytes if self.graphs is not None else 0)
 
 
 def kv_region_bytes(model: Any, num_pages: int, page_size: int) -> int:
