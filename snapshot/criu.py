@@ -367,4 +367,4 @@ def is_running(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")

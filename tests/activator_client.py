@@ -23,16 +23,32 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from snapfn.snapshot.criu import is_running
+
 SERVE = [sys.executable, "-m", "snapfn.handler.cli", "serve"]
 
 
-def running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie holds no memory: not running)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+running = is_running  # the process exists and has not exited (a zombie is not running)
+
+
+def read_listen_url(proc: subprocess.Popen, what: str, log_tail, timeout_s: float) -> str:
+    """The URL a `snapfn serve` process prints ("listening on URL"), read from its stdout;
+    fails the test with `log_tail()` if it exits or says nothing within `timeout_s`."""
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if "listening on " in line and not found:
+                found.append(line.split("listening on ")[1].split()[0])
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not found and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    if not found:
+        proc.kill()
+        pytest.fail(f"{what} did not start; log:\n{log_tail()}")
+    return found[0]
 
 
 def children(pid: int) -> list[int]:
@@ -62,21 +78,7 @@ class Activator:
         self.url = self._read_url(timeout_s=60)
 
     def _read_url(self, timeout_s: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                if "listening on " in line and not found:
-                    found.append(line.split("listening on ")[1].split()[0])
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not found and time.monotonic() < deadline and self.proc.poll() is None:
-            time.sleep(0.01)
-        if not found:
-            self.proc.kill()
-            pytest.fail(f"activator did not start; log:\n{self.log_tail()}")
-        return found[0]
+        return read_listen_url(self.proc, "activator", self.log_tail, timeout_s)
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-4000:]

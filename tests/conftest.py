@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,28 @@ import torch
 # NOTE: tiny models on a 2-core CI machine run several times faster on one thread, and tests
 # that run subprocesses or zygotes compete for the cores.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def criu_config():
+    """A criu that dumps and restores here (root + criu 4.x), or the test skips with its reason."""
+    from snapfn.snapshot.criu import CriuConfig, check
+
+    config = CriuConfig.from_env(os.environ)
+    result = check(config)
+    if not result.ok:
+        pytest.skip(f"criu cannot run here: {result.reason}")
+    print(f"\n{result.reason}")
+    return config
+
+
+@pytest.fixture(scope="module")
+def tests_on_pythonpath():
+    """Process-snapshot workers are fresh interpreters: they import tests' hosts via PYTHONPATH."""
+    here = str(Path(__file__).parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+        yield
 
 
 # what the tiny llama-family parity checkpoints share

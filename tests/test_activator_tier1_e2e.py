@@ -4,7 +4,6 @@ Skips with criu's reason where criu cannot run."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -12,7 +11,6 @@ import pytest
 import requests
 
 from snapfn.handler.cli import main
-from snapfn.snapshot.criu import CriuConfig, check
 
 from activator_client import Activator
 
@@ -20,10 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def activator(tmp_path_factory):
-    found = check(CriuConfig.from_env(os.environ))
-    if not found.ok:
-        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
+def activator(criu_config, tmp_path_factory):
     root = tmp_path_factory.mktemp("activator-tier1")
     args = ["init", "--tier", "process", "--snapshot", str(root / "snap")]
     assert main([*args, "--cache-dir", str(root / "cache"), "--max-num-batched-tokens", "64"]) == 0

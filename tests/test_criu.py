@@ -154,16 +154,6 @@ def test_restore_refuses_a_directory_without_images(tmp_path):
 # -- real checkpoints (root + criu 4.x) -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def criu_config():
-    config = CriuConfig.from_env(os.environ)
-    result = check(config)
-    if not result.ok:
-        pytest.skip(f"criu cannot run here: {result.reason}")
-    print(f"\n{result.reason}")
-    return config
-
-
 def start_worker(sock_path, *, own_pid_namespace: bool):
     """The worker as its own session leader, stdio on /dev/null; returns (Popen, root pid)."""
     argv = [sys.executable, "-c", WORKER, str(sock_path)]

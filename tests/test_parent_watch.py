@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from snapfn.handler.parent_watch import PARENT_PID_VARIABLE
+from snapfn.snapshot.criu import is_running
 
 CHILD = """
 import os, time
@@ -27,12 +27,7 @@ os._exit(0)
 """
 
 
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+running = is_running
 
 
 def test_the_child_gets_sigterm_when_its_parent_dies():

@@ -7,14 +7,13 @@ draw in memory and its "weights" in a releasable region that is streamed back af
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from snapfn.snapshot import process
-from snapfn.snapshot.criu import CriuConfig, check, is_running
+from snapfn.snapshot.criu import CriuConfig, is_running
 from snapfn.snapshot.format import read_manifest
 from snapfn.snapshot.process_snapshot import (
     ProcessRestoreFailed,
@@ -25,22 +24,12 @@ from snapfn.snapshot.process_snapshot import (
 HOST = "process_hosts:make"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def host_importable():
-    """The worker is a fresh interpreter: it finds process_hosts.py through PYTHONPATH."""
-    here = str(Path(__file__).parent)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-        yield
+pytestmark = pytest.mark.usefixtures("tests_on_pythonpath")
 
 
 @pytest.fixture(scope="module")
-def config():
-    criu = CriuConfig.from_env(os.environ)
-    found = check(criu)
-    if not found.ok:
-        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
-    return process.ProcessConfig(criu=criu, restore_timeout_s=60)
+def config(criu_config):
+    return process.ProcessConfig(criu=criu_config, restore_timeout_s=60)
 
 
 def make_snapshot(tmp_path: Path, config, **args) -> tuple[Path, dict]:

@@ -4,7 +4,6 @@ Skips with criu's reason where criu cannot run."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +12,13 @@ import pytest
 
 from snapfn.handler.api import FunctionError
 from snapfn.handler.runtime import ServeTarget, WorkerRuntime
-from snapfn.snapshot.criu import CriuConfig, check
 from snapfn.snapshot.stages import Readiness
 
 REPO = Path(__file__).resolve().parent.parent
 HELLO = "examples.hello:handler"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def criu_ok():
-    found = check(CriuConfig.from_env(os.environ))
-    if not found.ok:
-        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
+pytestmark = pytest.mark.usefixtures("criu_config")
 
 
 def init(spec: str, dest: Path, folder: Path) -> subprocess.CompletedProcess:

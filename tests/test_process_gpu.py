@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -67,17 +66,13 @@ def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_tier1_restore_on_cuda_equals_cold_init(tmp_path):
+def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config):
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.process_restore import restore_llm
     from snapfn.handler.llm.service import LLMService
     from snapfn.handler.llm.snapshot_cli import _init_process
-    from snapfn.snapshot.criu import CriuConfig, check
     from snapfn.snapshot.runtime import cold_init
 
-    found = check(CriuConfig.from_env(os.environ))
-    if not found.ok:
-        pytest.skip(f"criu cannot run here: {found.reason}")
     config = InitConfig(device="cuda", mem_fraction_static=0.1, cache_dir=tmp_path / "cache")
     startup = _init_process(config, embedded_model_dir(), tmp_path / "snap")
     assert startup.tier == "process", startup.fallbacks

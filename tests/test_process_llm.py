@@ -15,7 +15,6 @@ import pytest
 from snapfn.handler.llm.embedded import embedded_model_dir
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.snapshot.criu import CriuConfig, check
 from snapfn.snapshot.process import ProcessConfig
 from snapfn.snapshot.stages import Readiness
 
@@ -24,19 +23,7 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=11, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def criu_ok():
-    found = check(CriuConfig.from_env(os.environ))
-    if not found.ok:
-        pytest.skip(f"tier-1 process snapshots cannot run here: {found.reason}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_importable():
-    here = str(Path(__file__).parent)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-        yield
+pytestmark = pytest.mark.usefixtures("criu_config", "tests_on_pythonpath")
 
 
 def config(tmp: Path) -> InitConfig:

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from snapfn.handler.llm.engine.request import SamplingParams
 
+from activator_client import read_listen_url
 from parity import our_engine
 
 pytestmark = pytest.mark.slow
@@ -70,21 +70,8 @@ class Server:
         self.url = self._read_url(timeout_s=60)
 
     def _read_url(self, timeout_s: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                if "listening on " in line and not found:
-                    found.append(line.split("listening on ")[1].split()[0])
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not found and time.monotonic() < deadline and self.proc.poll() is None:
-            time.sleep(0.01)
-        if not found:
-            self.proc.kill()
-            pytest.fail(f"server did not start; log:\n{self.log_path.read_text()[-3000:]}")
-        return found[0]
+        tail = lambda: self.log_path.read_text()[-3000:]  # noqa: E731
+        return read_listen_url(self.proc, "server", tail, timeout_s)
 
     def workers(self) -> list[int]:
         pid = self.proc.pid
