@@ -7,10 +7,11 @@ buckets and their state are shared like a real account's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 FAKE_AWS_ENV = {
@@ -21,6 +22,21 @@ FAKE_AWS_ENV = {
     "AWS_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
+
+
+@contextlib.contextmanager
+def fake_aws(*buckets: str) -> Iterator[MotoServer]:
+    """A MotoServer with FAKE_AWS_ENV set in the environment (and `buckets` created), for a
+    module-scoped fixture: `with fake_aws("b") as aws: yield aws`."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in FAKE_AWS_ENV.items():
+            env.setenv(name, value)
+        with MotoServer() as server:
+            for bucket in buckets:
+                server.client("s3").create_bucket(Bucket=bucket)
+            yield server
 
 
 class MotoServer:

@@ -27,7 +27,7 @@ from snapfn.snapshot.cache import (
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.store import push
 
-from moto_server import FAKE_AWS_ENV, MotoServer
+from moto_server import fake_aws
 from s3_clients import RecordingClient
 from snapshot_samples import write_snapshot
 
@@ -36,12 +36,8 @@ BUCKET = "snapfn-cache"
 
 @pytest.fixture(scope="module")
 def aws():
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in FAKE_AWS_ENV.items():
-            env.setenv(name, value)
-        with MotoServer() as server:
-            server.client("s3").create_bucket(Bucket=BUCKET)
-            yield server
+    with fake_aws(BUCKET) as server:
+        yield server
 
 
 def pushed(aws, tmp_path: Path, marker: str, uri: str | None = None) -> str:

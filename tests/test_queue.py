@@ -33,7 +33,7 @@ from snapfn.handler.runtime import ServeTarget, WorkerRuntime
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.stages import Readiness
 
-from moto_server import FAKE_AWS_ENV, MotoServer, make_queue, queue_counts, wait_for
+from moto_server import FAKE_AWS_ENV, fake_aws, make_queue, queue_counts, wait_for
 from parity import our_engine
 
 KV_CACHE_BYTES = 16 << 20
@@ -48,11 +48,8 @@ def slow_handler(event: dict, context) -> dict:
 # ---- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def aws():
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in FAKE_AWS_ENV.items():
-            env.setenv(name, value)
-        with MotoServer() as server:
-            yield server
+    with fake_aws() as server:
+        yield server
 
 
 def started(target: ServeTarget) -> WorkerRuntime:

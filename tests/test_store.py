@@ -23,7 +23,7 @@ from snapfn.snapshot.runtime import restore
 from snapfn.snapshot.s3_transfer import S3Location, TransferProgress
 from snapfn.snapshot.store import pull, push
 
-from moto_server import FAKE_AWS_ENV, MotoServer
+from moto_server import fake_aws
 from s3_clients import RecordingClient
 from snapshot_samples import BIG, CHUNK, flip_bit, siblings, write_snapshot
 
@@ -33,12 +33,8 @@ NUM_SAMPLE_RANGES = 7  # tokenizer.json, weights/table.json, weights/big.bin's 5
 
 @pytest.fixture(scope="module")
 def aws():
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in FAKE_AWS_ENV.items():
-            env.setenv(name, value)
-        with MotoServer() as server:
-            server.client("s3").create_bucket(Bucket=BUCKET)
-            yield server
+    with fake_aws(BUCKET) as server:
+        yield server
 
 
 @pytest.fixture
