@@ -24,6 +24,8 @@ from snapfn.snapshot.stages import StageRunner, StartupManifest
 
 from .api import Context, FunctionError, call_handler, load_function
 
+USER_FUNCTION = "user_function"  # its section's key in manifest.json
+
 
 class FunctionHost:
     uses_cuda = False
@@ -44,7 +46,7 @@ class FunctionHost:
         runner.run("init_hooks", lambda f: f.update(hooks=self.loaded.run_init()))
         runner.finish(ok=True)
         return {
-            "function": "function",
+            "function": USER_FUNCTION,
             "startup": startup.to_json(),
             "compat": compat_key("cpu", 1, light=True),
             "section": {"spec": self.spec, "function_dir": self.function_dir},

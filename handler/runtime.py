@@ -190,23 +190,25 @@ class WorkerRuntime:
         from snapfn.snapshot.process import ProcessConfig
         from snapfn.snapshot.process_snapshot import restore_process_snapshot
 
-        from .function_host import RemoteHandler
+        from .function_host import USER_FUNCTION, RemoteHandler
         from .process_client import ProcessClient
 
-        worker, self.startup, manifest = restore_process_snapshot(
+        def same_function(manifest: dict[str, Any]) -> None:
+            recorded = manifest.get(USER_FUNCTION, {}).get("spec")
+            if recorded != self.target.function:
+                raise BadRequest(
+                    f"snapshot {self.target.snapshot_dir} holds function {recorded!r}, "
+                    f"not {self.target.function!r}"
+                )
+
+        worker, self.startup, _ = restore_process_snapshot(
             Path(self.target.snapshot_dir),
             {},
             device="cpu",
             config=ProcessConfig.from_env(os.environ),
             log=log,
+            accept=same_function,
         )
-        recorded = manifest.get("function", {}).get("spec")
-        if recorded != self.target.function:
-            worker.kill()
-            raise BadRequest(
-                f"snapshot {self.target.snapshot_dir} holds function {recorded!r}, "
-                f"not {self.target.function!r}"
-            )
         self._handler = self._remote = RemoteHandler(ProcessClient(worker, self._worker_exited))
 
     def _cold_start_function(self, log: Log) -> None:

@@ -145,8 +145,12 @@ def restore_process_snapshot(
     config: process.ProcessConfig,
     log: Log | None,
     world_size: int = 1,
+    accept: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[process.Worker, StartupManifest, dict[str, Any]]:
-    """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure."""
+    """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure.
+
+    `accept(manifest)` runs in the validate stage, before criu: the caller's own refusal
+    (e.g. a snapshot of another function) raises there."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
     # NOTE: the compat key needs cuInit (~0.3 s on the H200), which the CUDA checkpoint calls
@@ -155,7 +159,7 @@ def restore_process_snapshot(
     current = pool.submit(_current_compat, device, world_size, config)
     pool.shutdown(wait=False)
     try:
-        manifest = runner.run("validate", lambda f: _validate(snapshot_dir))
+        manifest = runner.run("validate", lambda f: _validate(snapshot_dir, accept))
         meta = manifest["process"]
 
         def gate(figures: dict) -> None:
@@ -190,8 +194,10 @@ def _current_compat(device: str, world_size: int, config: process.ProcessConfig)
     return key
 
 
-def _validate(snapshot_dir: Path) -> dict[str, Any]:
+def _validate(snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None) -> dict:
     manifest = validate_snapshot(snapshot_dir, None, verify="sizes")
+    if accept is not None:
+        accept(manifest)
     meta = manifest.get("process")
     if manifest.get("tier") != "process" or not isinstance(meta, dict):
         raise bad_snapshot(snapshot_dir, "holds no process image (tier is not 'process')")
