@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot import criu, cuda_checkpoint
+from snapfn.snapshot import criu, cuda_checkpoint, smaps
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.pipe_channel import PipeChannel
 
@@ -140,9 +140,11 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         seconds["before_snapshot"] = time.perf_counter() - start
         fds = {"ctl": ready["fds"][0], "rep": ready["fds"][1], "out": 1}
         inherit = {name: os.readlink(f"/proc/{worker.pid}/fd/{fd}") for name, fd in fds.items()}
+        memory = {"host": smaps.census_or_reason(worker.pid)}
         if ready["uses_cuda"]:
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
+            memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
         dumped = criu.dump(worker.pid, images_dir, config=config.criu)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
@@ -151,6 +153,8 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
     worker.channel.close()
     if log is not None:
         log(f"process image: {dumped.image_bytes / 1e6:.1f} MB in {images_dir}")
+        for stage, found in memory.items():
+            log(f"private memory ({stage}): {_census_line(found)}")
     return {
         "images": images_dir.name,
         "inherit": inherit,
@@ -158,6 +162,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
         "image_bytes": dumped.image_bytes,
+        "private_memory": memory,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
     }
 
@@ -288,6 +293,13 @@ def _forward(fd: int, log: Log | None) -> None:
             for line in lines:
                 if log is not None:
                     log("worker: " + line.decode(errors="replace"))
+
+
+def _census_line(found: Mapping[str, Any]) -> str:
+    if "error" in found:
+        return found["error"]
+    top = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in found["top"][:8])
+    return f"{found['private_bytes'] / 1e6:.1f} MB in {found['mappings']} mappings; top: {top}"
 
 
 def _json(args: Mapping[str, Any]) -> str:

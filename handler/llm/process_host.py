@@ -64,6 +64,13 @@ class LLMProcessHost:
         # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
         self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
         self.streamer = None  # with keep_ring: made at init, its ring rides in the image
+        # SNAPFN_PROCESS_DIAG=1: record torch's CUDA allocations at init and log, at the
+        # checkpoint, the live blocks outside the regions with the code that made them
+        self.diag = os.environ.get("SNAPFN_PROCESS_DIAG", "0") == "1" and self.uses_cuda
+        if self.diag:
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
 
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
@@ -106,6 +113,11 @@ class LLMProcessHost:
                 "torch_allocated_bytes": torch.cuda.memory_allocated(),
             }
             log(f"at checkpoint: {self.checkpoint_figures}")
+            if self.diag:
+                for line in _live_blocks(torch):
+                    log(f"live block: {line}")
+                top = sorted({m.split(".")[0] for m in sys.modules})
+                log(f"{len(sys.modules)} modules from {len(top)} packages: {' '.join(top)}")
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
         return hooks
 
@@ -119,13 +131,14 @@ class LLMProcessHost:
         weights = Path(resume["snapshot_dir"]) / "weights" / "rank0.bin"
         memory = self.fn.memory
         # NOTE: two side threads: pinning a fresh host ring (when the image holds none) and
-        # mapping + zeroing the KV pool (0.4 s for 110 GB on the H200) run while the weights'
-        # region is mapped and the weights stream in; the replay check needs both.
+        # mapping + zeroing the KV pool (0.4 s for 110 GB on the H200) run while the weights
+        # stream in; the replay check needs both. The KV pool is mapped only once the weights'
+        # region is (run 5: mapping 18 GB took 0.56 s while the KV pool's 110 GB were made beside it).
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-resume")
         ring = None if self.keep_ring else pool.submit(self._new_streamer, weights)
+        runner.run("remap", lambda f: memory.remap_weights())
         kv = pool.submit(memory.remap_kv)
         pool.shutdown(wait=False)
-        runner.run("remap", lambda f: memory.remap_weights())
         runner.run("stream_weights", lambda f: self._stream(f, weights, ring))
         runner.run("remap_kv", lambda f: f.update(overlapped_s=round(kv.result(), 4)))
         runner.run("replay_check", self._replay_check)
@@ -216,6 +229,30 @@ class LLMProcessHost:
     def close(self) -> None:
         if self.service is not None:
             self.service.close()
+
+
+def _live_blocks(torch, min_bytes: int = 1 << 20, limit: int = 40) -> list[str]:
+    """Torch's live CUDA blocks of at least `min_bytes`, biggest first, each with the innermost
+    snapfn frame that allocated it (needs memory history recording)."""
+    found = []
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated" or block["size"] < min_bytes:
+                continue
+            frames = [f for f in block.get("frames", []) if _ours(f.get("filename", ""))]
+            top = frames[0] if frames else None
+            where = f"{_ours(top['filename'])}:{top['line']} {top['name']}" if top else "?"
+            found.append((block["size"], f"pool {segment.get('segment_pool_id')} {where}"))
+    found.sort(key=lambda sw: -sw[0])
+    return [f"{size / 1e6:.1f} MB {where}" for size, where in found[:limit]]
+
+
+def _ours(filename: str) -> str:
+    """`filename` from handler/ or snapshot/ on ('handler/llm/x.py'), else ''."""
+    for root in ("/handler/", "/snapshot/"):
+        if root in filename:
+            return root[1:] + filename.rsplit(root, 1)[1]
+    return ""
 
 
 def make(args: dict[str, Any]) -> LLMProcessHost:
