@@ -113,3 +113,20 @@ class Sum64Chunk:
     def _add_word(self, word: bytes) -> None:
         self._total += int.from_bytes(word, "little") * (2 * self._num_words + 1)
         self._num_words, self._partial = self._num_words + 1, b""
+
+
+def first_bad_chunk(data: torch.Tensor, chunk_bytes: int, expected: list[int]) -> int | None:
+    """The first `chunk_bytes` chunk of [n] uint8 `data` whose sum64 is not `expected[i]`, or
+    None: every chunk's sum is computed on `data`'s device, then compared in one host sync."""
+    num_chunks = -(-data.numel() // chunk_bytes)
+    if len(expected) != num_chunks:
+        raise ValueError(f"{len(expected)} sums for {num_chunks} chunks")
+    words = -(-chunk_bytes // 8)
+    weights = odd_weights(words, data.device)
+    scratch = torch.empty(words, dtype=torch.int64, device=data.device)
+    sums = torch.empty(num_chunks, dtype=torch.int64, device=data.device)
+    for i in range(num_chunks):
+        chunk = data[i * chunk_bytes : (i + 1) * chunk_bytes]
+        sum64_bytes(chunk, weights, scratch=scratch, out=sums[i])
+    mismatch = (sums.cpu() != torch.tensor(expected, dtype=torch.int64)).tolist()
+    return mismatch.index(True) if True in mismatch else None

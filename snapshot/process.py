@@ -46,11 +46,13 @@ class ProcessConfig:
     pid_namespace: str = "auto"  # "auto" (when unshare --pid works), "on", "off"
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
+    prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
         values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
-        for name, cast in (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float)):
+        names = (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float))
+        for name, cast in (*names, ("prefetch", str)):
             raw = environ.get(f"SNAPFN_PROCESS_{name.upper()}")
             if raw:
                 values[name] = cast(raw)
@@ -59,6 +61,8 @@ class ProcessConfig:
         for name in ("lazy", "pid_namespace"):
             if getattr(config, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be auto, on or off, not {getattr(config, name)!r}")
+        if config.prefetch not in ("auto", "off"):
+            raise ValueError(f"prefetch must be auto or off, not {config.prefetch!r}")
         return config
 
     def for_device(self, device: str) -> ProcessConfig:
@@ -161,6 +165,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "uses_cuda": ready["uses_cuda"],
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
+        "regions": ready.get("regions", []),
         "image_bytes": dumped.image_bytes,
         "private_memory": memory,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},

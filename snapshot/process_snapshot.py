@@ -158,7 +158,12 @@ def restore_process_snapshot(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-compat")
     current = pool.submit(_current_compat, device, world_size, config)
     pool.shutdown(wait=False)
+    helper = None
     try:
+        if device.startswith("cuda"):
+            helper = runner.run("prefetch", lambda f: _start_prefetch(snapshot_dir, config, f))
+        if helper is not None:
+            resume = {**resume, "regions": helper.address}
         manifest = runner.run("validate", lambda f: _validate(snapshot_dir, accept))
         meta = manifest["process"]
 
@@ -181,8 +186,35 @@ def restore_process_snapshot(
         runner.finish(ok=False)
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         raise ProcessRestoreFailed(failed, str(exc), runner.manifest) from exc
+    finally:
+        if helper is not None:
+            helper.close()  # the worker has taken its regions or made its own by now
     _merge_worker_stages(runner.manifest, restored)
     return worker, runner.finish(ok=True), manifest
+
+
+def _start_prefetch(snapshot_dir: Path, config: process.ProcessConfig, figures):
+    """Spawn the helper that makes and fills a CUDA worker's regions while criu restores it
+    (snapshot/region_prefetch.py), or None — the worker then does it after its restore — when
+    it is off or the image records no regions (the reason goes in the figures)."""
+    import json
+
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+
+    if config.prefetch == "off":
+        figures["skipped"] = "SNAPFN_PROCESS_PREFETCH=off"
+        return None
+    try:
+        manifest = json.loads((snapshot_dir / "manifest.json").read_text())
+        specs = [RegionSpec.from_json(s) for s in manifest["process"].get("regions", [])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # validate says what is wrong
+        figures["skipped"] = f"unreadable regions: {type(exc).__name__}: {exc}"
+        return None
+    if not specs:
+        figures["skipped"] = "the process image records no regions"
+        return None
+    figures.update(regions=len(specs), region_bytes=sum(s.nbytes for s in specs))
+    return PrefetchHelper.spawn(specs, snapshot_dir.absolute(), config.restore_timeout_s)
 
 
 def _current_compat(device: str, world_size: int, config: process.ProcessConfig) -> dict:

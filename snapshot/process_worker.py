@@ -17,7 +17,10 @@ on a third pipe, stdin on /dev/null. Its life, as the owner sees it on the chann
 Any failure is reported as {"event": "failed", "step": str, "error": str} before exiting 1.
 
 A host is what HOST_TARGET ("pkg.module:factory") returns for ARGS_JSON, with methods
-`init() -> dict`, `before_snapshot() -> list[str]`, `after_restore(resume) -> {"t0": wall clock, "stages": [StageRecord JSON]}`, `handle(message, send)`, `close()` and attribute `uses_cuda`.
+`init() -> dict`, `before_snapshot() -> list[str]`, `after_restore(resume) -> {"t0": wall clock, "stages": [StageRecord JSON]}`, `handle(message, send)`, `close()` and attribute `uses_cuda`;
+optionally `checkpoint_figures` (dict) and `region_specs` (what a restorer may make and fill
+for it beside criu: snapshot/region_prefetch.py; the resume message then names the socket as
+"regions").
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main(argv: list[str]) -> int:
                 "uses_cuda": bool(host.uses_cuda),
                 "fds": fds,
                 "figures": getattr(host, "checkpoint_figures", {}),
+                "regions": getattr(host, "region_specs", []),
             }
         )
         message = channel.recv()  # the dump happens while waiting here; a restore resumes here

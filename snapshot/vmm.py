@@ -22,6 +22,7 @@ released; `release()` and `remap()` are idempotent.
 from __future__ import annotations
 
 import mmap
+import os
 from typing import Any
 
 import torch
@@ -136,6 +137,29 @@ class CudaRegion(Region):
             raise
         self._handle, self.mapped = handle, True
         _ok(cu.cuMemSetAccess(self.address, self.nbytes, [self._access], 1), "cuMemSetAccess")
+
+    def adopt(self, fd: int) -> None:
+        """Map memory another process made (its POSIX fd handle, `cuMemCreate`d with this
+        region's size) at this region's address, in place of `remap()`; closes `fd`."""
+        cu = self._cu
+        try:
+            if self.mapped:
+                raise RestoreFailed("region is mapped already")
+            fd_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            handle = _ok(cu.cuMemImportFromShareableHandle(fd, fd_type), "import")
+        finally:
+            os.close(fd)  # NOTE: an open fd would keep the memory alive after cuMemRelease
+        try:
+            _ok(cu.cuMemMap(self.address, self.nbytes, 0, handle, 0), "cuMemMap (adopted)")
+        except RestoreFailed:
+            cu.cuMemRelease(handle)
+            raise
+        self._handle, self.mapped = handle, True
+        _ok(cu.cuMemSetAccess(self.address, self.nbytes, [self._access], 1), "cuMemSetAccess")
+
+    @property
+    def device_index(self) -> int:
+        return int(self._access.location.id)
 
     def release(self, synchronize: bool = True) -> None:
         if not self.mapped:

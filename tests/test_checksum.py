@@ -64,3 +64,21 @@ def test_cuda_sum64_matches_cpu():
     data = words.view(torch.uint8)[3 : 3 + 8 * n - 8]  # unaligned start, a 5-byte tail
     assert int(sum64(words.cuda())) == int(sum64(words)) == reference_sum64(words.numpy().tobytes())
     assert int(sum64_bytes(data.cuda())) == int(sum64_bytes(data))
+
+
+def test_first_bad_chunk_finds_the_changed_chunk_and_passes_the_same_bytes():
+    from snapfn.snapshot.checksum import Sum64Chunk, first_bad_chunk, odd_weights
+
+    data = torch.randint(0, 256, (5 * 4096 + 100,), dtype=torch.uint8)
+    chunk = 4096
+    weights = odd_weights(chunk // 8)
+    expected = []
+    for lo in range(0, data.numel(), chunk):
+        s = Sum64Chunk(weights)
+        s.update(memoryview(data[lo : lo + chunk].numpy()))
+        expected.append(s.finish())
+    assert first_bad_chunk(data, chunk, expected) is None
+    data[3 * chunk + 17] ^= 1
+    assert first_bad_chunk(data, chunk, expected) == 3
+    with pytest.raises(ValueError, match="sums for"):
+        first_bad_chunk(data, chunk, expected[:-1])

@@ -66,7 +66,39 @@ def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config):
+def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_path):
+    from snapfn.snapshot import region_prefetch
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+    from snapfn.snapshot.vmm import CudaRegion
+
+    payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
+    (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
+    weights = CudaRegion(8 << 20, torch.device("cuda", 0))
+    kv = CudaRegion(4 << 20, torch.device("cuda", 0))
+    for region in (weights, kv):
+        region.base.fill_(7)
+        region.release()
+    specs = [
+        RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin"),
+        RegionSpec("kv", kv.address, kv.nbytes, 0, "zero"),
+    ]
+    helper = PrefetchHelper.spawn(specs, tmp_path, timeout_s=60)
+    try:
+        message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
+        assert message["ok"], message["error"]
+        weights.adopt(fds[weights.address])
+        kv.adopt(fds[kv.address])
+        region_prefetch.ack(sock)
+        assert helper.proc.wait(30) == 0  # it let go; our imports keep the memory
+    finally:
+        helper.close()
+    got = weights.base[: payload.numel()].cpu()
+    assert torch.equal(got, payload)
+    assert int(kv.base.count_nonzero()) == 0
+    assert message["figures"]["file_bytes"] == payload.numel()
+
+
+def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypatch):
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.process_restore import restore_llm
     from snapfn.handler.llm.service import LLMService
@@ -95,6 +127,19 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config):
         for g, w in zip(got, want, strict=True):
             assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
         assert restored.stage("cuda_restore").ok
+        adopt = restored.stage("worker.adopt")  # the restorer made and filled the regions
+        assert adopt is not None and "fallback" not in adopt.figures, adopt
         print({s.name: round(s.seconds, 3) for s in restored.stages})
+    finally:
+        service.close()
+
+    monkeypatch.setenv("SNAPFN_PROCESS_PREFETCH", "off")  # the worker maps and streams itself
+    service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)
+    try:
+        assert fn is None and restored.tier == "process", restored.fallbacks
+        assert restored.stage("worker.adopt") is None and restored.stage("worker.stream_weights")
+        got = [service.generate(p, params) for p in prompts]
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
     finally:
         service.close()

@@ -228,6 +228,7 @@ PROCESS_STEPS = (
     "criu_restore",
     "cuda_restore",
     "resume",
+    "worker.adopt",
     "worker.remap",
     "worker.stream_weights",
     "worker.replay_check",

@@ -25,6 +25,8 @@ from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
 REPLAY_TOKENS = 4  # prefill + 3 decode steps: the decode graphs are exercised too
+WEIGHTS_FILE = "weights/rank0.bin"  # the restore layout, relative to the snapshot
+ADOPT_TIMEOUT_S = 60.0  # for the restorer's regions (it may still be filling them)
 
 
 def log(line: str) -> None:
@@ -64,6 +66,7 @@ class LLMProcessHost:
         # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
         self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
         self.streamer = None  # with keep_ring: made at init, its ring rides in the image
+        self.region_specs: list[dict[str, Any]] = []
         # SNAPFN_PROCESS_DIAG=1: record torch's CUDA allocations at init and log, at the
         # checkpoint, the live blocks outside the regions with the code that made them
         self.diag = os.environ.get("SNAPFN_PROCESS_DIAG", "0") == "1" and self.uses_cuda
@@ -97,11 +100,19 @@ class LLMProcessHost:
 
     def before_snapshot(self) -> list[str]:
         hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])
+        self.region_specs = self.fn.memory.region_specs(WEIGHTS_FILE)  # a restorer may fill them
         released = self.fn.memory.release()
         if self.uses_cuda:
             import torch
 
             torch.cuda.synchronize()
+            # NOTE: cuBLAS keeps a 32 MiB workspace per (thread's handle, stream): 9 of them,
+            # 0.3 GB of the GPU state the CUDA checkpoint would copy into the image (census,
+            # H200). Freed here, eager matmuls allocate them again; the one a graph captured
+            # lives in the graph pool and stays valid (released and remapped like the rest).
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()  # warmup's activations need not be in the image
             if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
@@ -128,7 +139,11 @@ class LLMProcessHost:
 
         runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         t0 = time.time()
-        weights = Path(resume["snapshot_dir"]) / "weights" / "rank0.bin"
+        weights = Path(resume["snapshot_dir"]) / WEIGHTS_FILE
+        if resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume)):
+            runner.run("replay_check", self._replay_check)
+            self.service = LLMService(self.fn.engine)
+            return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
         memory = self.fn.memory
         # NOTE: two side threads: pinning a fresh host ring (when the image holds none) and
         # mapping + zeroing the KV pool (0.4 s for 110 GB on the H200) run while the weights
@@ -144,6 +159,45 @@ class LLMProcessHost:
         runner.run("replay_check", self._replay_check)
         self.service = LLMService(self.fn.engine)
         return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def _adopt(self, figures: dict[str, Any], resume: dict[str, Any]) -> bool:
+        """Map the regions the restorer made and filled (snapshot/region_prefetch.py), then
+        check the weights on the GPU against the layout's sum64 table. False, with the reason
+        in the figures, when anything is off: the caller then remaps and streams itself (over
+        the adopted memory when only the weights' check failed)."""
+        from snapfn.snapshot import region_prefetch
+        from snapfn.snapshot.checksum import first_bad_chunk
+        from snapfn.snapshot.layout import RestoreLayout
+
+        try:
+            message, fds, sock = region_prefetch.receive(resume["regions"], ADOPT_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            figures["fallback"] = f"no regions from the restorer: {type(exc).__name__}: {exc}"
+            return False
+        try:
+            figures["restorer"] = message.get("figures", {})
+            if not message.get("ok"):
+                figures["fallback"] = f"the restorer failed: {message.get('error')}"
+                return False
+            try:
+                self.fn.memory.adopt(fds)
+            except RestoreFailed as exc:
+                figures["fallback"] = str(exc)
+                return False
+        finally:
+            region_prefetch.ack(sock)
+        start = time.perf_counter()
+        layout = RestoreLayout.from_json(self.layout_json)
+        if layout.chunk_sum64 is None:
+            figures["fallback"] = "the restore layout has no sum64 table to check the weights with"
+            return False
+        data = self.fn.memory.weights.base[: layout.file_bytes]
+        bad = first_bad_chunk(data, layout.chunk_bytes, layout.chunk_sum64)
+        figures["verify_s"] = round(time.perf_counter() - start, 4)
+        if bad is not None:
+            figures["fallback"] = f"weights chunk {bad} failed its sum64 check"
+            return False
+        return True
 
     def _new_streamer(self, path: Path):
         from snapfn.snapshot.layout import RestoreLayout

@@ -19,11 +19,13 @@ own offsets (layout_writer.py), so the region is an image of the layout file.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 
+from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.vmm import Arena, Region, allocate_region, arena_bytes
 
 
@@ -72,6 +74,43 @@ class ReleasableMemory:
             released["graphs"] = self.graphs.nbytes
             self.graphs.release()
         return released
+
+    def region_specs(self, weights_file: str) -> list[dict[str, Any]]:
+        """What a restorer makes and fills for us (snapshot/region_prefetch.py): the weights'
+        region is an image of `weights_file` (the restore layout, relative to the snapshot), the
+        KV pool is zeroed, graph intermediates need nothing. CUDA only ([] on CPU)."""
+        if self.device.type != "cuda":
+            return []
+        found = [(r, "file" if n == "weights" else "zero", n) for n, r in self.regions().items()]
+        if self.graphs is not None:
+            found += [
+                (r, "none", f"graphs.{i}") for i, r in enumerate(self.graphs.regions.values())
+            ]
+        specs = []
+        for region, fill, name in found:
+            spec = {"name": name, "address": region.address, "nbytes": region.nbytes}
+            spec.update(device=region.device_index, fill=fill)
+            specs.append({**spec, "path": weights_file} if fill == "file" else spec)
+        return specs
+
+    def adopt(self, fds: dict[int, int]) -> None:
+        """Map the memory a restorer made ({region address: fd}, every fd closed here) at each
+        region's address. Raises RestoreFailed, with every region released again, unless all
+        of them were adopted; the caller then remaps and streams as usual."""
+        regions = list(self.regions().values())
+        regions += list(self.graphs.regions.values()) if self.graphs is not None else []
+        missing = [hex(r.address) for r in regions if r.address not in fds]
+        try:
+            if missing or len(fds) != len(regions):
+                raise RestoreFailed(f"the restorer's regions do not match ours (missing {missing})")
+            for region in regions:
+                region.adopt(fds.pop(region.address))
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            for region in regions:
+                region.release(synchronize=False)
+            raise
 
     def remap_weights(self) -> None:
         """The weights' region and the graphs' (intermediates only: replays rewrite them)."""

@@ -1,0 +1,123 @@
+"""The restorer-side region prefetch (snapshot/region_prefetch.py): specs, and the hand-over of
+region fds to the worker over a unix socket. The CUDA half (cuMemCreate, fills, imports) runs in
+tests/test_process_gpu.py on a GPU; here the regions are memfds standing in for CUDA handles."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from snapfn.snapshot import region_prefetch
+from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionPrefetch, RegionSpec
+
+MiB = 1 << 20
+
+
+def spec(**overrides) -> dict:
+    doc = {"name": "weights", "address": 0x7F0000000000, "nbytes": 4 * MiB, "device": 0}
+    doc.update(fill="file", path="weights/rank0.bin")
+    doc.update(overrides)
+    return doc
+
+
+def test_spec_round_trips_and_refuses_what_a_restorer_must_not_do():
+    s = RegionSpec.from_json(spec())
+    assert RegionSpec.from_json(s.to_json()) == s
+    assert "path" not in RegionSpec.from_json(spec(fill="zero", path="")).to_json()
+    for bad, message in [
+        (spec(fill="ones"), "fill 'ones'"),
+        (spec(nbytes=3 * MiB + 1), "2 MiB multiple"),
+        (spec(nbytes=0), "2 MiB multiple"),
+        (spec(path="/etc/passwd"), "not inside the snapshot"),
+        (spec(path="../other/weights.bin"), "not inside the snapshot"),
+        (spec(path=""), "not inside the snapshot"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RegionSpec.from_json(bad)
+
+
+class MemfdPrefetch(RegionPrefetch):
+    """Makes each region as a memfd filled with its name: the hand-over without a GPU."""
+
+    def _make_and_fill(self, start: float) -> None:
+        for s in self.specs:
+            fd = os.memfd_create(s.name)
+            os.write(fd, s.name.encode())
+            self._made.append(region_prefetch._Made(s, None, fd))
+        self.figures["regions"] = len(self._made)
+
+    def _release(self) -> None:
+        made, self._made = self._made, []
+        for m in made:
+            os.close(m.fd)
+
+
+def serve_in_thread(prefetch: RegionPrefetch) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(prefetch.run()))
+    thread.start()
+    return thread, result
+
+
+def test_worker_receives_one_fd_per_region_keyed_by_address(tmp_path):
+    specs = [
+        RegionSpec.from_json(spec(name=n, address=a)) for n, a in [("w", 1 << 40), ("kv", 2 << 40)]
+    ]
+    address = str(tmp_path / "sock")
+    thread, result = serve_in_thread(MemfdPrefetch(specs, tmp_path, address, timeout_s=10))
+    message, fds, sock = region_prefetch.receive(address, timeout_s=10)
+    assert message["ok"] and message["figures"]["regions"] == 2
+    assert sorted(fds) == [1 << 40, 2 << 40]
+    contents = {a: os.pread(fd, 8, 0) for a, fd in fds.items()}  # the restorer's memory, shared
+    assert contents == {1 << 40: b"w", 2 << 40: b"kv"}
+    for fd in fds.values():
+        os.close(fd)
+    region_prefetch.ack(sock)
+    thread.join(10)
+    assert result == [True]  # handed over and acknowledged
+
+
+def test_a_failed_prefetch_is_handed_over_as_its_reason(tmp_path):
+    class Failing(MemfdPrefetch):
+        def _make_and_fill(self, start):
+            super()._make_and_fill(start)
+            raise RuntimeError("out of memory\nsecond line")
+
+    address = str(tmp_path / "sock")
+    thread, result = serve_in_thread(Failing([RegionSpec.from_json(spec())], tmp_path, address))
+    message, fds, sock = region_prefetch.receive(address, timeout_s=10)
+    region_prefetch.ack(sock)
+    thread.join(10)
+    assert not message["ok"] and fds == {}
+    assert message["error"] == "RuntimeError: out of memory second line"  # one line
+    assert result == [False]
+
+
+def test_receive_waits_for_a_late_listener_then_times_out_without_one(tmp_path):
+    address = str(tmp_path / "sock")
+    late = threading.Timer(
+        0.2,
+        lambda: serve_in_thread(MemfdPrefetch([RegionSpec.from_json(spec())], tmp_path, address)),
+    )
+    late.start()
+    message, fds, sock = region_prefetch.receive(address, timeout_s=10)
+    assert message["ok"] and len(fds) == 1
+    os.close(fds.popitem()[1])
+    region_prefetch.ack(sock)
+    with pytest.raises(FileNotFoundError):
+        region_prefetch.receive(str(tmp_path / "nobody"), timeout_s=0.2)
+
+
+def test_helper_process_without_a_gpu_reports_why_and_exits(tmp_path):
+    helper = PrefetchHelper.spawn([RegionSpec.from_json(spec())], tmp_path, timeout_s=30)
+    try:
+        message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
+        region_prefetch.ack(sock)
+        assert not message["ok"] and fds == {}
+        assert message["error"]  # no cuda.bindings, no driver or no device here
+        assert helper.proc.wait(30) == 1
+    finally:
+        helper.close()
+    assert not os.path.exists(helper.address)
