@@ -59,7 +59,9 @@ def test_restored_worker_keeps_its_state_and_gets_its_weights_back(snapshot, con
     worker, startup, _ = restore(dest, config)
     try:
         names = [s.name for s in startup.stages]
-        assert names[:4] == ["validate", "criu_restore", "gate", "resume"], names
+        # validate runs beside criu restore; the worker resumes after both (the gate)
+        assert "validate" in names, names
+        assert [n for n in names if n != "validate"][:3] == ["criu_restore", "gate", "resume"]
         assert "worker.stream_weights" in names and startup.ok
         stream = startup.stage("worker.stream_weights").figures
         assert stream["zero_after_restore"] == 0.0  # the weights were not in the image
