@@ -120,6 +120,8 @@ def _quiesce() -> None:
     sys.stderr.flush()
     if os.environ.get("SNAPFN_PROCESS_TRIM", "1") == "1":
         _malloc_trim()
+    if os.environ.get("SNAPFN_PROCESS_THP", "0") == "1":
+        _advise_huge_pages()
 
 
 def _malloc_trim() -> None:
@@ -130,6 +132,32 @@ def _malloc_trim() -> None:
 
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def _advise_huge_pages(min_bytes: int = 2 << 20) -> int:
+    """madvise(MADV_HUGEPAGE) on our private anonymous mappings of at least 2 MiB (the heap
+    too); criu restores the advice with the mapping, so the restore can fill them with huge
+    pages instead of 4 KiB ones. Returns the bytes advised (an experiment: SNAPFN_PROCESS_THP)."""
+    import contextlib
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    advised = 0
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            anonymous = len(fields) < 6 or fields[5] == "[heap]"
+            if (
+                anonymous
+                and fields[1].startswith("rw")
+                and fields[1][3] == "p"
+                and hi - lo >= min_bytes
+            ):
+                with contextlib.suppress(OSError):
+                    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 14) == 0:
+                        advised += hi - lo  # 14: MADV_HUGEPAGE
+    return advised
 
 
 if __name__ == "__main__":

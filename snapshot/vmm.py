@@ -220,7 +220,8 @@ class RegionPool:
         return region.address
 
     def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
-        region = self.regions.pop(ptr, None)
+        regions = getattr(self, "regions", None)  # None while the pool is being collected
+        region = regions.pop(ptr, None) if regions is not None else None
         if region is not None:
             region.close(synchronize=False)
 

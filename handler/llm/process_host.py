@@ -117,10 +117,11 @@ class LLMProcessHost:
             if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
                 (empty or torch._C._host_emptyCache)()
-            stack = _shrink_stack(torch)
+            # NOTE: lowering the CUDA stack limit here would free 0.2 GB of local memory from
+            # the image (bench/probes/context_memory.py), but the restored graphs then fail
+            # with "unspecified launch failure" (H200, run of bench/h200_tier1_run3.sh)
             free, total = torch.cuda.mem_get_info()
             self.checkpoint_figures = {
-                **stack,
                 "device_in_use_bytes": total - free,
                 "torch_reserved_bytes": torch.cuda.memory_reserved(),
                 "torch_allocated_bytes": torch.cuda.memory_allocated(),
@@ -301,27 +302,6 @@ def _live_blocks(torch, min_bytes: int = 1 << 20, limit: int = 40) -> list[str]:
             found.append((block["size"], f"pool {segment.get('segment_pool_id')} {where}"))
     found.sort(key=lambda sw: -sw[0])
     return [f"{size / 1e6:.1f} MB {where}" for size, where in found[:limit]]
-
-
-def _shrink_stack(torch) -> dict[str, int]:
-    """Lower the per-thread stack limit to SNAPFN_PROCESS_STACK_BYTES (default 256; 0 keeps it)
-    before the checkpoint. The driver sizes a context's local memory for the largest stack a
-    kernel used (1 KiB by default: 0.2 GB on the H200, probe bench/probes/context_memory.py)
-    and the CUDA checkpoint copies it into the image; it grows it again at the first launch
-    that needs more. The replay check runs the captured graphs after the restore."""
-    want = int(os.environ.get("SNAPFN_PROCESS_STACK_BYTES", "256"))
-    if want <= 0:
-        return {}
-    from cuda.bindings import driver as cu
-
-    limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
-    err, before = cu.cuCtxGetLimit(limit)
-    if int(err) != 0 or int(before) <= want:
-        return {}
-    free = torch.cuda.mem_get_info()[0]
-    if int(cu.cuCtxSetLimit(limit, want)[0]) != 0:
-        return {}
-    return {"stack_bytes": want, "stack_freed_bytes": torch.cuda.mem_get_info()[0] - free}
 
 
 def _ours(filename: str) -> str:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device run on one H200: tier-1 GPU tests (full output), the 8B llama bench with cold init,
+# tier 0 and tier 1 side by side (region prefetch, validation beside criu), a second tier-1
+# restore of the same snapshot, the image's private-memory census, and an experiment: the
+# worker's anonymous memory advised for huge pages before the dump (SNAPFN_PROCESS_THP=1).
+# Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_run4.sh
+set -uo pipefail
+eval "$(bash infra/dev-pythonpath.sh)"
+export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
+out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
+snapfn() { python3 -m snapfn.handler.cli "$@"; }
+echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_process_gpu.py tests/test_checksum.py > "$out/gpu-tests.log" 2>&1
+grep -E "^E |passed|failed" "$out/gpu-tests.log" | tail -25
+snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
+census() {
+python3 - "$1/manifest.json" <<'PY'
+import json, sys
+meta = json.load(open(sys.argv[1]))["process"]
+print("image_bytes", meta["image_bytes"], "worker", meta["worker"])
+for stage, found in meta["private_memory"].items():
+    print(stage, found.get("private_bytes"), [(n.rsplit("/", 1)[-1], b) for n, b in found.get("top", [])[:6]])
+PY
+}
+snapfn bench --model "$work/llama8b" --device cuda --workdir "$work/bench" \
+  --modes cold_init,restore,init_process,restore_process --decode-batches 1,32 \
+  --out "$out/h200-llama8b-tier1-run4.json" --plot "$out/h200-llama8b-tier1-run4.png" 2>&1 | grep -A12 "^mode"
+census "$work/bench/snapshot_process"
+snapfn bench --model "$work/llama8b" --device cuda --workdir "$work/bench" --modes restore_process \
+  --decode-batches 1 --out "$out/h200-llama8b-tier1-run4-again.json" 2>&1 | grep -A1 "^mode"
+SNAPFN_PROCESS_THP=1 snapfn bench --model "$work/llama8b" --device cuda --workdir "$work/bench_thp" \
+  --modes init_process,restore_process --decode-batches 1 \
+  --out "$out/h200-llama8b-tier1-run4-thp.json" 2>&1 | grep -A2 "^mode"
+census "$work/bench_thp/snapshot_process"
