@@ -89,13 +89,23 @@ def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_p
         weights.adopt(fds[weights.address])
         kv.adopt(fds[kv.address])
         region_prefetch.ack(sock)
-        assert helper.proc.wait(30) == 0  # it let go; our imports keep the memory
+        assert helper.wait(30) == 0  # it let go; our imports keep the memory
     finally:
         helper.close()
     got = weights.base[: payload.numel()].cpu()
     assert torch.equal(got, payload)
     assert int(kv.base.count_nonzero()) == 0
     assert message["figures"]["file_bytes"] == payload.numel()
+
+
+def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} still there after {timeout_s} s"
 
 
 def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypatch):
@@ -132,6 +142,8 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
         print({s.name: round(s.seconds, 3) for s in restored.stages})
     finally:
         service.close()
+    # NOTE: a CUDA worker keeps its pid (no pid namespace): the next restore needs it free
+    wait_for_exit(restored.stage("criu_restore").figures["pid"])
 
     monkeypatch.setenv("SNAPFN_PROCESS_PREFETCH", "off")  # the worker maps and streams itself
     service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)

@@ -117,7 +117,7 @@ def test_helper_process_without_a_gpu_reports_why_and_exits(tmp_path):
         region_prefetch.ack(sock)
         assert not message["ok"] and fds == {}
         assert message["error"]  # no cuda.bindings, no driver or no device here
-        assert helper.proc.wait(30) == 1
+        assert helper.wait(30) == 1
     finally:
         helper.close()
     assert not os.path.exists(helper.address)

@@ -117,11 +117,10 @@ class LLMProcessHost:
             if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
                 (empty or torch._C._host_emptyCache)()
-            # NOTE: lowering the CUDA stack limit here would free 0.2 GB of local memory from
-            # the image (bench/probes/context_memory.py), but the restored graphs then fail
-            # with "unspecified launch failure" (H200, run of bench/h200_tier1_run3.sh)
+            stack = self._shrink_stack(torch)
             free, total = torch.cuda.mem_get_info()
             self.checkpoint_figures = {
+                **stack,
                 "device_in_use_bytes": total - free,
                 "torch_reserved_bytes": torch.cuda.memory_reserved(),
                 "torch_allocated_bytes": torch.cuda.memory_allocated(),
@@ -140,8 +139,9 @@ class LLMProcessHost:
 
         from .service import LLMService
 
-        runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         t0 = time.time()
+        self._restore_stack()  # NOTE: before any kernel runs
+        runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         weights = Path(resume["snapshot_dir"]) / WEIGHTS_FILE
         if resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume)):
             runner.run("replay_check", self._replay_check)
@@ -162,6 +162,37 @@ class LLMProcessHost:
         runner.run("replay_check", self._replay_check)
         self.service = LLMService(self.fn.engine)
         return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def _shrink_stack(self, torch) -> dict[str, int]:
+        """SNAPFN_PROCESS_STACK_BYTES=N (an experiment, off by default): lower the CUDA stack
+        limit to N bytes before the checkpoint. A context keeps local memory for the largest
+        stack its kernels used (1 KiB by default: 0.2 GB on the H200, probe
+        bench/probes/context_memory.py) and the CUDA checkpoint copies it into the image.
+        Restored graphs failed ("unspecified launch failure", H200) when the limit stayed low,
+        so `_restore_stack` sets the old one back before any kernel runs after the restore."""
+        want = int(os.environ.get("SNAPFN_PROCESS_STACK_BYTES", "0"))
+        if want <= 0:
+            return {}
+        from cuda.bindings import driver as cu
+
+        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+        err, before = cu.cuCtxGetLimit(limit)
+        if int(err) != 0 or int(before) <= want:
+            return {}
+        free = torch.cuda.mem_get_info()[0]
+        if int(cu.cuCtxSetLimit(limit, want)[0]) != 0:
+            return {}
+        self.stack_bytes = int(before)
+        return {"stack_bytes": want, "stack_freed_bytes": torch.cuda.mem_get_info()[0] - free}
+
+    def _restore_stack(self) -> None:
+        if not getattr(self, "stack_bytes", 0):
+            return
+        from cuda.bindings import driver as cu
+
+        err = cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.stack_bytes)[0]
+        if int(err) != 0:
+            raise RestoreFailed(f"could not set the CUDA stack limit back: {err.name}")
 
     def _adopt(self, figures: dict[str, Any], resume: dict[str, Any]) -> bool:
         """Map the regions the restorer made and filled (snapshot/region_prefetch.py), then
