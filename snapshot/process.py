@@ -149,6 +149,9 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
             memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
+        if os.environ.get("SNAPFN_PROCESS_THP", "0") == "1":  # an experiment: process_worker.py
+            worker.channel.send({"op": "advise"})
+            memory["huge_page_advice"] = {"bytes": worker.wait_event("advised", 60.0)["bytes"]}
         dumped = criu.dump(worker.pid, images_dir, config=config.criu)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
@@ -301,8 +304,8 @@ def _forward(fd: int, log: Log | None) -> None:
 
 
 def _census_line(found: Mapping[str, Any]) -> str:
-    if "error" in found:
-        return found["error"]
+    if "error" in found or "private_bytes" not in found:
+        return found.get("error") or str(found)
     top = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in found["top"][:8])
     return f"{found['private_bytes'] / 1e6:.1f} MB in {found['mappings']} mappings; top: {top}"
 

@@ -67,6 +67,9 @@ def main(argv: list[str]) -> int:
             }
         )
         message = channel.recv()  # the dump happens while waiting here; a restore resumes here
+        while message is not None and message.get("op") == "advise":  # SNAPFN_PROCESS_THP
+            channel.send({"event": "advised", "bytes": _advise_huge_pages()})
+            message = channel.recv()
         if message is None or message.get("op") != "resume":
             host.close()
             return 0
@@ -120,8 +123,6 @@ def _quiesce() -> None:
     sys.stderr.flush()
     if os.environ.get("SNAPFN_PROCESS_TRIM", "1") == "1":
         _malloc_trim()
-    if os.environ.get("SNAPFN_PROCESS_THP", "0") == "1":
-        _advise_huge_pages()
 
 
 def _malloc_trim() -> None:
@@ -136,8 +137,10 @@ def _malloc_trim() -> None:
 
 def _advise_huge_pages(min_bytes: int = 2 << 20) -> int:
     """madvise(MADV_HUGEPAGE) on our private anonymous mappings of at least 2 MiB (the heap
-    too); criu restores the advice with the mapping, so the restore can fill them with huge
-    pages instead of 4 KiB ones. Returns the bytes advised (an experiment: SNAPFN_PROCESS_THP)."""
+    too, and after a CUDA checkpoint the driver's copy of the GPU state); criu records the
+    advice with each mapping, so a restore may fill them with huge pages instead of 4 KiB
+    ones. Returns the bytes advised. An experiment (SNAPFN_PROCESS_THP=1): the owner asks for
+    it ("advise") between the CUDA checkpoint and the dump."""
     import contextlib
     import ctypes
 
