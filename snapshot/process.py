@@ -149,9 +149,6 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
             memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
-        if os.environ.get("SNAPFN_PROCESS_THP", "0") == "1":  # an experiment: process_worker.py
-            worker.channel.send({"op": "advise"})
-            memory["huge_page_advice"] = {"bytes": worker.wait_event("advised", 60.0)["bytes"]}
         dumped = criu.dump(worker.pid, images_dir, config=config.criu)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
@@ -178,7 +175,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
 def restore(
     images_dir: Path,
     meta: Mapping[str, Any],
-    resume: Mapping[str, Any],
+    resume: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     config: ProcessConfig,
     run_stage: Callable[[str, Callable[[dict], Any]], Any],
     log: Log | None,
@@ -188,8 +185,9 @@ def restore(
 
     `run_stage(name, fn)` times each step (a StageRunner's `run`). `gate` (stage "gate") runs
     once the worker exists but before it resumes: checks that ran beside the criu restore
-    raise there, and the worker is killed. Returns the worker, serving, and its "restored"
-    message (its identity refresh and its own timed stages).
+    raise there, and the worker is killed. `resume` (or what calling it returns, just before
+    it is sent) goes to the worker in its resume message. Returns the worker, serving, and its
+    "restored" message (its identity refresh and its own timed stages).
     """
     pipes = {name: os.pipe() for name in PIPES}
     ours = {"ctl": pipes["ctl"][1], "rep": pipes["rep"][0], "out": pipes["out"][0]}
@@ -212,7 +210,8 @@ def restore(
         ours = {}  # the worker owns them now: its channel, its output thread
         if gate is not None:
             run_stage("gate", gate)
-        worker.channel.send({"op": "resume", **resume})
+        message = resume() if callable(resume) else resume  # e.g. naming a prefetch helper
+        worker.channel.send({"op": "resume", **message})
         if meta["uses_cuda"]:
             run_stage("cuda_restore", lambda f: _cuda_restore(pid, f))
         restored = run_stage(

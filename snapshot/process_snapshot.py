@@ -18,6 +18,7 @@ image_bytes, seconds, host}, "replay": the greedy tokens + logprobs recorded at 
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -160,16 +161,21 @@ def restore_process_snapshot(
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
     # NOTE: the compat key needs cuInit (~0.3 s on the H200), which the CUDA checkpoint calls
     # need anyway: it runs beside the criu restore, and the worker resumes only if it matches.
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore-checks")
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
     validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept))
+    prefetching = None
+    if device.startswith("cuda"):  # NOTE: beside criu too (reading specs + spawning: 0.04 s)
+        prefetch = functools.partial(_start_prefetch, snapshot_dir, config)
+        prefetching = pool.submit(runner.run, "prefetch", prefetch)
     pool.shutdown(wait=False)
-    helper = None
+
+    def resume_message() -> dict[str, Any]:  # sent once criu restored the worker
+        helper = prefetching.result() if prefetching is not None else None
+        regions = {"regions": helper.address} if helper is not None else {}
+        return {**resume, **regions, "snapshot_dir": str(snapshot_dir.absolute())}
+
     try:
-        if device.startswith("cuda"):
-            helper = runner.run("prefetch", lambda f: _start_prefetch(snapshot_dir, config, f))
-        if helper is not None:
-            resume = {**resume, "regions": helper.address}
         meta = _process_meta(snapshot_dir) or validated.result()["process"]
 
         def gate(figures: dict) -> None:
@@ -184,7 +190,7 @@ def restore_process_snapshot(
         worker, restored = process.restore(
             snapshot_dir / meta["images"],
             meta,
-            {**resume, "snapshot_dir": str(snapshot_dir.absolute())},
+            resume_message,
             config,
             runner.run,
             log,
@@ -197,8 +203,7 @@ def restore_process_snapshot(
         runner.finish(ok=False)
         raise ProcessRestoreFailed(failed, str(cause), runner.manifest) from cause
     finally:
-        if helper is not None:
-            helper.close()  # the worker has taken its regions or made its own by now
+        _close_prefetch(prefetching)  # the worker has taken its regions or made its own by now
     _merge_worker_stages(runner.manifest, restored)
     return worker, runner.finish(ok=True), validated.result()
 
@@ -215,6 +220,17 @@ def _process_meta(snapshot_dir: Path) -> dict[str, Any] | None:
         return None
     simple = isinstance(images, str) and images and "/" not in images and images not in (".", "..")
     return meta if simple and isinstance(meta.get("inherit"), dict) else None
+
+
+def _close_prefetch(prefetching) -> None:
+    if prefetching is None:
+        return
+    try:
+        helper = prefetching.result()
+    except Exception:  # noqa: BLE001 - a helper that never started has nothing to close
+        return
+    if helper is not None:
+        helper.close()
 
 
 def _start_prefetch(snapshot_dir: Path, config: process.ProcessConfig, figures):

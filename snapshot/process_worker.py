@@ -67,9 +67,6 @@ def main(argv: list[str]) -> int:
             }
         )
         message = channel.recv()  # the dump happens while waiting here; a restore resumes here
-        while message is not None and message.get("op") == "advise":  # SNAPFN_PROCESS_THP
-            channel.send({"event": "advised", "bytes": _advise_huge_pages()})
-            message = channel.recv()
         if message is None or message.get("op") != "resume":
             host.close()
             return 0
@@ -133,34 +130,6 @@ def _malloc_trim() -> None:
 
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _advise_huge_pages(min_bytes: int = 2 << 20) -> int:
-    """madvise(MADV_HUGEPAGE) on our private anonymous mappings of at least 2 MiB (the heap
-    too, and after a CUDA checkpoint the driver's copy of the GPU state); criu records the
-    advice with each mapping, so a restore may fill them with huge pages instead of 4 KiB
-    ones. Returns the bytes advised. An experiment (SNAPFN_PROCESS_THP=1): the owner asks for
-    it ("advise") between the CUDA checkpoint and the dump."""
-    import contextlib
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    advised = 0
-    with open("/proc/self/maps", encoding="utf-8") as maps:
-        for line in maps:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            anonymous = len(fields) < 6 or fields[5] == "[heap]"
-            if (
-                anonymous
-                and fields[1].startswith("rw")
-                and fields[1][3] == "p"
-                and hi - lo >= min_bytes
-            ):
-                with contextlib.suppress(OSError):
-                    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 14) == 0:
-                        advised += hi - lo  # 14: MADV_HUGEPAGE
-    return advised
 
 
 if __name__ == "__main__":
