@@ -228,6 +228,7 @@ PROCESS_STEPS = (
     "criu_restore",
     "cuda_restore",
     "resume",
+    "worker.cuda_ready",
     "worker.adopt",
     "worker.remap",
     "worker.stream_weights",

@@ -139,9 +139,10 @@ class LLMProcessHost:
 
         from .service import LLMService
 
-        t0 = time.time()
-        self._restore_stack()  # NOTE: before any kernel runs
         runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
+        t0 = time.time()
+        if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
+            runner.run("cuda_ready", lambda f: self._restore_stack())  # before any kernel runs
         weights = Path(resume["snapshot_dir"]) / WEIGHTS_FILE
         if resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume)):
             runner.run("replay_check", self._replay_check)
