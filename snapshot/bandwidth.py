@@ -3,6 +3,8 @@
 `measure_h2d_gbps(device)`: pinned host → device copy bandwidth in GB/s, the ceiling a CUDA copy
 stream can reach (ValueError on a device that is not CUDA). `measure_disk_read_gbps(path)`: read
 bandwidth of a file in GB/s after asking the kernel to drop it from the page cache.
+`measure_memory_gbps(device)` and `measure_matmul_tflops(device, dtype)`: the device's memory
+bandwidth and dense matmul rate, the rooflines of steady-state decode and prefill.
 """
 
 from __future__ import annotations
@@ -38,3 +40,42 @@ def measure_disk_read_gbps(path: str | os.PathLike, num_threads: int = 16) -> fl
     """
     pagecache.drop([path])
     return pagecache.prewarm([path], num_threads=num_threads).gbps
+
+
+def measure_memory_gbps(
+    device: str | torch.device, nbytes: int = 1 << 30, repeats: int = 5
+) -> float:
+    """Device memory bandwidth, GB/s: bytes read plus bytes written by a tensor copy on `device`
+    (HBM on a GPU, DRAM on the CPU) — what a memory-bound decode step can stream per second."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * repeats * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def measure_matmul_tflops(
+    device: str | torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5
+) -> float:
+    """Dense matmul rate on `device` in `dtype`, TFLOP/s (2·n³ per n×n product)."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up (and the library's own setup)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.matmul(a, b)
+    _sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -155,8 +155,9 @@ def restore_process_snapshot(
 
     `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
     another function) raises there. Validation runs beside the criu restore (it took 0.1 s of
-    an 8B restore on the H200); the restored worker resumes only once it passed (stage "gate"),
-    and a failure is reported as the validate step's even when criu failed too."""
+    an 8B restore on the H200) once the image files have their recorded sizes (else criu waits
+    for it); the restored worker resumes only once it passed (stage "gate"), and a failure is
+    reported as the validate step's even when criu failed too."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
     # NOTE: the compat key needs cuInit (~0.3 s on the H200), which the CUDA checkpoint calls
@@ -209,17 +210,29 @@ def restore_process_snapshot(
 
 
 def _process_meta(snapshot_dir: Path) -> dict[str, Any] | None:
-    """The manifest's process section, read without validating (criu starts on it while the
-    snapshot is validated): None when it looks wrong, so the caller waits for validate's reason."""
+    """The manifest's process section, read before the snapshot is validated so that criu can
+    start beside the validation — but only once every image file criu will read has its
+    recorded size (criu hangs on a truncated image, eagerly or lazily, until it is killed).
+    None when anything looks wrong: the caller then waits for validate's reason."""
     import json
 
     try:
-        meta = json.loads((snapshot_dir / "manifest.json").read_text())["process"]
+        manifest = json.loads((snapshot_dir / "manifest.json").read_text())
+        meta, files = manifest["process"], manifest["files"]
         images = meta["images"]
-    except (OSError, ValueError, KeyError, TypeError):
+        simple = isinstance(images, str) and images and "/" not in images and images != ".."
+        if not simple or not isinstance(meta.get("inherit"), dict):
+            return None
+        on_disk = {
+            f"{images}/{p.name}": p.stat().st_size
+            for p in (snapshot_dir / images).iterdir()
+            if p.is_file()
+        }
+        recorded = {k: int(v["size"]) for k, v in files.items() if k.startswith(f"{images}/")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    simple = isinstance(images, str) and images and "/" not in images and images not in (".", "..")
-    return meta if simple and isinstance(meta.get("inherit"), dict) else None
+    registered = {k: v for k, v in on_disk.items() if k in recorded}  # logs are not registered
+    return meta if recorded and registered == recorded else None
 
 
 def _close_prefetch(prefetching) -> None:

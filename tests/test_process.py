@@ -7,6 +7,7 @@ draw in memory and its "weights" in a releasable region that is streamed back af
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -156,6 +157,31 @@ def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path):
     with pytest.raises(ProcessRestoreFailed, match="validate") as info:
         restore(dest, config)
     assert info.value.step == "validate"
+    assert not criu_processes_on(dest), "criu left running on the truncated image"
+
+
+def test_a_truncated_image_restored_eagerly_is_refused_as_a_validate_failure(config, tmp_path):
+    import dataclasses
+
+    eager = dataclasses.replace(config, lazy="off")  # validation then runs beside criu
+    dest, _ = make_snapshot(tmp_path, eager)
+    pages = next((dest / "process").glob("pages-*.img"))
+    with open(pages, "r+b") as f:
+        f.truncate(pages.stat().st_size // 2)
+    with pytest.raises(ProcessRestoreFailed, match="validate") as info:
+        restore(dest, eager)
+    assert info.value.step == "validate"
+    assert not criu_processes_on(dest), "criu left running on the truncated image"
+
+
+def criu_processes_on(dest) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            args = cmdline.read_bytes().split(b"\0")
+            if any(str(dest).encode() in a for a in args) and any(b"criu" in a for a in args):
+                found.append(cmdline.parent.name)
+    return found
 
 
 def test_a_damaged_image_that_criu_rejects_fails_at_criu_restore(config, tmp_path):

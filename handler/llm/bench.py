@@ -34,15 +34,17 @@ ALL_MODES = (
     "restore_cold",
     "init_process",
     "restore_process",
+    "steady",
 )
 
 
 @dataclass(frozen=True)
 class BenchDefaults:
     device: str = "cpu"
-    modes: str = ",".join(ALL_MODES)
+    modes: str = ",".join(m for m in ALL_MODES if m != "steady")  # steady: ask for it
     decode_batches: str = "1,8"
     decode_tokens: int = 16
+    prefill_tokens: int = 2048
     timeout_s: int = 900
 
 
@@ -67,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-batches", default=d.decode_batches, help="steady-state decode batch sizes"
     )
     p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=d.prefill_tokens,
+        help="prompt length of the steady mode's prefill figure",
+    )
     p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
 
 
@@ -173,8 +181,11 @@ def run(args: argparse.Namespace) -> int:
                 }
                 continue
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
-        with_decode = mode in ("cold_init", "restore_process")
-        results[mode] = run_mode(mode, args, workdir, decode if with_decode else [])
+        with_decode = mode in ("cold_init", "restore_process", "steady")
+        extra = decode if with_decode else []
+        if mode == "steady":
+            extra = extra + ["--prefill-tokens", str(args.prefill_tokens)]
+        results[mode] = run_mode(mode, args, workdir, extra)
         print(f"[snapfn bench] {mode}: {_brief(results[mode])}", file=sys.stderr, flush=True)
     report = {
         "model": str(args.model),
@@ -275,7 +286,18 @@ def _notes(r: dict[str, Any]) -> str:
     if stream is not None:
         st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")
         parts.append(f"stream {stream:.3f} s ({st['figures'].get('gbps', '?')} GB/s)")
-    if r.get("decode"):
+    if r.get("mode") == "steady" and r.get("prefill"):
+        p = r["prefill"]
+        parts.append(
+            "decode ms/step "
+            + ", ".join(
+                f"{b} {d['ms']} (roofline {d['roofline_ms']}, {d['x']}x)"
+                for b, d in r["decode"].items()
+            )
+            + f"; prefill {p['tokens_per_s']:.0f} tok/s (roofline {p['roofline_tokens_per_s']:.0f}, {p['x']}x)"
+            + f"; {r['memory_gbps']} GB/s, {r['matmul_tflops']} TFLOP/s, backend {r['backend']}"
+        )
+    elif r.get("decode"):
         parts.append("decode " + ", ".join(f"{k}={v}" for k, v in r["decode"].items()))
     if r.get("fallbacks"):
         parts.append(f"FELL BACK: {r['fallbacks'][0]['reason']}")

@@ -130,6 +130,55 @@ def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
+    """(g) Steady state after a cold init: decode ms per step at each batch size and prefill
+    tokens/s, each beside its roofline, measured in this process on the same device: a decode
+    step streams every weight once (weight bytes ÷ memory bandwidth, KV reads left out: short
+    prompts); prefill does 2 FLOPs per matmul weight and token (÷ the dense matmul rate)."""
+    from snapfn.snapshot.bandwidth import measure_matmul_tflops, measure_memory_gbps
+    from snapfn.snapshot.runtime import cold_init
+
+    from .engine.request import SamplingParams
+
+    fn = _function(args, Path(args.model))
+    cold_init(fn, log=None)
+    model, engine = fn.model, fn.engine
+    params = dict(model.named_parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    matmul_weights = sum(p.numel() for n, p in params.items() if tied or "embed_tokens" not in n)
+    gbps = measure_memory_gbps(args.device)
+    tflops = measure_matmul_tflops(args.device, model.dtype)
+    roof_ms = weight_bytes / (gbps * 1e9) * 1e3
+    decode = {}
+    for key, ms in _decode_figures(engine, args).items():
+        batch = key.removesuffix("_ms_per_step")
+        decode[batch] = {"ms": ms, "roofline_ms": round(roof_ms, 3), "x": round(ms / roof_ms, 2)}
+    n = min(args.prefill_tokens, engine.max_req_input_len)
+    prompt = [(7919 * i + 11) % model.config.vocab_size for i in range(n)]
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate([prompt], one)  # warm-up: this prompt length's shapes
+    _sync(args.device)
+    t0 = time.perf_counter()
+    engine.generate([prompt], one)
+    _sync(args.device)
+    tokens_per_s = n / (time.perf_counter() - t0)
+    roof_tps = tflops * 1e12 / (2 * matmul_weights)
+    return {
+        "weight_bytes": weight_bytes,
+        "memory_gbps": round(gbps, 1),
+        "matmul_tflops": round(tflops, 2),
+        "decode": decode,
+        "prefill": {
+            "tokens": n,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "roofline_tokens_per_s": round(roof_tps, 1),
+            "x": round(roof_tps / tokens_per_s, 2),
+        },
+        "backend": getattr(getattr(model, "backend", None), "name", "?"),
+    }
+
+
 def _config(args: argparse.Namespace):
     from .init_config import InitConfig
 
@@ -201,6 +250,7 @@ MODES = {
     "restore": mode_restore,
     "init_process": mode_init_process,
     "restore_process": mode_restore_process,
+    "steady": mode_steady,
 }
 
 
@@ -214,6 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--t0", type=float, required=True)
     p.add_argument("--decode-batches", default="")
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
     return p.parse_args(argv)
 
 
