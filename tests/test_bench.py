@@ -46,3 +46,33 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
     assert modes["cold_init"]["decode"]["batch1_ms_per_step"] > 0
     assert (tmp_path / "w.png").stat().st_size > 0
     assert "restore_zygote" in proc.stdout
+
+
+def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_with_tokenizer):
+    from snapfn.handler.llm.bench import format_report
+    from snapfn.handler.llm.bench_child import MODES, parse_args
+
+    args = parse_args(
+        ["steady", "--model", str(llama_with_tokenizer), "--t0", "0", "--decode-batches", "1,4"]
+        + ["--decode-tokens", "4", "--prefill-tokens", "64"]
+    )
+    result = {"mode": "steady", **MODES["steady"](args)}
+    assert set(result["decode"]) == {"batch1", "batch4"}
+    for figures in result["decode"].values():
+        # the roofline is the same weight bytes over the measured bandwidth at every batch size
+        assert figures["roofline_ms"] == result["decode"]["batch1"]["roofline_ms"] > 0
+        assert figures["x"] == pytest.approx(figures["ms"] / figures["roofline_ms"], rel=0.02)
+    prefill = result["prefill"]
+    assert prefill["tokens"] == 64 and prefill["tokens_per_s"] > 0
+    ratio = prefill["roofline_tokens_per_s"] / prefill["tokens_per_s"]
+    assert prefill["x"] == pytest.approx(ratio, rel=0.02)
+    assert result["memory_gbps"] > 0 and result["matmul_tflops"] > 0
+    assert result["backend"] == "torch"
+    report = {
+        "model": "m",
+        "device": "cpu",
+        "machine": "x",
+        "floors": {},
+        "modes": {"steady": result},
+    }
+    assert "roofline" in format_report(report)

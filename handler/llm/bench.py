@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
 def _brief(result: dict[str, Any]) -> str:
     if "first_token_s" in result:
         return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
+    if "prefill" in result:
+        return f"batch-1 decode {result['decode'].get('batch1', {}).get('x', '?')}x its roofline"
     return result.get("error") or result.get("skipped") or "?"
 
 
