@@ -74,5 +74,6 @@ def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_wit
         "machine": "x",
         "floors": {},
         "modes": {"steady": result},
+        "ratios": {},
     }
     assert "roofline" in format_report(report)
