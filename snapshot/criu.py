@@ -232,8 +232,26 @@ def restore(
 def _restore_detached(
     argv: list[str], work: Path, deadline_s: float, pass_fds: tuple[int, ...] = ()
 ) -> None:
-    done = _run(argv + ["--restore-detached"], _left(deadline_s), "criu restore", pass_fds)
-    if done.returncode != 0:
+    try:
+        criu = subprocess.Popen(
+            argv + ["--restore-detached"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=pass_fds,
+        )
+    except OSError as exc:
+        raise RestoreFailed(one_line(f"criu restore: cannot run {argv[0]}: {exc}")) from None
+    timeout_s = _left(deadline_s)
+    try:
+        criu.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        # NOTE: the tasks criu has forked so far would stay behind, half restored and spinning
+        # (seen with a truncated image): they go first, then criu
+        _kill_tree(criu.pid)
+        criu.wait()
+        raise RestoreFailed(f"criu restore timed out after {timeout_s:.0f} s") from None
+    if criu.returncode != 0:
         raise RestoreFailed(one_line(f"criu restore failed: {_log_reason(work / 'restore.log')}"))
 
 
@@ -272,6 +290,20 @@ def _start_lazy_pages(
     done = _run(argv, _left(deadline_s), what="criu lazy-pages")
     if done.returncode != 0:
         raise RestoreFailed(one_line(f"criu lazy-pages failed: {_log_reason(log_path)}"))
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (collected before any is killed)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    for victim in reversed(found):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def _run(

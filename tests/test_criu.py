@@ -145,6 +145,21 @@ def test_restore_timeout_is_a_restore_failure(tmp_path):
     assert time.monotonic() - start < 10
 
 
+def test_restore_timeout_kills_what_criu_had_started(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "inventory.img").write_bytes(b"")
+    child = tmp_path / "child.pid"
+    body = f"sleep 300 &\necho $! > {child}\nsleep 30\n"  # a half-restored task, then a hang
+    config = CriuConfig(binary=str(fake_criu(tmp_path, body)), restore_timeout_s=1.0)
+    with pytest.raises(RestoreFailed, match="timed out"):
+        restore(tmp_path / "images", config=config, work_dir=tmp_path / "work")
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not is_running(pid), "the task criu had forked is still running"
+
+
 def test_restore_refuses_a_directory_without_images(tmp_path):
     config = CriuConfig(binary=str(fake_criu(tmp_path, "exit 0\n")))
     with pytest.raises(RestoreFailed, match="no criu images"):
