@@ -149,7 +149,11 @@ def test_a_restore_that_takes_too_long_is_killed(snapshot, config):
     assert _gone(info.value.startup.stage("criu_restore").figures["pid"])
 
 
-def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path):
+@pytest.mark.parametrize("lazy", ["auto", "off"])  # CPU: auto means lazy pages
+def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path, lazy):
+    import dataclasses
+
+    config = dataclasses.replace(config, lazy=lazy)
     dest, _ = make_snapshot(tmp_path, config)
     pages = next((dest / "process").glob("pages-*.img"))
     with open(pages, "r+b") as f:
@@ -157,20 +161,7 @@ def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path):
     with pytest.raises(ProcessRestoreFailed, match="validate") as info:
         restore(dest, config)
     assert info.value.step == "validate"
-    assert not criu_processes_on(dest), "criu left running on the truncated image"
-
-
-def test_a_truncated_image_restored_eagerly_is_refused_as_a_validate_failure(config, tmp_path):
-    import dataclasses
-
-    eager = dataclasses.replace(config, lazy="off")  # validation then runs beside criu
-    dest, _ = make_snapshot(tmp_path, eager)
-    pages = next((dest / "process").glob("pages-*.img"))
-    with open(pages, "r+b") as f:
-        f.truncate(pages.stat().st_size // 2)
-    with pytest.raises(ProcessRestoreFailed, match="validate") as info:
-        restore(dest, eager)
-    assert info.value.step == "validate"
+    # NOTE: criu given a truncated image hangs until killed (lazily or eagerly)
     assert not criu_processes_on(dest), "criu left running on the truncated image"
 
 
