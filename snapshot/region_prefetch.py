@@ -7,9 +7,10 @@ process that runs `criu restore` — has nothing to do meanwhile, so it does tha
 a CUDA context of its own, and hands the memory over:
 
     helper = PrefetchHelper.spawn(specs, snapshot_dir)     beside criu restore: a child process
-                                                           (`python -m` this module) that runs a
-                                                           RegionPrefetch, so the restorer itself
-                                                           never holds a CUDA context
+                                                           (`python -m snapfn.snapshot.region_fill`)
+                                                           that makes and fills them, so the
+                                                           restorer itself never holds a CUDA
+                                                           context
     resume["regions"] = helper.address                     a unix socket the worker connects to
     the worker: receive() → {"ok", "figures"} + one fd per region (SCM_RIGHTS) → import each
                 (cuMemImportFromShareableHandle), map it at its region's address, verify the
@@ -30,7 +31,6 @@ Nothing here imports torch: the restorer never does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -45,11 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.errors import RestoreFailed, one_line
-
 FILLS = ("file", "zero", "none")
-SLOT_BYTES = 16 << 20  # pinned staging buffer per reader, two per reader
-MAX_MESSAGE = 1 << 16
+MAX_MESSAGE = 1 << 16  # the hand-over message's bytes (the fds travel beside it)
 
 
 @dataclass(frozen=True)
@@ -85,204 +82,6 @@ class RegionSpec:
         doc = {"name": self.name, "address": self.address, "nbytes": self.nbytes}
         doc.update(device=self.device, fill=self.fill)
         return {**doc, "path": self.path} if self.path else doc
-
-
-@dataclass
-class _Made:
-    spec: RegionSpec
-    handle: Any
-    fd: int
-    va: int = 0  # mapped here too (fill "file" / "zero"), else 0
-
-
-class _Fill:
-    """One file copied into its region: readers pread into pinned slots, each copying its slot
-    to the device on its own stream while it reads the next; started on creation."""
-
-    def __init__(self, prefetch: RegionPrefetch, made: _Made, ctx: Any) -> None:
-        path = prefetch.snapshot_dir / made.spec.path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-        if self.size > made.spec.nbytes:
-            os.close(self.fd)
-            raise RestoreFailed(f"{path}: {self.size} bytes do not fit region {made.spec.name!r}")
-        self._units = iter(range(0, self.size, SLOT_BYTES))
-        self._lock = threading.Lock()
-        self.errors: list[Exception] = []
-        self.seconds, self._start = 0.0, time.perf_counter()
-        args = (prefetch._cu, ctx, self.fd, self.size, made.va, self._next_unit, self.errors)
-        self.readers = [
-            threading.Thread(target=_reader, args=args, daemon=True)
-            for _ in range(prefetch.num_threads)
-        ]
-        for reader in self.readers:
-            reader.start()
-
-    def _next_unit(self) -> int | None:
-        with self._lock:
-            return next(self._units, None)
-
-    def join(self, raise_error: bool = True) -> int:
-        """Wait for the readers; the bytes copied (raises the first reader's error)."""
-        for reader in self.readers:
-            reader.join()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            self.seconds = time.perf_counter() - self._start
-        if self.errors and raise_error:
-            raise self.errors[0]
-        return self.size
-
-
-class RegionPrefetch:
-    """Makes and fills the regions, then serves them once on a unix socket at `address`."""
-
-    def __init__(
-        self,
-        specs: Sequence[RegionSpec],
-        snapshot_dir: Path,
-        address: str,
-        *,
-        num_threads: int = 8,
-        timeout_s: float = 120.0,
-    ) -> None:
-        self.specs, self.snapshot_dir = list(specs), Path(snapshot_dir)
-        self.num_threads, self.timeout_s = max(1, num_threads), timeout_s
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(address)
-        self._listener.listen(1)
-        self._made: list[_Made] = []
-        self._cu: Any = None
-        self._ctx_device: Any = None
-        self.error: str | None = None
-        self.figures: dict[str, Any] = {}
-
-    def run(self) -> bool:
-        """Make and fill, serve the first connection, let go. True when the regions were
-        made and handed over (a failure is handed over as its reason instead)."""
-        start = time.perf_counter()
-        try:
-            if not self.specs:
-                raise RestoreFailed("no regions to make")
-            self._make_and_fill(start)
-        except Exception as exc:  # noqa: BLE001 - reported to the worker, which falls back
-            self.error = one_line(f"{type(exc).__name__}: {exc}")
-            self._release()
-        self.figures["seconds"] = round(time.perf_counter() - start, 4)
-        try:
-            return self._serve() and self.error is None
-        finally:
-            self._listener.close()
-            self._release()
-
-    def _make_and_fill(self, start: float) -> None:
-        """Context → the file-backed regions, their fill started → the other regions (the KV
-        pool zeroed) while the readers run → wait for all. Figures are seconds since start."""
-        cu = self._cu = _driver()
-        devices = {s.device for s in self.specs}
-        if len(devices) != 1:
-            raise RestoreFailed(f"regions on devices {sorted(devices)}: one device expected")
-        device = _ok(cu.cuDeviceGet(devices.pop()), "cuDeviceGet")
-        ctx = _ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-        self._ctx_device = device
-        _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        self.figures["context_s"] = round(time.perf_counter() - start, 4)
-        prop = _prop(cu, self.specs[0].device)
-        ordered = sorted(self.specs, key=lambda s: s.fill != "file")
-        fills: list[_Fill] = []
-        stream = _ok(cu.cuStreamCreate(1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
-        try:
-            for spec in ordered:
-                handle = _ok(cu.cuMemCreate(spec.nbytes, prop, 0), f"cuMemCreate({spec.name})")
-                made = _Made(spec, handle, -1)
-                self._made.append(made)
-                fd = cu.cuMemExportToShareableHandle(handle, _FD_TYPE(cu), 0)
-                made.fd = int(_ok(fd, "cuMemExportToShareableHandle"))
-                if spec.fill != "none":
-                    made.va = _map(cu, handle, spec)
-                if spec.fill == "file":
-                    fills.append(_Fill(self, made, ctx))
-                elif spec.fill == "zero":
-                    _ok(cu.cuMemsetD32Async(made.va, 0, spec.nbytes // 4, stream), "memset")
-            self.figures["made_s"] = round(time.perf_counter() - start, 4)
-            copied = sum(fill.join() for fill in fills)
-            _ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        finally:
-            for fill in fills:
-                fill.join(raise_error=False)
-            cu.cuStreamDestroy(stream)
-        self._made.sort(key=lambda m: self.specs.index(m.spec))
-        fill_s = max((f.seconds for f in fills), default=0.0)
-        self.figures.update(
-            filled_s=round(time.perf_counter() - start, 4),
-            file_bytes=copied,
-            gbps=round(copied / fill_s / 1e9, 2) if fill_s > 0 else 0.0,
-            regions=len(self._made),
-            region_bytes=sum(m.spec.nbytes for m in self._made),
-        )
-
-    def _serve(self) -> bool:
-        """Hand the fds to the first connection and wait for its ack; False if none came."""
-        self._listener.settimeout(self.timeout_s)
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:  # timed out: the worker never came
-            return False
-        with conn:
-            conn.settimeout(self.timeout_s)
-            message = {"ok": self.error is None, "error": self.error, "figures": self.figures}
-            message["regions"] = [m.spec.address for m in self._made] if self.error is None else []
-            fds = [m.fd for m in self._made] if self.error is None else []
-            try:
-                socket.send_fds(conn, [json.dumps(message).encode()], fds)
-                return conn.recv(MAX_MESSAGE) == b"mapped"  # its imports hold the memory now
-            except OSError:
-                return False
-
-    def _release(self) -> None:
-        """Let go of the restorer's side of every region (idempotent)."""
-        cu, made, self._made = self._cu, self._made, []
-        for m in made:
-            if m.fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(m.fd)
-            if m.va:
-                cu.cuMemUnmap(m.va, m.spec.nbytes)
-                cu.cuMemAddressFree(m.va, m.spec.nbytes)
-            cu.cuMemRelease(m.handle)
-        if self._ctx_device is not None:
-            cu.cuDevicePrimaryCtxRelease(self._ctx_device)
-            self._ctx_device = None
-
-
-def _reader(cu, ctx, fd: int, size: int, va: int, next_unit, errors: list) -> None:
-    slots: list[tuple[int, memoryview, Any]] = []
-    stream = None
-    try:
-        _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        stream = _ok(cu.cuStreamCreate(1), "cuStreamCreate")
-        k = 0
-        while (offset := next_unit()) is not None:
-            if len(slots) < 2:
-                slots.append(_pinned_slot(cu))
-            ptr, view, event = slots[k % 2]
-            if k >= 2:
-                _ok(cu.cuEventSynchronize(event), "cuEventSynchronize")  # its last copy is done
-            n = min(SLOT_BYTES, size - offset)
-            _pread_exact(fd, view[:n], offset)
-            _ok(cu.cuMemcpyHtoDAsync(va + offset, ptr, n, stream), "cuMemcpyHtoDAsync")
-            _ok(cu.cuEventRecord(event, stream), "cuEventRecord")
-            k += 1
-    except Exception as exc:  # noqa: BLE001 - raised by _Fill.join
-        errors.append(exc)
-    finally:
-        if stream is not None:
-            cu.cuStreamSynchronize(stream)
-            cu.cuStreamDestroy(stream)
-        for ptr, _, event in slots:
-            cu.cuEventDestroy(event)
-            cu.cuMemFreeHost(ptr)
 
 
 # ---- the worker's side ---------------------------------------------------------------------------
@@ -350,7 +149,7 @@ class PrefetchHelper:
         directory = tempfile.mkdtemp(prefix="snapfn-regions-")
         doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
         doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
-        argv = [sys.executable, "-m", "snapfn.snapshot.region_prefetch", json.dumps(doc)]
+        argv = [sys.executable, "-m", "snapfn.snapshot.region_fill", json.dumps(doc)]
         return cls(argv, directory)
 
     def wait(self, timeout_s: float | None = None) -> int | None:
@@ -367,73 +166,3 @@ class PrefetchHelper:
                 self.proc.kill()
             threading.Thread(target=self.proc.wait, daemon=True).start()  # reap it
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def main(argv: list[str]) -> int:
-    doc = json.loads(argv[1])
-    specs = [RegionSpec.from_json(s) for s in doc["specs"]]
-    prefetch = RegionPrefetch(
-        specs, Path(doc["snapshot_dir"]), doc["address"], timeout_s=float(doc["timeout_s"])
-    )
-    ok = prefetch.run()
-    if prefetch.error is not None:
-        print(f"[snapfn prefetch] {prefetch.error}", file=sys.stderr, flush=True)
-    return 0 if ok else 1
-
-
-# ---- driver helpers ------------------------------------------------------------------------------
-def _driver():
-    from cuda.bindings import driver as cu
-
-    _ok(cu.cuInit(0), "cuInit")
-    return cu
-
-
-def _FD_TYPE(cu):  # noqa: N802 - a constant, looked up lazily
-    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-def _prop(cu, device: int):
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device
-    prop.requestedHandleTypes = _FD_TYPE(cu)
-    return prop
-
-
-def _map(cu, handle, spec: RegionSpec) -> int:
-    va = int(_ok(cu.cuMemAddressReserve(spec.nbytes, 2 << 20, 0, 0), "cuMemAddressReserve"))
-    _ok(cu.cuMemMap(va, spec.nbytes, 0, handle, 0), "cuMemMap")
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = spec.device
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    _ok(cu.cuMemSetAccess(va, spec.nbytes, [access], 1), "cuMemSetAccess")
-    return va
-
-
-def _pinned_slot(cu) -> tuple[int, memoryview, Any]:
-    ptr = int(_ok(cu.cuMemHostAlloc(SLOT_BYTES, 0), "cuMemHostAlloc"))
-    view = memoryview((ctypes.c_ubyte * SLOT_BYTES).from_address(ptr)).cast("B")
-    event = _ok(cu.cuEventCreate(2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
-    return ptr, view, event
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise RestoreFailed(f"file ends at byte {offset}")
-        view, offset = view[got:], offset + got
-
-
-def _ok(result: Any, what: str) -> Any:
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise RestoreFailed(one_line(f"CUDA {what} failed: {getattr(err, 'name', int(err))}"))
-    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -13,7 +13,8 @@ from snapfn.handler.llm.process_host import LLMProcessHost
 from snapfn.snapshot.checksum import Sum64Chunk, odd_weights
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.layout import RestoreLayout
-from snapfn.snapshot.region_prefetch import RegionPrefetch, RegionSpec, _Made
+from snapfn.snapshot.region_fill import RegionPrefetch, _Made
+from snapfn.snapshot.region_prefetch import RegionSpec
 
 CHUNK = 4096
 

@@ -1,4 +1,4 @@
-"""The restorer-side region prefetch (snapshot/region_prefetch.py): specs, and the hand-over of
+"""The restorer-side region prefetch (snapshot/region_prefetch.py, region_fill.py): specs, and the hand-over of
 region fds to the worker over a unix socket. The CUDA half (cuMemCreate, fills, imports) runs in
 tests/test_process_gpu.py on a GPU; here the regions are memfds standing in for CUDA handles."""
 
@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from snapfn.snapshot import region_prefetch
-from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionPrefetch, RegionSpec
+from snapfn.snapshot.region_fill import RegionPrefetch, _Made
+from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
 
 MiB = 1 << 20
 
@@ -45,7 +46,7 @@ class MemfdPrefetch(RegionPrefetch):
         for s in self.specs:
             fd = os.memfd_create(s.name)
             os.write(fd, s.name.encode())
-            self._made.append(region_prefetch._Made(s, None, fd))
+            self._made.append(_Made(s, None, fd))
         self.figures["regions"] = len(self._made)
 
     def _release(self) -> None:
