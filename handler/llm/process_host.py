@@ -67,13 +67,11 @@ class LLMProcessHost:
         self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
         self.streamer = None  # with keep_ring: made at init, its ring rides in the image
         self.region_specs: list[dict[str, Any]] = []
-        # SNAPFN_PROCESS_DIAG=1: record torch's CUDA allocations at init and log, at the
-        # checkpoint, the live blocks outside the regions with the code that made them
         self.diag = os.environ.get("SNAPFN_PROCESS_DIAG", "0") == "1" and self.uses_cuda
         if self.diag:
-            import torch
+            from .process_diag import start_recording
 
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            start_recording()
 
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
@@ -127,10 +125,10 @@ class LLMProcessHost:
             }
             log(f"at checkpoint: {self.checkpoint_figures}")
             if self.diag:
-                for line in _live_blocks(torch):
-                    log(f"live block: {line}")
-                top = sorted({m.split(".")[0] for m in sys.modules})
-                log(f"{len(sys.modules)} modules from {len(top)} packages: {' '.join(top)}")
+                from .process_diag import report
+
+                for line in report():
+                    log(line)
         log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
         return hooks
 
@@ -318,30 +316,6 @@ class LLMProcessHost:
     def close(self) -> None:
         if self.service is not None:
             self.service.close()
-
-
-def _live_blocks(torch, min_bytes: int = 1 << 20, limit: int = 40) -> list[str]:
-    """Torch's live CUDA blocks of at least `min_bytes`, biggest first, each with the innermost
-    snapfn frame that allocated it (needs memory history recording)."""
-    found = []
-    for segment in torch.cuda.memory._snapshot()["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] != "active_allocated" or block["size"] < min_bytes:
-                continue
-            frames = [f for f in block.get("frames", []) if _ours(f.get("filename", ""))]
-            top = frames[0] if frames else None
-            where = f"{_ours(top['filename'])}:{top['line']} {top['name']}" if top else "?"
-            found.append((block["size"], f"pool {segment.get('segment_pool_id')} {where}"))
-    found.sort(key=lambda sw: -sw[0])
-    return [f"{size / 1e6:.1f} MB {where}" for size, where in found[:limit]]
-
-
-def _ours(filename: str) -> str:
-    """`filename` from handler/ or snapshot/ on ('handler/llm/x.py'), else ''."""
-    for root in ("/handler/", "/snapshot/"):
-        if root in filename:
-            return root[1:] + filename.rsplit(root, 1)[1]
-    return ""
 
 
 def make(args: dict[str, Any]) -> LLMProcessHost:
