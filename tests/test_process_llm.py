@@ -164,3 +164,22 @@ def test_inspect_shows_the_process_image(tier1):
     table = format_table(*load_startup(tier1 / "snap"))
     assert "process image (tier 1):" in table and "release_weights_and_kv" in table
     assert "checkpoint" in table  # the checkpoint stage's timing is in the startup manifest
+    assert "private memory host:" in table  # the census: where the image's bytes come from
+
+
+def test_inspect_names_the_regions_a_restorer_makes():
+    from snapfn.handler.llm.snapshot_cli import _process_memory_lines
+
+    process = {
+        "private_memory": {
+            "after_cuda_checkpoint": {"private_bytes": 1.5e9, "top": [["[anon]", 9e8]]}
+        },
+        "regions": [
+            {"name": "weights", "nbytes": 16 << 30, "fill": "file"},
+            {"name": "kv", "nbytes": 100 << 30, "fill": "zero"},
+        ]
+        + [{"name": f"graphs.{i}", "nbytes": 2 << 20, "fill": "none"} for i in range(3)],
+    }
+    lines = _process_memory_lines(process)
+    assert lines[0] == "  private memory after_cuda_checkpoint: 1500.0 MB ([anon] 900 MB)"
+    assert "weights 17.18 GB file, kv 107.37 GB zero, graphs.0 0.00 GB none, +2 more" in lines[1]

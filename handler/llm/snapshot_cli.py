@@ -179,9 +179,29 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
             + (f", {gpu / 1e9:.2f} GB left on the GPU at the checkpoint" if gpu else "")
             + f"; before-snapshot hooks: {', '.join(process.get('hooks', [])) or 'none'}"
         )
+        lines += _process_memory_lines(process)
     if "compat" in manifest:
         lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
     return "\n".join(lines)
+
+
+def _process_memory_lines(process: dict[str, Any]) -> list[str]:
+    """Where the image's bytes come from (the census taken at the checkpoint) and the regions a
+    restorer makes for the worker."""
+    lines = []
+    for stage, found in process.get("private_memory", {}).items():
+        if "private_bytes" in found:
+            top = ", ".join(f"{n.rsplit('/', 1)[-1]} {b / 1e6:.0f} MB" for n, b in found["top"][:4])
+            lines.append(f"  private memory {stage}: {found['private_bytes'] / 1e6:.1f} MB ({top})")
+    regions = process.get("regions", [])
+    if regions:
+        total = sum(r["nbytes"] for r in regions) / 1e9
+        fills = ", ".join(
+            f"{r['name']} {r['nbytes'] / 1e9:.2f} GB {r['fill']}" for r in regions[:3]
+        )
+        more = f", +{len(regions) - 3} more" if len(regions) > 3 else ""
+        lines.append(f"  regions kept out of the image: {total:.2f} GB ({fills}{more})")
+    return lines
 
 
 def _short(value: Any) -> str:
