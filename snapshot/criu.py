@@ -80,15 +80,19 @@ class TreeOptions:
     file_locks: bool = False  # the tree holds flock/fcntl locks
     tcp_established: bool = False  # the tree holds established TCP connections
     ext_unix_sk: bool = False  # the tree holds unix datagram sockets bound outside it
+    # the root runs in a mount namespace of its own (a copy of ours plus its own /proc): criu
+    # dumps it with the tree and needs `--root /` to rebuild it on restore
+    mount_namespace: bool = False
 
-    def argv(self) -> list[str]:
+    def argv(self, restore: bool = False) -> list[str]:
         flags = {
             "--shell-job": self.shell_job,
             "--file-locks": self.file_locks,
             "--tcp-established": self.tcp_established,
             "--ext-unix-sk": self.ext_unix_sk,
         }
-        return [flag for flag, wanted in flags.items() if wanted]
+        chosen = [flag for flag, wanted in flags.items() if wanted]
+        return chosen + (["--root", "/"] if restore and self.mount_namespace else [])
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def restore(
             _start_lazy_pages(binary, images, work, lazy_pidfile, deadline_s)
         argv = [binary, "restore", "--images-dir", str(images), "--work-dir", str(work)]
         argv += ["--log-file", str(work / "restore.log"), "--pidfile", str(pidfile)]
-        argv += options.argv() + (["--lazy-pages"] if lazy else [])
+        argv += options.argv(restore=True) + (["--lazy-pages"] if lazy else [])
         inherit = dict(inherit_fds or {})
         argv += [f"--inherit-fd=fd[{fd}]:{key}" for fd, key in sorted(inherit.items())]
         if detached:

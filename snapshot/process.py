@@ -43,7 +43,9 @@ class ProcessConfig:
 
     criu: criu.CriuConfig = field(default_factory=criu.CriuConfig)
     lazy: str = "auto"  # lazy pages: "auto" (try, then eager), "on", "off"
-    pid_namespace: str = "auto"  # "auto" (when unshare --pid works), "on", "off"
+    # "auto" (when unshare --pid works), "on", "off", or "mount": a pid namespace and a mount
+    # namespace with its own /proc (what CUDA needs inside a pid namespace; not yet tried on a GPU)
+    pid_namespace: str = "auto"
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
     prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
@@ -58,9 +60,12 @@ class ProcessConfig:
                 values[name] = cast(raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)
-        for name in ("lazy", "pid_namespace"):
-            if getattr(config, name) not in ("auto", "on", "off"):
-                raise ValueError(f"{name} must be auto, on or off, not {getattr(config, name)!r}")
+        if config.lazy not in ("auto", "on", "off"):
+            raise ValueError(f"lazy must be auto, on or off, not {config.lazy!r}")
+        if config.pid_namespace not in ("auto", "on", "off", "mount"):
+            raise ValueError(
+                f"pid_namespace must be auto, on, off or mount, not {config.pid_namespace!r}"
+            )
         if config.prefetch not in ("auto", "off"):
             raise ValueError(f"prefetch must be auto or off, not {config.prefetch!r}")
         return config
@@ -113,7 +118,8 @@ def spawn(
     argv = [sys.executable, "-m", "snapfn.snapshot.process_worker", host, _json(args)]
     argv += [str(ctl[0]), str(rep[1])]
     if _use_pid_namespace(config.pid_namespace):
-        argv = ["unshare", "--pid", "--fork", *argv]
+        mount = ["--mount-proc"] if config.pid_namespace == "mount" else []
+        argv = ["unshare", "--pid", "--fork", *mount, *argv]
 
     popen = subprocess.Popen(
         argv,
@@ -145,6 +151,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         fds = {"ctl": ready["fds"][0], "rep": ready["fds"][1], "out": 1}
         inherit = {name: os.readlink(f"/proc/{worker.pid}/fd/{fd}") for name, fd in fds.items()}
         memory = {"host": smaps.census_or_reason(worker.pid)}
+        mount_namespace = _own_mount_namespace(worker.pid)
         if ready["uses_cuda"]:
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
@@ -162,6 +169,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
     return {
         "images": images_dir.name,
         "inherit": inherit,
+        "mount_namespace": mount_namespace,
         "uses_cuda": ready["uses_cuda"],
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
@@ -200,8 +208,9 @@ def restore(
             # NOTE: measured on the H200 (8B llama): with lazy pages the CUDA restore faults
             # the saved GPU state in page by page, 0.16 GB/s (27 s for 4.2 GB); eager: 0.4 s
             lazy = "off"
+        options = criu.TreeOptions(mount_namespace=bool(meta.get("mount_namespace")))
         pid = run_stage(
-            "criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f, lazy)
+            "criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f, lazy, options)
         )
         for fd in theirs.values():
             os.close(fd)
@@ -231,12 +240,19 @@ def restore(
 
 
 def _criu_restore(
-    images: Path, inherit: dict[int, str], config: ProcessConfig, figures: dict, lazy: str
+    images: Path,
+    inherit: dict[int, str],
+    config: ProcessConfig,
+    figures: dict,
+    lazy: str,
+    options: criu.TreeOptions,
 ) -> int:
     modes = {"on": [True], "off": [False], "auto": [True, False]}[lazy]
     for lazy in modes:
         try:
-            pid = criu.restore(images, config=config.criu, lazy=lazy, inherit_fds=inherit)
+            pid = criu.restore(
+                images, config=config.criu, options=options, lazy=lazy, inherit_fds=inherit
+            )
         except RestoreFailed as exc:
             if lazy and len(modes) > 1:
                 figures["lazy_failed"] = str(exc)
@@ -271,23 +287,33 @@ def _worker_pid(unshare: subprocess.Popen, timeout_s: float = 10.0) -> int:
 
 
 @functools.cache
-def pid_namespace_works() -> bool:
-    """Whether `unshare --pid --fork` runs here (root, and the kernel allows it)."""
+def pid_namespace_works(mount: bool = False) -> bool:
+    """Whether `unshare --pid --fork [--mount-proc]` runs here (root, and the kernel allows it)."""
     if shutil.which("unshare") is None:
         return False
+    argv = ["unshare", "--pid", "--fork", *(["--mount-proc"] if mount else []), "true"]
     try:
-        done = subprocess.run(
-            ["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10
-        )
+        done = subprocess.run(argv, capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
 
 
 def _use_pid_namespace(mode: str) -> bool:
-    if mode == "on" and not pid_namespace_works():
-        raise RestoreFailed("SNAPFN_PROCESS_PID_NAMESPACE=on but `unshare --pid --fork` fails here")
-    return mode == "on" or (mode == "auto" and pid_namespace_works())
+    if mode in ("on", "mount") and not pid_namespace_works(mount=mode == "mount"):
+        raise RestoreFailed(
+            f"SNAPFN_PROCESS_PID_NAMESPACE={mode} but `unshare --pid --fork"
+            f"{' --mount-proc' if mode == 'mount' else ''}` fails here"
+        )
+    return mode in ("on", "mount") or (mode == "auto" and pid_namespace_works())
+
+
+def _own_mount_namespace(pid: int) -> bool:
+    """Whether `pid` runs in another mount namespace than ours (SNAPFN_PROCESS_PID_NAMESPACE=mount)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return False
 
 
 def _forward(fd: int, log: Log | None) -> None:

@@ -43,6 +43,7 @@ EXIT_FAILED = 1
 def main(argv: list[str]) -> int:
     if os.getsid(0) != os.getpid():
         os.setsid()  # criu restores a session leader without a terminal (no --shell-job)
+    _stdin_from_here()
     fds = [int(argv[3]), int(argv[4])]
     channel = PipeChannel(*fds)
     step = "init"
@@ -105,6 +106,17 @@ def _handle(host: Any, message: dict[str, Any], send: Any) -> None:
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         code = getattr(exc, "code", "internal_error")
         send({"id": message.get("id"), "event": "error", "code": code, "message": reason})
+
+
+def _stdin_from_here() -> None:
+    """Reopen stdin (/dev/null) in our own mount namespace. NOTE: the one our parent opened
+    belongs to its mount namespace; in a worker with a mount namespace of its own
+    (SNAPFN_PROCESS_PID_NAMESPACE=mount) criu cannot place it and refuses the dump ("Can't
+    lookup mount=… for fd=0 path=/dev/null")."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    if fd != 0:
+        os.dup2(fd, 0)
+        os.close(fd)
 
 
 def _quiesce() -> None:

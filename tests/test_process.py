@@ -8,6 +8,7 @@ draw in memory and its "weights" in a releasable region that is streamed back af
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -88,6 +89,31 @@ def test_one_image_restores_twice_at_once_and_each_copy_is_unique(snapshot, conf
         assert a["draw"] != b["draw"]  # … re-seeded apart after restore
         assert a["request_prefix"] != b["request_prefix"] != "req"
         assert s1.info["identity"]["reseeded"][:1] == ["random"]
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_a_worker_with_its_own_mount_namespace_restores_twice_at_once(criu_config, tmp_path):
+    # NOTE: the mode meant for CUDA workers (CUDA needs a /proc of its pid namespace)
+    if not process.pid_namespace_works(mount=True):
+        pytest.skip("unshare --pid --fork --mount-proc does not work here")
+    config = process.ProcessConfig(criu=criu_config, restore_timeout_s=60, pid_namespace="mount")
+    dest, manifest = make_snapshot(tmp_path, config)
+    assert manifest["tier"] == "process" and manifest["process"]["mount_namespace"] is True
+    first, _, _ = restore(dest, config)
+    second, _, _ = restore(dest, config)
+    try:
+        a, b = ask(first, "add", n=1), ask(second, "add", n=10)
+        assert (a["counter"], b["counter"]) == (6, 15)
+        ours = os.readlink("/proc/self/ns/mnt")
+        theirs = {os.readlink(f"/proc/{w.pid}/ns/mnt") for w in (first, second)}
+        assert len(theirs) == 2 and ours not in theirs  # a mount namespace each, not ours
+        for worker in (first, second):  # pid 1 of its own namespace, which its /proc shows
+            status = Path(f"/proc/{worker.pid}/status").read_text()
+            assert status.split("NSpid:")[1].split()[1] == "1"
+            its_proc = os.listdir(f"/proc/{worker.pid}/root/proc")
+            assert "1" in its_proc and str(os.getpid()) not in its_proc
     finally:
         first.kill()
         second.kill()
