@@ -31,13 +31,12 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics import LATENCY_BUCKETS_S, startup_metrics
+from .metrics import latency_histogram, startup_metrics
 
 INSTANCE_STATES = ("starting", "up", "stopping")
 
@@ -48,24 +47,23 @@ class ActivatorMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.cold_starts = Counter("snapfn_activator_cold_starts", "Instances started", registry=r)
-        self.cold_start_seconds = Histogram(
+        self.cold_start_seconds = latency_histogram(
             "snapfn_activator_cold_start_seconds",
             "Instance spawned to up, as the activator saw it",
-            registry=r,
-            buckets=LATENCY_BUCKETS_S,
+            r,
+            labels=(),
         )
-        self.restore_seconds = Histogram(
+        self.restore_seconds = latency_histogram(
             "snapfn_activator_restore_seconds",
             "Init or restore time an instance reported, by tier",
-            ["kind", "tier"],
-            registry=r,
-            buckets=LATENCY_BUCKETS_S,
+            r,
+            labels=("kind", "tier"),
         )
-        self.hold_seconds = Histogram(
+        self.hold_seconds = latency_histogram(
             "snapfn_activator_hold_seconds",
             "Time a request waited for an instance to come up",
-            registry=r,
-            buckets=LATENCY_BUCKETS_S,
+            r,
+            labels=(),
         )
         self.held = Gauge(
             "snapfn_activator_held_requests", "Requests waiting for an instance now", registry=r

@@ -63,19 +63,19 @@ class HttpMetrics:
             ["endpoint", "method", "status"],
             registry=r,
         )
-        self.request_seconds = _histogram(
+        self.request_seconds = latency_histogram(
             "snapfn_http_request_duration_seconds", "Arrival to response headers", r
         )
-        self.queue_seconds = _histogram(
+        self.queue_seconds = latency_histogram(
             "snapfn_request_queue_seconds", "Arrival to hand-off to the engine", r
         )
-        self.ttft_seconds = _histogram(
+        self.ttft_seconds = latency_histogram(
             "snapfn_time_to_first_token_seconds", "Arrival to first generated token", r
         )
-        self.itl_seconds = _histogram(
+        self.itl_seconds = latency_histogram(
             "snapfn_inter_token_latency_seconds", "Gap between successive outputs of a stream", r
         )
-        self.e2e_seconds = _histogram(
+        self.e2e_seconds = latency_histogram(
             "snapfn_e2e_request_latency_seconds", "Arrival to the last generated token", r
         )
         self.prompt_tokens = Counter("snapfn_prompt_tokens", "Prompt tokens", ep, registry=r)
@@ -95,8 +95,11 @@ class HttpMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _histogram(name: str, doc: str, registry: CollectorRegistry) -> Histogram:
-    return Histogram(name, doc, ["endpoint"], registry=registry, buckets=LATENCY_BUCKETS_S)
+def latency_histogram(
+    name: str, doc: str, registry: CollectorRegistry, labels: tuple[str, ...] = ("endpoint",)
+) -> Histogram:
+    """A seconds histogram on the shared latency buckets (the activator's too)."""
+    return Histogram(name, doc, list(labels), registry=registry, buckets=LATENCY_BUCKETS_S)
 
 
 class RuntimeCollector(Collector):
