@@ -17,16 +17,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from snapfn.snapshot.cuda_driver import driver
 from snapfn.snapshot.errors import RestoreFailed
 
 LOCK_TIMEOUT_MS = 20_000
-_initialized = False
 
 
 def available() -> tuple[bool, str]:
     """(True, reason) when cuda.bindings imports, cuInit succeeds and the API is there."""
     try:
-        cu = _driver()
+        cu = driver()
     except RestoreFailed as exc:
         return False, str(exc)
     if not hasattr(cu, "cuCheckpointProcessLock"):
@@ -57,7 +57,7 @@ def unlock(pid: int) -> float:
 
 def state(pid: int) -> str:
     """ "CU_PROCESS_STATE_RUNNING" / "…_LOCKED" / "…_CHECKPOINTED" / "…_FAILED"."""
-    cu = _driver()
+    cu = driver()
     err, value = cu.cuCheckpointProcessGetState(pid)
     _check(err, "cuCheckpointProcessGetState", pid)
     return value.name
@@ -66,7 +66,7 @@ def state(pid: int) -> str:
 def uses_cuda(pid: int) -> bool:
     """Whether the process has a CUDA context (the driver answers for it), without raising."""
     try:
-        cu = _driver()
+        cu = driver()
         err, _ = cu.cuCheckpointProcessGetState(pid)
     except (RestoreFailed, AttributeError):
         return False
@@ -74,7 +74,7 @@ def uses_cuda(pid: int) -> bool:
 
 
 def _call(pid: int, function: str, args_type: str, timeout_ms: int | None = None) -> float:
-    cu = _driver()
+    cu = driver()
     args = getattr(cu, args_type)()
     if timeout_ms is not None and hasattr(args, "timeoutMs"):
         args.timeoutMs = timeout_ms
@@ -87,18 +87,3 @@ def _call(pid: int, function: str, args_type: str, timeout_ms: int | None = None
 def _check(err: Any, function: str, pid: int) -> None:
     if int(err) != 0:
         raise RestoreFailed(f"{function}(pid {pid}) failed: {getattr(err, 'name', err)}")
-
-
-def _driver() -> Any:
-    global _initialized
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as exc:
-        raise RestoreFailed(f"cuda-bindings is not installed ({exc.name or exc})") from None
-    if not _initialized:
-        err = cu.cuInit(0)
-        err = err[0] if isinstance(err, tuple) else err
-        if int(err) != 0:
-            raise RestoreFailed(f"cuInit failed: {getattr(err, 'name', err)} (no usable GPU?)")
-        _initialized = True
-    return cu

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snapfn.snapshot.cuda_driver import driver
+from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
 
@@ -125,7 +127,7 @@ class RegionPrefetch:
     def _make_and_fill(self, start: float) -> None:
         """Context → the file-backed regions, their fill started → the other regions (the KV
         pool zeroed) while the readers run → wait for all. Figures are seconds since start."""
-        cu = self._cu = _driver()
+        cu = self._cu = driver()
         devices = {s.device for s in self.specs}
         if len(devices) != 1:
             raise RestoreFailed(f"regions on devices {sorted(devices)}: one device expected")
@@ -244,13 +246,6 @@ def main(argv: list[str]) -> int:
 
 
 # ---- driver helpers ------------------------------------------------------------------------------
-def _driver():
-    from cuda.bindings import driver as cu
-
-    _ok(cu.cuInit(0), "cuInit")
-    return cu
-
-
 def _FD_TYPE(cu):  # noqa: N802 - a constant, looked up lazily
     return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -288,13 +283,6 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
         if got == 0:
             raise RestoreFailed(f"file ends at byte {offset}")
         view, offset = view[got:], offset + got
-
-
-def _ok(result: Any, what: str) -> Any:
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise RestoreFailed(one_line(f"CUDA {what} failed: {getattr(err, 'name', int(err))}"))
-    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
 if __name__ == "__main__":

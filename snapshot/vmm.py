@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.cuda_driver import ok as _ok
+from snapfn.snapshot.errors import RestoreFailed
 
 ALIGN = 2 << 20  # offsets of views, and the CUDA mapping granularity on current GPUs
 
@@ -128,15 +129,7 @@ class CudaRegion(Region):
     def remap(self) -> None:
         if self.mapped:
             return
-        cu = self._cu
-        handle = _ok(cu.cuMemCreate(self.nbytes, self._prop, 0), "cuMemCreate")
-        try:
-            _ok(cu.cuMemMap(self.address, self.nbytes, 0, handle, 0), "cuMemMap")
-        except RestoreFailed:
-            cu.cuMemRelease(handle)
-            raise
-        self._handle, self.mapped = handle, True
-        _ok(cu.cuMemSetAccess(self.address, self.nbytes, [self._access], 1), "cuMemSetAccess")
+        self._map(_ok(self._cu.cuMemCreate(self.nbytes, self._prop, 0), "cuMemCreate"))
 
     def adopt(self, fd: int) -> None:
         """Map memory another process made (its POSIX fd handle, `cuMemCreate`d with this
@@ -149,8 +142,13 @@ class CudaRegion(Region):
             handle = _ok(cu.cuMemImportFromShareableHandle(fd, fd_type), "import")
         finally:
             os.close(fd)  # NOTE: an open fd would keep the memory alive after cuMemRelease
+        self._map(handle)
+
+    def _map(self, handle: Any) -> None:
+        """Map physical memory `handle` (the region's from now on) at the region's address."""
+        cu = self._cu
         try:
-            _ok(cu.cuMemMap(self.address, self.nbytes, 0, handle, 0), "cuMemMap (adopted)")
+            _ok(cu.cuMemMap(self.address, self.nbytes, 0, handle, 0), "cuMemMap")
         except RestoreFailed:
             cu.cuMemRelease(handle)
             raise
@@ -277,11 +275,3 @@ def arena_bytes(sizes: list[int], align: int = ALIGN) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _ok(result: Any, what: str) -> Any:
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        name = getattr(err, "name", str(int(err)))
-        raise RestoreFailed(one_line(f"CUDA {what} failed: {name}"))
-    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
