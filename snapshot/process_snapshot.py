@@ -165,9 +165,10 @@ def restore_process_snapshot(
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
     validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept))
+    unchecked = _read_manifest(snapshot_dir)  # what criu and the helper start on, unvalidated
     prefetching = None
-    if device.startswith("cuda"):  # NOTE: beside criu too (reading specs + spawning: 0.04 s)
-        prefetch = functools.partial(_start_prefetch, snapshot_dir, config)
+    if device.startswith("cuda"):  # NOTE: beside criu too (spawning took 0.04 s)
+        prefetch = functools.partial(_start_prefetch, unchecked, snapshot_dir, config)
         prefetching = pool.submit(runner.run, "prefetch", prefetch)
     pool.shutdown(wait=False)
 
@@ -177,7 +178,7 @@ def restore_process_snapshot(
         return {**resume, **regions, "snapshot_dir": str(snapshot_dir.absolute())}
 
     try:
-        meta = _process_meta(snapshot_dir) or validated.result()["process"]
+        meta = _process_meta(unchecked, snapshot_dir) or validated.result()["process"]
 
         def gate(figures: dict) -> None:
             manifest = validated.result()
@@ -209,15 +210,23 @@ def restore_process_snapshot(
     return worker, runner.finish(ok=True), validated.result()
 
 
-def _process_meta(snapshot_dir: Path) -> dict[str, Any] | None:
-    """The manifest's process section, read before the snapshot is validated so that criu can
-    start beside the validation — but only once every image file criu will read has its
-    recorded size (criu hangs on a truncated image, eagerly or lazily, until it is killed).
-    None when anything looks wrong: the caller then waits for validate's reason."""
+def _read_manifest(snapshot_dir: Path) -> dict[str, Any]:
+    """manifest.json as it is, not validated ({} when unreadable: validate says why)."""
     import json
 
     try:
         manifest = json.loads((snapshot_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _process_meta(manifest: dict[str, Any], snapshot_dir: Path) -> dict[str, Any] | None:
+    """The unvalidated manifest's process section, so that criu can start beside the
+    validation — but only once every image file criu will read has its recorded size (criu
+    hangs on a truncated image, eagerly or lazily, until it is killed). None when anything looks
+    wrong: the caller then waits for validate's reason."""
+    try:
         meta, files = manifest["process"], manifest["files"]
         images = meta["images"]
         simple = isinstance(images, str) and images and "/" not in images and images != ".."
@@ -246,21 +255,20 @@ def _close_prefetch(prefetching) -> None:
         helper.close()
 
 
-def _start_prefetch(snapshot_dir: Path, config: process.ProcessConfig, figures):
+def _start_prefetch(
+    manifest: dict[str, Any], snapshot_dir: Path, config: process.ProcessConfig, figures
+):
     """Spawn the helper that makes and fills a CUDA worker's regions while criu restores it
     (snapshot/region_prefetch.py), or None — the worker then does it after its restore — when
-    it is off or the image records no regions (the reason goes in the figures)."""
-    import json
-
+    it is off or the (unvalidated) manifest records no regions (the reason goes in the figures)."""
     from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
 
     if config.prefetch == "off":
         figures["skipped"] = "SNAPFN_PROCESS_PREFETCH=off"
         return None
     try:
-        manifest = json.loads((snapshot_dir / "manifest.json").read_text())
         specs = [RegionSpec.from_json(s) for s in manifest["process"].get("regions", [])]
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # validate says what is wrong
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # validate says what
         figures["skipped"] = f"unreadable regions: {type(exc).__name__}: {exc}"
         return None
     if not specs:
