@@ -56,7 +56,7 @@ class Restorer(RegionPrefetch):
 def host_with(data: torch.Tensor, layout: RestoreLayout, memory: FakeMemory) -> LLMProcessHost:
     host = LLMProcessHost.__new__(LLMProcessHost)
     host.fn = type("F", (), {"memory": memory})()
-    host.layout_json = layout.to_json()
+    host.layout = layout
     return host
 
 

@@ -61,7 +61,8 @@ class LLMProcessHost:
         self.fn = None
         self.service = None
         self.replay: dict[str, Any] = {}
-        self.layout_json = ""
+        self.layout = None  # the restore layout's table (RestoreLayout), parsed once at init
+        self.stack_bytes = 0  # the CUDA stack limit before the checkpoint lowered it, if it did
         # NOTE: by default the streamer's pinned ring is pinned after each restore, on a side
         # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
         self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
@@ -75,6 +76,7 @@ class LLMProcessHost:
 
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
+        from snapfn.snapshot.layout import RestoreLayout
         from snapfn.snapshot.runtime import cold_init
 
         from .function import LLMFunction
@@ -84,7 +86,7 @@ class LLMProcessHost:
         self.replay = self.fn.generate_one(REPLAY_TOKENS)
         writer = FilesWriter(Path(self.args["root"]))
         section = self.fn.write_snapshot(writer, startup.to_json())
-        self.layout_json = section["layout"]
+        self.layout = RestoreLayout.from_json(section["layout"])
         if self.keep_ring:
             self.streamer = self._new_streamer(Path(self.args["root"]) / "weights" / "rank0.bin")
         return {
@@ -133,24 +135,27 @@ class LLMProcessHost:
         return hooks
 
     def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
-        from concurrent.futures import ThreadPoolExecutor
-
         from .service import LLMService
 
         runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         t0 = time.time()
         if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
             runner.run("cuda_ready", lambda f: self._restore_stack())  # before any kernel runs
-        weights = Path(resume["snapshot_dir"]) / WEIGHTS_FILE
-        if resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume)):
-            runner.run("replay_check", self._replay_check)
-            self.service = LLMService(self.fn.engine)
-            return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+        if not (resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume))):
+            self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / WEIGHTS_FILE)
+        runner.run("replay_check", self._replay_check)
+        self.service = LLMService(self.fn.engine)
+        return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def _remap_and_stream(self, runner: StageRunner, weights: Path) -> None:
+        """Without the restorer's regions: map fresh memory at the regions' addresses and stream
+        the weights in. NOTE: two side threads, pinning a fresh host ring (when the image holds
+        none) and mapping + zeroing the KV pool (0.4 s for 110 GB on the H200), run while the
+        weights stream; the replay check needs both. The KV pool's 110 GB are made only once
+        the weights' region, needed first, is mapped."""
+        from concurrent.futures import ThreadPoolExecutor
+
         memory = self.fn.memory
-        # NOTE: two side threads: pinning a fresh host ring (when the image holds none) and
-        # mapping + zeroing the KV pool (0.4 s for 110 GB on the H200) run while the weights
-        # stream in; the replay check needs both. The KV pool is mapped only once the weights'
-        # region is (run 5: mapping 18 GB took 0.56 s while the KV pool's 110 GB were made beside it).
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-resume")
         ring = None if self.keep_ring else pool.submit(self._new_streamer, weights)
         runner.run("remap", lambda f: memory.remap_weights())
@@ -158,9 +163,6 @@ class LLMProcessHost:
         pool.shutdown(wait=False)
         runner.run("stream_weights", lambda f: self._stream(f, weights, ring))
         runner.run("remap_kv", lambda f: f.update(overlapped_s=round(kv.result(), 4)))
-        runner.run("replay_check", self._replay_check)
-        self.service = LLMService(self.fn.engine)
-        return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
 
     def _shrink_stack(self, torch) -> dict[str, int]:
         """Lower the CUDA stack limit to SNAPFN_PROCESS_STACK_BYTES (default 256; 0 keeps it)
@@ -185,7 +187,7 @@ class LLMProcessHost:
         return {"stack_bytes": want, "stack_freed_bytes": torch.cuda.mem_get_info()[0] - free}
 
     def _restore_stack(self) -> None:
-        if not getattr(self, "stack_bytes", 0):
+        if not self.stack_bytes:
             return
         from cuda.bindings import driver as cu
 
@@ -200,7 +202,6 @@ class LLMProcessHost:
         the adopted memory when only the weights' check failed)."""
         from snapfn.snapshot import region_prefetch
         from snapfn.snapshot.checksum import first_bad_chunk
-        from snapfn.snapshot.layout import RestoreLayout
 
         try:
             message, fds, sock = region_prefetch.receive(resume["regions"], ADOPT_TIMEOUT_S)
@@ -219,8 +220,7 @@ class LLMProcessHost:
                 return False
         finally:
             region_prefetch.ack(sock)
-        start = time.perf_counter()
-        layout = RestoreLayout.from_json(self.layout_json)
+        start, layout = time.perf_counter(), self.layout
         if layout.chunk_sum64 is None:
             figures["fallback"] = "the restore layout has no sum64 table to check the weights with"
             return False
@@ -233,13 +233,12 @@ class LLMProcessHost:
         return True
 
     def _new_streamer(self, path: Path):
-        from snapfn.snapshot.layout import RestoreLayout
         from snapfn.snapshot.streamer import WeightStreamer
 
         c = self.config
         streamer = WeightStreamer(
             path,
-            RestoreLayout.from_json(self.layout_json),
+            self.layout,
             device=c.device,
             num_threads=c.stream_threads,
             ring_slots=c.stream_ring_slots,
