@@ -165,7 +165,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
     if log is not None:
         log(f"process image: {dumped.image_bytes / 1e6:.1f} MB in {images_dir}")
         for stage, found in memory.items():
-            log(f"private memory ({stage}): {_census_line(found)}")
+            log(f"private memory ({stage}): {smaps.describe(found, top=8)}")
     return {
         "images": images_dir.name,
         "inherit": inherit,
@@ -326,13 +326,6 @@ def _forward(fd: int, log: Log | None) -> None:
             for line in lines:
                 if log is not None:
                     log("worker: " + line.decode(errors="replace"))
-
-
-def _census_line(found: Mapping[str, Any]) -> str:
-    if "error" in found or "private_bytes" not in found:
-        return found.get("error") or str(found)
-    top = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in found["top"][:8])
-    return f"{found['private_bytes'] / 1e6:.1f} MB in {found['mappings']} mappings; top: {top}"
 
 
 def _json(args: Mapping[str, Any]) -> str:

@@ -10,6 +10,7 @@ before and after the CUDA checkpoint, whose difference is the GPU state moved in
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 _KB = 1024
@@ -52,3 +53,12 @@ def census_or_reason(pid: int, top: int = 12) -> dict[str, Any]:
         return census(pid, top)
     except (OSError, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def describe(found: Mapping[str, Any], top: int = 4) -> str:
+    """One line for a census: "936.0 MB in 705 mappings ([heap] 642 MB, …)", or its error."""
+    if "private_bytes" not in found:
+        return str(found.get("error", found))
+    names = ", ".join(f"{n.rsplit('/', 1)[-1]} {b / 1e6:.0f} MB" for n, b in found["top"][:top])
+    count = f" in {found['mappings']} mappings" if "mappings" in found else ""
+    return f"{found['private_bytes'] / 1e6:.1f} MB{count} ({names})"

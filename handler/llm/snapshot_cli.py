@@ -188,11 +188,13 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
 def _process_memory_lines(process: dict[str, Any]) -> list[str]:
     """Where the image's bytes come from (the census taken at the checkpoint) and the regions a
     restorer makes for the worker."""
-    lines = []
-    for stage, found in process.get("private_memory", {}).items():
-        if "private_bytes" in found:
-            top = ", ".join(f"{n.rsplit('/', 1)[-1]} {b / 1e6:.0f} MB" for n, b in found["top"][:4])
-            lines.append(f"  private memory {stage}: {found['private_bytes'] / 1e6:.1f} MB ({top})")
+    from snapfn.snapshot.smaps import describe
+
+    lines = [
+        f"  private memory {stage}: {describe(found)}"
+        for stage, found in process.get("private_memory", {}).items()
+        if "private_bytes" in found
+    ]
     regions = process.get("regions", [])
     if regions:
         total = sum(r["nbytes"] for r in regions) / 1e9
