@@ -4,11 +4,8 @@
 # snapshot both fit the 64 GB disk. transformers cannot run FP8 GLM here (its FP8 path needs the
 # `kernels` package), so mode (a) is left out.
 set -euo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1
-out=${OUT:-bench/results}
 work=/tmp/snapfn-h200-glm
-mkdir -p "$work" "$out"
+. bench/device-env.sh
 python3 -m snapfn.handler.cli make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda --out "$work/glm5"
 python3 -m snapfn.handler.cli bench --model "$work/glm5" --device cuda --workdir "$work/bench" \
   --modes safetensors,cold_init,restore,restore_zygote,restore_cold --decode-batches 1,32 --decode-tokens 16 \

@@ -2,11 +2,7 @@
 # Device run on one H200: GPU tests, then the cold-start benchmark on an 8B-class llama (bf16).
 # Usage (device tool): bash bench/h200_llama8b.sh   — results land in $OUT (or bench/results)
 set -euo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1
-out=${OUT:-bench/results}
-work=/tmp/snapfn-h200
-mkdir -p "$work" "$out"
+. bench/device-env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_checksum.py tests/test_streamer.py tests/test_zygote.py 2>&1 | tail -15

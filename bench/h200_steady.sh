@@ -4,10 +4,7 @@
 # init + restore of the 8B with the current code.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_steady.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu}
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_process_gpu.py > "$out/h200-gpu-tests-steady.log" 2>&1
 grep -E "^E |passed|failed" "$out/h200-gpu-tests-steady.log" | tail -8
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1

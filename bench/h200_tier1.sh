@@ -4,12 +4,7 @@
 # then the same process snapshot built with the ring kept in the image.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu}
-out=${OUT:-bench/results}
-work=/tmp/snapfn-h200
-mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
 SNAPFN_PROCESS_KEEP_RING=0 snapfn bench --model "$work/llama8b" --device cuda --workdir "$work/bench" \

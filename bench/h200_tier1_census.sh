@@ -4,10 +4,7 @@
 # after the CUDA checkpoint (smaps census), then a restore; and the Triton kernels' GPU tests.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_census.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -8
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
 SNAPFN_PROCESS_DIAG=1 snapfn init --tier process --model "$work/llama8b" --device cuda \

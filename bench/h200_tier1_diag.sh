@@ -3,12 +3,7 @@
 # process snapshot twice (pinned ring kept in the image / dropped) and restores each with lazy and
 # with eager criu pages, in fresh processes (snapfn bench --modes restore_process).
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu}
-out=${OUT:-bench/results}
-work=/tmp/snapfn-h200
-mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
 for ring in 1 0; do
   rm -rf "$work/bench"

@@ -4,11 +4,7 @@
 # limit lowered for the checkpoint), and two more tier-1 restores of the same snapshot.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_final.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
-git log -1 --format='commit %H' 2>/dev/null || true
+. bench/device-env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_process_gpu.py tests/test_checksum.py \
   tests/test_triton_kernels.py > "$out/h200-gpu-tests.log" 2>&1

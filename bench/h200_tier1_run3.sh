@@ -5,10 +5,7 @@
 # restore of the same snapshot.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_run3.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_process_gpu.py > "$out/gpu-tests.log" 2>&1
 grep -E "Error|assert|passed|failed" "$out/gpu-tests.log" | tail -25
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1

@@ -6,10 +6,7 @@
 # between the CUDA checkpoint and the dump (SNAPFN_PROCESS_THP=1).
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_run6.sh
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
 for exp in SNAPFN_PROCESS_STACK_BYTES=256 SNAPFN_PROCESS_THP=1; do
   rm -rf "$work/bench"

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device run on one H200: what stays on the GPU at a tier-1 checkpoint (8B llama), then one restore.
 set -uo pipefail
-eval "$(bash infra/dev-pythonpath.sh)"
-export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu} SNAPFN_PROCESS_KEEP_RING=0
-out=${OUT:-bench/results}; work=/tmp/snapfn-h200; mkdir -p "$work" "$out"
-snapfn() { python3 -m snapfn.handler.cli "$@"; }
+. bench/device-env.sh
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" | tail -1
 snapfn init --tier process --model "$work/llama8b" --device cuda --snapshot "$work/bench/snapshot_process" 2>&1 \
   | grep -E "at checkpoint|allocator|released|checkpoint  "
