@@ -24,6 +24,22 @@ _COUNT = {"type": "integer", "minimum": 0}
 _NUMBER_TEXT = {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}
 _BOOL_TEXT = {"type": "string", "enum": ["true", "false"]}
 
+
+def _resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A `keda.sh/v1alpha1` object of `kind` whose spec follows `spec`."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "kind": {"const": kind},
+            "metadata": _OBJECT_META,
+            "spec": spec,
+        },
+        "additionalProperties": False,
+    }
+
+
 # aws-sqs-queue scaler metadata: every value is a string (the CRD's metadata is map[string]string)
 AWS_SQS_METADATA: dict[str, Any] = {
     "type": "object",
@@ -67,94 +83,80 @@ _TRIGGER = {
     "then": {"properties": {"metadata": AWS_SQS_METADATA}},
 }
 
-SCALED_OBJECT: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"},
-        "kind": {"const": "ScaledObject"},
-        "metadata": _OBJECT_META,
-        "spec": {
-            "type": "object",
-            "required": ["scaleTargetRef", "triggers"],
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {
-                        "name": {"type": "string"},
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "envSourceContainerName": {"type": "string"},
-                    },
-                    "additionalProperties": False,
+SCALED_OBJECT = _resource(
+    "ScaledObject",
+    {
+        "type": "object",
+        "required": ["scaleTargetRef", "triggers"],
+        "properties": {
+            "scaleTargetRef": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "envSourceContainerName": {"type": "string"},
                 },
-                "pollingInterval": _COUNT,
-                "cooldownPeriod": _COUNT,
-                "initialCooldownPeriod": _COUNT,
-                "idleReplicaCount": _COUNT,
-                "minReplicaCount": _COUNT,
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "fallback": {
-                    "type": "object",
-                    "required": ["failureThreshold", "replicas"],
-                    "properties": {
-                        "failureThreshold": _COUNT,
-                        "replicas": _COUNT,
-                        "behavior": {"type": "string"},
-                    },
-                    "additionalProperties": False,
-                },
-                "advanced": {"type": "object"},
-                "triggers": {"type": "array", "minItems": 1, "items": _TRIGGER},
+                "additionalProperties": False,
             },
-            "additionalProperties": False,
+            "pollingInterval": _COUNT,
+            "cooldownPeriod": _COUNT,
+            "initialCooldownPeriod": _COUNT,
+            "idleReplicaCount": _COUNT,
+            "minReplicaCount": _COUNT,
+            "maxReplicaCount": {"type": "integer", "minimum": 1},
+            "fallback": {
+                "type": "object",
+                "required": ["failureThreshold", "replicas"],
+                "properties": {
+                    "failureThreshold": _COUNT,
+                    "replicas": _COUNT,
+                    "behavior": {"type": "string"},
+                },
+                "additionalProperties": False,
+            },
+            "advanced": {"type": "object"},
+            "triggers": {"type": "array", "minItems": 1, "items": _TRIGGER},
         },
+        "additionalProperties": False,
     },
-    "additionalProperties": False,
-}
+)
 
-TRIGGER_AUTHENTICATION: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"},
-        "kind": {"const": "TriggerAuthentication"},
-        "metadata": _OBJECT_META,
-        "spec": {
-            "type": "object",
-            "minProperties": 1,
-            "properties": {
-                "podIdentity": {
-                    "type": "object",
-                    "required": ["provider"],
-                    "properties": {
-                        "provider": {
-                            "enum": ["none", "azure-workload", "gcp", "aws", "aws-eks"],
-                        },
-                        "identityOwner": {"enum": ["keda", "workload"]},
-                        "roleArn": {"type": "string", "pattern": "^arn:aws[a-z-]*:iam::"},
-                        "identityId": {"type": "string"},
-                        "identityTenantId": {"type": "string"},
-                        "identityAuthorityHost": {"type": "string"},
+TRIGGER_AUTHENTICATION = _resource(
+    "TriggerAuthentication",
+    {
+        "type": "object",
+        "minProperties": 1,
+        "properties": {
+            "podIdentity": {
+                "type": "object",
+                "required": ["provider"],
+                "properties": {
+                    "provider": {
+                        "enum": ["none", "azure-workload", "gcp", "aws", "aws-eks"],
                     },
-                    "additionalProperties": False,
-                    # KEDA: roleArn and identityOwner are mutually exclusive
-                    "not": {"required": ["roleArn", "identityOwner"]},
+                    "identityOwner": {"enum": ["keda", "workload"]},
+                    "roleArn": {"type": "string", "pattern": "^arn:aws[a-z-]*:iam::"},
+                    "identityId": {"type": "string"},
+                    "identityTenantId": {"type": "string"},
+                    "identityAuthorityHost": {"type": "string"},
                 },
-                "secretTargetRef": {"type": "array"},
-                "env": {"type": "array"},
-                "configMapTargetRef": {"type": "array"},
-                "hashiCorpVault": {"type": "object"},
-                "azureKeyVault": {"type": "object"},
-                "awsSecretManager": {"type": "object"},
-                "gcpSecretManager": {"type": "object"},
+                "additionalProperties": False,
+                # KEDA: roleArn and identityOwner are mutually exclusive
+                "not": {"required": ["roleArn", "identityOwner"]},
             },
-            "additionalProperties": False,
+            "secretTargetRef": {"type": "array"},
+            "env": {"type": "array"},
+            "configMapTargetRef": {"type": "array"},
+            "hashiCorpVault": {"type": "object"},
+            "azureKeyVault": {"type": "object"},
+            "awsSecretManager": {"type": "object"},
+            "gcpSecretManager": {"type": "object"},
         },
+        "additionalProperties": False,
     },
-    "additionalProperties": False,
-}
+)
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "ScaledObject": SCALED_OBJECT,
