@@ -189,11 +189,12 @@ class LLMProcessHost:
     def _restore_stack(self) -> None:
         if not self.stack_bytes:
             return
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # NOTE: no cuInit here: torch made the context
 
-        err = cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, self.stack_bytes)[0]
-        if int(err) != 0:
-            raise RestoreFailed(f"could not set the CUDA stack limit back: {err.name}")
+        from snapfn.snapshot.cuda_driver import ok
+
+        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+        ok(cu.cuCtxSetLimit(limit, self.stack_bytes), "cuCtxSetLimit (the stack limit back)")
 
     def _adopt(self, figures: dict[str, Any], resume: dict[str, Any]) -> bool:
         """Map the regions the restorer made and filled (snapshot/region_prefetch.py), then

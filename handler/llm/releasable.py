@@ -86,12 +86,19 @@ class ReleasableMemory:
             found += [
                 (r, "none", f"graphs.{i}") for i, r in enumerate(self.graphs.regions.values())
             ]
-        specs = []
-        for region, fill, name in found:
-            spec = {"name": name, "address": region.address, "nbytes": region.nbytes}
-            spec.update(device=region.device_index, fill=fill)
-            specs.append({**spec, "path": weights_file} if fill == "file" else spec)
-        return specs
+        from snapfn.snapshot.region_prefetch import RegionSpec
+
+        return [
+            RegionSpec(
+                name,
+                region.address,
+                region.nbytes,
+                region.device_index,
+                fill,
+                weights_file if fill == "file" else "",
+            ).to_json()
+            for region, fill, name in found
+        ]
 
     def adopt(self, fds: dict[int, int]) -> None:
         """Map the memory a restorer made ({region address: fd}, every fd closed here) at each
