@@ -124,3 +124,24 @@ def test_no_restorer_at_all_is_a_fallback_not_a_failure(tmp_path, monkeypatch):
     data = torch.zeros(CHUNK, dtype=torch.uint8)
     ok, figures = adopt(tmp_path, data, layout_for(data), FakeMemory(data), serve=False)
     assert not ok and figures["fallback"].startswith("no regions from the restorer")
+
+
+def test_the_regions_a_restorer_makes_are_described_as_region_specs():
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.releasable import ReleasableMemory
+
+    def region(address: int, nbytes: int):
+        return SimpleNamespace(address=address, nbytes=nbytes, device_index=0)
+
+    memory = ReleasableMemory("cuda")  # a description only: nothing touches a GPU
+    memory.weights, memory.kv = region(1 << 40, 4 << 20), region(2 << 40, 8 << 20)
+    memory.graphs = SimpleNamespace(regions={3 << 40: region(3 << 40, 2 << 20)})
+    specs = [RegionSpec.from_json(s) for s in memory.region_specs("weights/rank0.bin")]
+    assert [(s.name, s.fill, s.path) for s in specs] == [
+        ("weights", "file", "weights/rank0.bin"),
+        ("kv", "zero", ""),
+        ("graphs.0", "none", ""),
+    ]
+    assert [s.address for s in specs] == [1 << 40, 2 << 40, 3 << 40]
+    assert ReleasableMemory("cpu").region_specs("weights/rank0.bin") == []
