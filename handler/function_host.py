@@ -13,7 +13,6 @@ There is no GPU step and no portable tier: a failed restore falls back to a cold
 
 from __future__ import annotations
 
-import queue
 import sys
 import time
 from pathlib import Path
@@ -95,24 +94,16 @@ class RemoteHandler:
 
     def __call__(self, event: dict, context: Context) -> Any:
         timeout_s = context.get_remaining_time_in_millis() / 1000
-        replies = self.client.request(
-            {
-                "op": "invoke",
-                "event": event,
-                "timeout_s": timeout_s,
-                "request_id": context.aws_request_id,
-            }
-        )
-        try:
-            message = replies.get(timeout=timeout_s + 5)
-        except queue.Empty:
+        invoke = {"op": "invoke", "event": event, "timeout_s": timeout_s}
+        message = self.client.call({**invoke, "request_id": context.aws_request_id}, timeout_s + 5)
+        if message is None:
             raise FunctionError(
                 {
                     "errorType": "Runtime.Timeout",
                     "errorMessage": f"no answer from the function within {timeout_s:.0f} s",
                     "stackTrace": [],
                 }
-            ) from None
+            )
         if message["event"] == "result":
             return message["value"]
         if "error" in message:

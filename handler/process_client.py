@@ -2,6 +2,7 @@
 
     client = ProcessClient(worker)          one reader thread routes replies by "id"
     replies = client.request({"op": "generate", ...})   a queue of that request's replies
+    reply = client.call({"op": "info"}, timeout_s)      one reply (None: none in time)
     client.close()                          asks the worker to exit, then kills it
 
 If the worker dies, every waiting request gets {"event": "error", "code": "worker_exited"} and
@@ -31,19 +32,34 @@ class ProcessClient:
         self._reader.start()
 
     def request(self, message: dict[str, Any]) -> queue.Queue:
-        """Send `message` with a fresh id; its replies arrive on the returned queue."""
+        """Send `message` with a fresh id; its replies arrive on the returned queue (`forget`
+        the id when done with them)."""
+        return self._send(message)[1]
+
+    def call(self, message: dict[str, Any], timeout_s: float | None) -> dict[str, Any] | None:
+        """Send `message` and return its one reply, None if none came within `timeout_s`; the
+        id is forgotten either way."""
+        rid, replies = self._send(message)
+        try:
+            return replies.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        finally:
+            self.forget(rid)
+
+    def _send(self, message: dict[str, Any]) -> tuple[int, queue.Queue]:
         replies: queue.Queue = queue.Queue()
         with self._lock:
             rid = next(self._ids)
             if self.dead is not None:
                 replies.put(_exited(rid, self.dead))
-                return replies
+                return rid, replies
             self._waiting[rid] = replies
         try:
             self.worker.channel.send({**message, "id": rid})
         except OSError as exc:
             self._fail(f"cannot write to the worker: {exc}")
-        return replies
+        return rid, replies
 
     def notify(self, message: dict[str, Any]) -> None:
         """Send a message that has no reply (cancel)."""

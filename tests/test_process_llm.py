@@ -14,6 +14,7 @@ import pytest
 
 from snapfn.handler.llm.embedded import embedded_model_dir
 from snapfn.handler.llm.engine.request import SamplingParams
+from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.init_config import InitConfig
 from snapfn.snapshot.process import ProcessConfig
 from snapfn.snapshot.stages import Readiness
@@ -69,6 +70,11 @@ def test_tier1_restore_generates_exactly_what_a_cold_init_does(tier1, cold_outpu
             assert (g.token_ids, g.logprobs, g.text) == (w.token_ids, w.logprobs, w.text)
         replay = startup.stage("worker.replay_check").figures
         assert replay["tokens"] == replay["recorded"] and len(replay["tokens"]) == 4
+        for _ in range(3):  # what a metrics scrape asks; a refused request
+            assert service.kv_usage() >= 0
+        with pytest.raises(BadRequest):
+            service.submit([], GREEDY)
+        assert service.client._waiting == {}  # one-reply requests leave nothing behind
     finally:
         service.close()
 

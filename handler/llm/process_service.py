@@ -91,13 +91,9 @@ class ProcessLLMService:
         return self._max_req_input_len
 
     def info(self) -> dict[str, Any]:
-        replies = self.client.request({"op": "info"})
-        try:
-            message = replies.get(timeout=INFO_TIMEOUT_S)
-        except queue.Empty:
-            raise WorkerError(
-                f"the worker did not answer 'info' within {INFO_TIMEOUT_S} s"
-            ) from None
+        message = self.client.call({"op": "info"}, INFO_TIMEOUT_S)
+        if message is None:
+            raise WorkerError(f"the worker did not answer 'info' within {INFO_TIMEOUT_S} s")
         if message["event"] == "error":
             raise WorkerError(message["message"])
         return message
@@ -110,6 +106,7 @@ class ProcessLLMService:
         )
         first = replies.get()
         if first["event"] == "error":
+            self.client.forget(first["id"])
             if first.get("code") == BadRequest.code:
                 raise BadRequest(first["message"])
             raise WorkerError(first["message"])
