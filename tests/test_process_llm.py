@@ -138,6 +138,24 @@ def test_generate_cli_restores_tier1_and_prints_the_cold_tokens(tier1, cold_outp
     assert "restore (process) ok" in done.stderr
 
 
+def test_generate_restores_tier1_from_an_s3_snapshot(tier1, cold_outputs, tmp_path):
+    from snapfn.snapshot.store import push
+
+    from moto_server import fake_aws
+
+    with fake_aws("tier1") as aws:
+        push(tier1 / "snap", "s3://tier1/snap", endpoint_url=aws.endpoint_url, log=None)
+        env = {**os.environ, "AWS_ENDPOINT_URL": aws.endpoint_url}
+        env["SNAPFN_SNAPSHOT_CACHE"] = str(tmp_path / "cache")
+        argv = [sys.executable, "-m", "snapfn.handler.cli", "generate", "--snapshot"]
+        argv += ["s3://tier1/snap", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12"]
+        argv += ["--ignore-eos", "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["token_ids"] == list(cold_outputs[0].token_ids)
+    assert "restore (process) ok" in done.stderr  # pulled first, then restored as tier 1
+
+
 def test_worker_runtime_serves_tier1_and_fails_when_the_worker_dies(tier1):
     from snapfn.handler.runtime import ServeTarget, WorkerRuntime
 

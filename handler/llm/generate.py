@@ -100,13 +100,13 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    if args.snapshot is not None and process_restore_enabled(args.snapshot):
-        return _run_restored_service(args, params)
+    snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
+    if process_restore_enabled(snapshot):
+        return _run_restored_service(args, snapshot, params)
     from .build import EngineOptions, build_engine
     from .embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
-    snapshot = snapshot_path(args)
     t0 = time.perf_counter()
     if snapshot is not None:
         engine, model_type = _restore(args, snapshot)
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_restored_service(args: argparse.Namespace, params) -> int:
+def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> int:
     """A snapshot with a process image: restore it (tier 1, falling back to tier 0 → cold)
     and generate through the service, as the front doors do."""
     from snapfn.snapshot.runtime import summary
@@ -136,7 +136,7 @@ def _run_restored_service(args: argparse.Namespace, params) -> int:
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
     t0 = time.perf_counter()
     service, startup, _ = restore_llm(
-        args.snapshot, config, args.model or _recorded_source(args.snapshot), log=None
+        snapshot, config, args.model or _recorded_source(snapshot), log=None
     )
     load_s = time.perf_counter() - t0
     print(summary(startup), file=sys.stderr)
