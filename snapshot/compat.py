@@ -108,26 +108,22 @@ def _torch_versions() -> dict[str, str]:
 
 
 def _driver_api_fields(index: int) -> dict[str, Any]:
-    from cuda.bindings import driver as cu
+    from snapfn.snapshot.cuda_driver import driver, ok
 
-    def ok(result: Any) -> Any:
-        if int(result[0]) != 0:
-            raise ValueError(f"compat_key: CUDA driver call failed: {result[0]}")
-        return result[1]
-
-    err = cu.cuInit(0)
-    if int(err[0] if isinstance(err, tuple) else err) != 0:
-        raise ValueError(f"compat_key: cuInit failed: {err}")
-    dev = ok(cu.cuDeviceGet(index))
+    cu = driver()
+    dev = ok(cu.cuDeviceGet(index), "cuDeviceGet")
     attr = cu.CUdevice_attribute
-    major = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
-    minor = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
-    name = ok(cu.cuDeviceGetName(256, dev)).split(b"\0", 1)[0].decode()
+    cc = (
+        attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+    )
+    major, minor = (ok(cu.cuDeviceGetAttribute(a, dev), "cuDeviceGetAttribute") for a in cc)
+    name = ok(cu.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0", 1)[0].decode()
     return {
         "gpu_name": name,
         "compute_capability": f"{major}.{minor}",
-        "gpu_total_memory_bytes": int(ok(cu.cuDeviceTotalMem(dev))),
-        "cuda_driver_version": int(ok(cu.cuDriverGetVersion())),
+        "gpu_total_memory_bytes": int(ok(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
+        "cuda_driver_version": int(ok(cu.cuDriverGetVersion(), "cuDriverGetVersion")),
     }
 
 
