@@ -52,6 +52,7 @@ from types import ModuleType
 from typing import Any
 
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
+from snapfn.snapshot.stages import StageRunner, StartupManifest
 
 __all__ = [
     "BadRequest",
@@ -239,6 +240,29 @@ def load_function(spec: str) -> LoadedFunction:
     if not callable(handler):
         raise BadRequest(f"{spec!r} is a {type(handler).__name__}, not a callable handler")
     return LoadedFunction(spec, module, handler, module_hooks(module))
+
+
+def cold_start_function(
+    spec: str, function_dir: str | None, log: Callable[[str], None] | None = None
+) -> tuple[StartupManifest, LoadedFunction]:
+    """A function's cold init as timed stages: import it (`function_dir` first on the import
+    path) and run its init hooks. Returns the finished startup manifest and the function."""
+    startup = StartupManifest(kind="init", tier="cold", info={"function": spec})
+    runner = StageRunner(startup, log=log)
+
+    def import_function(figures: dict[str, Any]) -> LoadedFunction:
+        if function_dir is not None and str(function_dir) not in sys.path:
+            # NOTE: a worker process serves one function; its folder goes first on the import
+            # path, as Lambda's task root does.
+            sys.path.insert(0, str(function_dir))
+        loaded = load_function(spec)
+        figures.update(module=loaded.module.__name__, hooks_declared=len(loaded.hooks))
+        return loaded
+
+    loaded = runner.run("import_function", import_function)
+    runner.run("init_hooks", lambda figures: figures.update(hooks=loaded.run_init()))
+    runner.finish(ok=True)
+    return startup, loaded
 
 
 def _run_hooks(hooks: list[Hook], error: type[SnapfnError]) -> list[str]:

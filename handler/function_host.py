@@ -13,7 +13,6 @@ There is no GPU step and no portable tier: a failed restore falls back to a cold
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from snapfn.snapshot.errors import BadRequest, SnapfnError
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
-from .api import Context, FunctionError, call_handler, load_function
+from .api import Context, FunctionError, call_handler, cold_start_function
 
 USER_FUNCTION = "user_function"  # its section's key in manifest.json
 
@@ -37,13 +36,7 @@ class FunctionHost:
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
 
-        startup = StartupManifest(kind="init", tier="cold", info={"function": self.spec})
-        runner = StageRunner(startup)
-        if self.function_dir and self.function_dir not in sys.path:
-            sys.path.insert(0, self.function_dir)
-        self.loaded = runner.run("import_function", lambda f: load_function(self.spec))
-        runner.run("init_hooks", lambda f: f.update(hooks=self.loaded.run_init()))
-        runner.finish(ok=True)
+        startup, self.loaded = cold_start_function(self.spec, self.function_dir)
         return {
             "function": USER_FUNCTION,
             "startup": startup.to_json(),

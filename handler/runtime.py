@@ -26,7 +26,6 @@ then raises InitFailed. A handler's exception comes back as FunctionError (`api.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from snapfn.snapshot.errors import BadRequest, InitFailed, SnapfnError
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
 
-from .api import Context, Handler, LoadedFunction, call_handler, load_function
+from .api import Context, Handler, LoadedFunction, call_handler, cold_start_function
 from .serve_target import DEFAULT_TIMEOUT_S, KINDS, NotReady, ServeTarget
 
 __all__ = ["DEFAULT_TIMEOUT_S", "KINDS", "NotReady", "ServeTarget", "WorkerRuntime"]
@@ -212,24 +211,11 @@ class WorkerRuntime:
         self._handler = self._remote = RemoteHandler(ProcessClient(worker, self._worker_exited))
 
     def _cold_start_function(self, log: Log) -> None:
-        self.startup = StartupManifest(
-            kind="init", tier="cold", info={"function": self.function_name}
-        )
-        runner = StageRunner(self.startup, log=log)
-        loaded = runner.run("import_function", self._import_function)
-        runner.run("init_hooks", lambda figures: figures.update(hooks=loaded.run_init()))
-        runner.finish(ok=True)
-        self._function, self._handler = loaded, loaded.handler
-
-    def _import_function(self, figures: dict[str, Any]) -> LoadedFunction:
         folder = self.target.function_dir
-        if folder is not None and str(folder) not in sys.path:
-            # NOTE: a worker process serves one function; its folder goes first on the import
-            # path, as Lambda's task root does.
-            sys.path.insert(0, str(folder))
-        loaded = load_function(self.function_name)
-        figures.update(module=loaded.module.__name__, hooks_declared=len(loaded.hooks))
-        return loaded
+        self.startup, loaded = cold_start_function(
+            self.function_name, None if folder is None else str(folder), log
+        )
+        self._function, self._handler = loaded, loaded.handler
 
     def prepare_snapshot(self) -> list[str]:
         """Run the before-snapshot hooks (timed stage `before_snapshot`); their names, in order."""
