@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapfn.snapshot.errors import BadRequest, InitFailed, SnapfnError
+from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
 
 from .api import Context, Handler, LoadedFunction, call_handler, cold_start_function
@@ -170,17 +170,13 @@ class WorkerRuntime:
         if _holds_files(self.target.snapshot_dir):
             try:
                 return self._restore_function(log)
-            except SnapfnError as exc:  # every step of a tier-1 restore raises one
+            except RestoreFailed as exc:  # every step of a tier-1 restore raises one
                 failed = exc
                 log(f"{exc}; falling back to a cold init of {self.function_name}")
         self._cold_start_function(log)
         if failed is not None:
             self.startup.tier = "cold (fallback)"
-            step = getattr(failed, "step", "validate")
-            self.startup.add_fallback("process", "cold", step, str(failed))
-            attempt = getattr(failed, "startup", None)
-            if attempt is not None:
-                self.startup.info["failed_process_restore"] = attempt.to_json()
+            self.startup.add_failed_process_restore(failed, "cold")
 
     def _restore_function(self, log: Log) -> None:
         """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""

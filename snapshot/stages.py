@@ -91,6 +91,14 @@ class StartupManifest:
     def add_fallback(self, from_tier: str, to_tier: str, step: str, reason: str) -> None:
         self.fallbacks.append({"from": from_tier, "to": to_tier, "step": step, "reason": reason})
 
+    def add_failed_process_restore(self, failed: Any, to_tier: str, first: bool = False) -> None:
+        """Record a tier-1 restore that failed (a ProcessRestoreFailed: its `step` and the
+        `startup` manifest of the attempt) and the tier that ran instead; `first` puts the
+        record before the fallbacks already there (those of the tier that ran instead)."""
+        record = {"from": "process", "to": to_tier, "step": failed.step, "reason": str(failed)}
+        self.fallbacks.insert(0 if first else len(self.fallbacks), record)
+        self.info["failed_process_restore"] = failed.startup.to_json()
+
 
 class StageRunner:
     """Runs named stages in order, timing each into a StartupManifest."""

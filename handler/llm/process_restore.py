@@ -84,10 +84,5 @@ def restore_llm(
 
     fn, startup = restore(lambda: LLMFunction(config, source), Path(snapshot_dir), log=log)
     if failed is not None:
-        startup.fallbacks.insert(0, _fallback_record(failed))
-        startup.info["failed_process_restore"] = failed.startup.to_json()
+        startup.add_failed_process_restore(failed, "portable", first=True)
     return LLMService(fn.engine), startup, fn
-
-
-def _fallback_record(exc: RestoreFailed) -> dict[str, str]:
-    return {"from": "process", "to": "portable", "step": exc.step, "reason": str(exc)}
