@@ -26,7 +26,6 @@ without locks, and streaming a response chunk by chunk is a plain read/write loo
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -42,11 +41,11 @@ from .activator_metrics import ActivatorMetrics
 from .activator_plan import ActivatorPlan
 from .activator_pool import InstancePool, Unavailable
 from .activator_proxy import relay
+from .api_key import UNAUTHORIZED_HEADERS, api_key_bytes, refusal
 from .openai_shapes import error_body
 from .serve_config import ServeConfig
 
 log = logging.getLogger("snapfn.activator")
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 NOT_SENT_BY_DEFAULT = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 
 
@@ -161,18 +160,14 @@ def _settings(plan: ActivatorPlan, config: ServeConfig) -> dict[str, Any]:
 
 
 def _auth(config: ServeConfig):
-    key = config.api_key.encode() if config.api_key else None
+    key = api_key_bytes(config.api_key)
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if key is None or request.path in OPEN_PATHS:
+        body = refusal(key, request.path, request.headers.get("Authorization", ""))
+        if body is None:
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
-            return await handler(request)
-        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
-        body = error_body(message, "invalid_request_error", code="invalid_api_key")
-        return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+        return web.json_response(body, status=401, headers=UNAUTHORIZED_HEADERS)
 
     return check_key
 

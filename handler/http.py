@@ -30,7 +30,6 @@ bodies, the error handlers), `openai_api` (parsing) and `generation` (the stream
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import socket
@@ -46,17 +45,16 @@ from snapfn.snapshot.stages import Readiness
 
 from . import openai_api
 from .api import FunctionError
+from .api_key import UNAUTHORIZED_HEADERS, api_key_bytes, refusal
 from .generation import EventStream, Generation
 from .http_json import install_error_handlers, json_response, json_safe, read_json_body
 from .metrics import HttpMetrics
 from .openai_request import ApiError, Limits
-from .openai_shapes import error_body
 from .openapi import openapi_document
 from .serve_config import ServeConfig
 from .startup_gate import StartupGate
 
 log = logging.getLogger("snapfn.http")
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 REQUEST_ID_HEADER = "X-Request-Id"
 FUNCTION_ERROR_HEADER = "X-Snapfn-Function-Error"
 
@@ -97,22 +95,13 @@ def create_app(runtime: Any, config: ServeConfig) -> Flask:
 
 
 def _install_hooks(app: Flask, state: AppState) -> None:
-    key = state.config.api_key.encode() if state.config.api_key else None
+    key = api_key_bytes(state.config.api_key)
 
     @app.before_request
     def arrive() -> Response | None:
         g.arrived_at = time.perf_counter()
-        if key is None or request.path in OPEN_PATHS:
-            return None
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
-            return None
-        body = error_body(
-            "missing or wrong API key: send 'Authorization: Bearer <key>'",
-            "invalid_request_error",
-            code="invalid_api_key",
-        )
-        return json_response(body, 401, {"WWW-Authenticate": "Bearer"})
+        body = refusal(key, request.path, request.headers.get("Authorization", ""))
+        return None if body is None else json_response(body, 401, UNAUTHORIZED_HEADERS)
 
     @app.after_request
     def count(response: Response) -> Response:
