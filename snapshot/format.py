@@ -127,7 +127,7 @@ def validate_snapshot(
         except IncompatibleSnapshot as e:
             raise IncompatibleSnapshot(one_line(f"snapshot {root}: {e}")) from None
     files = manifest["files"]
-    _check_listing(root, files)
+    check_listing(root, files)
     unchunked = [relpath for relpath, entry in files.items() if "chunks" not in entry]
     verify_files(root, manifest, sorted(files) if verify == "full" else unchunked, num_threads)
     return manifest
@@ -143,13 +143,25 @@ def verify_files(
 
     Raises BadSnapshot naming the first mismatch in (path, chunk) order.
     """
-    root = Path(snapshot_dir)
     ranges = sorted(r for p in relpaths for r in digest_ranges(p, manifest["files"][p]))
+    verify_ranges(snapshot_dir, ranges, num_threads)
+
+
+def verify_ranges(
+    snapshot_dir: str | os.PathLike[str],
+    ranges: list[DigestRange],
+    num_threads: int | None = None,
+    where: Any = None,
+) -> None:
+    """Hash `ranges` of the files under `snapshot_dir` in parallel; BadSnapshot (naming `where`,
+    else the directory) at the first mismatch, in the given order."""
+    root = Path(snapshot_dir)
     digests = run_parallel(lambda r: sha256_range(root, r), ranges, num_threads)
     for expected, got in zip(ranges, digests, strict=True):
         if got != expected.sha256:
             raise bad_snapshot(
-                root, f"{expected.describe()} sha256 mismatch ({_mismatch(expected, got)})"
+                root if where is None else where,
+                f"{expected.describe()} sha256 mismatch ({_mismatch(expected, got)})",
             )
 
 
@@ -243,7 +255,7 @@ def digests_problem(chunk_bytes: Any, chunks: Any, file_sha256: Any) -> str | No
     return None
 
 
-def _check_listing(root: Path, files: dict[str, Any]) -> None:
+def check_listing(root: Path, files: dict[str, Any]) -> None:
     """Every listed file exists with its recorded size; nothing unlisted is there."""
     on_disk = list_files(root)
     on_disk.pop(MANIFEST, None)

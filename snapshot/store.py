@@ -29,9 +29,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.digests import DigestRange, digest_ranges, run_parallel, sha256_range
+from snapfn.snapshot.digests import DigestRange, digest_ranges, run_parallel
 from snapfn.snapshot.errors import BadRequest, SnapfnError, bad_snapshot, one_line
-from snapfn.snapshot.format import MANIFEST, parse_manifest, validate_snapshot
+from snapfn.snapshot.format import (
+    MANIFEST,
+    check_listing,
+    parse_manifest,
+    validate_snapshot,
+    verify_ranges,
+)
 from snapfn.snapshot.publish import install_snapshot
 from snapfn.snapshot.pull_staging import PullStaging
 from snapfn.snapshot.s3_transfer import (
@@ -134,9 +140,11 @@ def pull(
         raise BadRequest(f"refusing to pull into {dest}: it exists and holds no snapshot")
     with PullStaging(dest, raw, hashlib.sha256(raw).hexdigest()) as staging:
         progress, num_skipped = _fetch_files(client, where, manifest, staging, num_threads, log)
-        _check_whole_files(where, staging.files, manifest, num_threads)
+        # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
+        # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
+        verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
+        check_listing(staging.files, manifest["files"])
         _write_durably(staging.files / MANIFEST, raw)
-        validate_snapshot(staging.files, None, verify="sizes", num_threads=num_threads)
         install_snapshot(staging.files, dest)
         staging.remove()
     if log is not None:
@@ -233,22 +241,15 @@ def _journal_key(r: DigestRange) -> tuple[str, int, int, str]:
     return (r.relpath, r.offset, r.length or 0, r.sha256)
 
 
-def _check_whole_files(where, files_dir: Path, manifest, num_threads) -> None:
-    """sha256 of each chunked file that records one as well, read back from `files_dir`."""
-    wholes = [
+def _whole_file_ranges(manifest: dict[str, Any]) -> list[DigestRange]:
+    """The whole-file sha256 of each chunked file that records one as well."""
+    return [
         r
         for relpath, entry in sorted(manifest["files"].items())
         if "chunks" in entry
         for r in digest_ranges(relpath, entry)
         if r.whole_file
     ]
-    digests = run_parallel(lambda r: sha256_range(files_dir, r), wholes, num_threads)
-    for r, got in zip(wholes, digests, strict=True):
-        if got != r.sha256:
-            raise bad_snapshot(
-                where,
-                f"{r.describe()} sha256 mismatch (expected {r.sha256[:16]}.., got {got[:16]}..)",
-            )
 
 
 def _already_there(dest: Path, raw: bytes) -> bool:
