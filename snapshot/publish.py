@@ -137,7 +137,7 @@ class SnapshotWriter:
         on_disk = list_files(root)
         header["files"] = self._describe_files(root, on_disk)
         run_parallel(lambda p: _fsync_path(root / p), sorted(on_disk), self.num_threads)
-        _write_durably(root / MANIFEST, (json.dumps(header, indent=1) + "\n").encode())
+        write_durably(root / MANIFEST, (json.dumps(header, indent=1) + "\n").encode())
         _fsync_tree_dirs(root)
         replaced = _install(root, self.dest)
         self._published = True
@@ -228,7 +228,7 @@ def _install(staged: Path, dest: Path) -> Path | None:
     if not os.path.lexists(dest) and _rename_unless_taken(staged, dest):
         _fsync_path(dest.parent)
         return None
-    _check_replaceable(dest)
+    check_replaceable(dest)
     if _exchange(staged, dest):
         _fsync_path(dest.parent)
         return staged
@@ -254,7 +254,7 @@ def _rename_unless_taken(source: Path, dest: Path) -> bool:
     return True
 
 
-def _check_replaceable(dest: Path) -> None:
+def check_replaceable(dest: Path) -> None:
     """Refuse to replace anything but a directory that holds a snapshot (or nothing)."""
     if dest.is_symlink() or not dest.is_dir():
         raise FileExistsError(f"refusing to replace {str(dest)!r}: not a directory")
@@ -284,7 +284,8 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(err, os.strerror(err), str(first), None, str(second))
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist) holding `data`, fsynced."""
     with open(path, "xb") as f:
         f.write(data)
         f.flush()

@@ -38,7 +38,7 @@ from snapfn.snapshot.format import (
     validate_snapshot,
     verify_ranges,
 )
-from snapfn.snapshot.publish import install_snapshot
+from snapfn.snapshot.publish import check_replaceable, install_snapshot, write_durably
 from snapfn.snapshot.pull_staging import PullStaging
 from snapfn.snapshot.s3_transfer import (
     Log,
@@ -136,15 +136,20 @@ def pull(
         if log is not None:
             log(f"{dest} already holds {where} (same manifest): nothing to fetch")
         return dest
-    if os.path.lexists(dest) and not _replaceable(dest):
-        raise BadRequest(f"refusing to pull into {dest}: it exists and holds no snapshot")
+    if os.path.lexists(dest):  # NOTE: refused before fetching, not after
+        try:
+            check_replaceable(dest)
+        except FileExistsError:
+            raise BadRequest(
+                f"refusing to pull into {dest}: it exists and holds no snapshot"
+            ) from None
     with PullStaging(dest, raw, hashlib.sha256(raw).hexdigest()) as staging:
         progress, num_skipped = _fetch_files(client, where, manifest, staging, num_threads, log)
         # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
         # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
         verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
         check_listing(staging.files, manifest["files"])
-        _write_durably(staging.files / MANIFEST, raw)
+        write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
         install_snapshot(staging.files, dest)
         staging.remove()
     if log is not None:
@@ -260,17 +265,3 @@ def _already_there(dest: Path, raw: bytes) -> bool:
     except (OSError, SnapfnError):
         return False
     return True
-
-
-def _replaceable(dest: Path) -> bool:
-    """A directory holding a snapshot, or nothing (what publish may replace)."""
-    if dest.is_symlink() or not dest.is_dir():
-        return False
-    return (dest / MANIFEST).is_file() or not any(dest.iterdir())
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
