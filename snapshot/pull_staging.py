@@ -4,7 +4,6 @@ A pull of a snapshot whose manifest.json has sha256 D into `dest` works in the h
 `.<name>.pull-<first 16 hex of D>`, flock'ed while the pull runs:
 
     .<name>.pull-<16 hex>/
-      manifest.json    the fetched manifest, as it was fetched
       journal.jsonl    one JSON line per verified range: {"relpath", "offset", "length", "sha256"}
       snapshot/        the snapshot's files, preallocated at their sizes and filled by pwrite;
                        manifest.json is written here last, then this directory is renamed to dest
@@ -39,17 +38,16 @@ def staging_dir_for(dest: Path, manifest_sha256: str) -> Path:
 
 
 class PullStaging:
-    """`with PullStaging(dest, manifest_bytes, manifest_sha256) as staging:` — create or resume.
+    """`with PullStaging(dest, manifest_sha256) as staging:` — create or resume.
 
     Leaving the block keeps the directory (and its journal) for a rerun; `remove()` after the
     snapshot is installed deletes it.
     """
 
-    def __init__(self, dest: Path, manifest_bytes: bytes, manifest_sha256: str) -> None:
+    def __init__(self, dest: Path, manifest_sha256: str) -> None:
         self.root = staging_dir_for(dest, manifest_sha256)
         self.files = self.root / SNAPSHOT_DIR
         self._dest = dest
-        self._manifest_bytes = manifest_bytes
         self._fd: int | None = None
         self._journal_lock = threading.Lock()
 
@@ -67,8 +65,6 @@ class PullStaging:
             raise BadRequest(f"another pull into {self._dest} is running ({self.root})") from None
         if (self.files / MANIFEST).exists():
             (self.files / MANIFEST).unlink()  # a pull that died between manifest and rename
-        if not (self.root / MANIFEST).is_file():
-            (self.root / MANIFEST).write_bytes(self._manifest_bytes)
         return self
 
     def __exit__(

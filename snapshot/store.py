@@ -143,7 +143,7 @@ def pull(
             raise BadRequest(
                 f"refusing to pull into {dest}: it exists and holds no snapshot"
             ) from None
-    with PullStaging(dest, raw, hashlib.sha256(raw).hexdigest()) as staging:
+    with PullStaging(dest, hashlib.sha256(raw).hexdigest()) as staging:
         progress, num_skipped = _fetch_files(client, where, manifest, staging, num_threads, log)
         # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
         # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
