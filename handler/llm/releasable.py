@@ -75,37 +75,39 @@ class ReleasableMemory:
             self.graphs.release()
         return released
 
+    def _all_regions(self) -> list[tuple[str, Region]]:
+        """(name, region): the weights, the KV pool, then each graph-pool region ("graphs.i")."""
+        found = list(self.regions().items())
+        if self.graphs is not None:
+            found += [(f"graphs.{i}", r) for i, r in enumerate(self.graphs.regions.values())]
+        return found
+
     def region_specs(self, weights_file: str) -> list[dict[str, Any]]:
         """What a restorer makes and fills for us (snapshot/region_prefetch.py): the weights'
         region is an image of `weights_file` (the restore layout, relative to the snapshot), the
         KV pool is zeroed, graph intermediates need nothing. CUDA only ([] on CPU)."""
-        if self.device.type != "cuda":
-            return []
-        found = [(r, "file" if n == "weights" else "zero", n) for n, r in self.regions().items()]
-        if self.graphs is not None:
-            found += [
-                (r, "none", f"graphs.{i}") for i, r in enumerate(self.graphs.regions.values())
-            ]
         from snapfn.snapshot.region_prefetch import RegionSpec
 
+        if self.device.type != "cuda":
+            return []
+        fills = {"weights": "file", "kv": "zero"}  # graph intermediates: "none"
         return [
             RegionSpec(
                 name,
                 region.address,
                 region.nbytes,
                 region.device_index,
-                fill,
-                weights_file if fill == "file" else "",
+                fills.get(name, "none"),
+                weights_file if name == "weights" else "",
             ).to_json()
-            for region, fill, name in found
+            for name, region in self._all_regions()
         ]
 
     def adopt(self, fds: dict[int, int]) -> None:
         """Map the memory a restorer made ({region address: fd}, every fd closed here) at each
         region's address. Raises RestoreFailed, with every region released again, unless all
         of them were adopted; the caller then remaps and streams as usual."""
-        regions = list(self.regions().values())
-        regions += list(self.graphs.regions.values()) if self.graphs is not None else []
+        regions = [region for _, region in self._all_regions()]
         missing = [hex(r.address) for r in regions if r.address not in fds]
         try:
             if missing or len(fds) != len(regions):
@@ -139,19 +141,5 @@ class ReleasableMemory:
 
 def kv_region_bytes(model: Any, num_pages: int, page_size: int) -> int:
     """Bytes the KV pool's buffers take in a region (each 2 MiB aligned, scratch page included)."""
-    sizes = [
-        spec.num_layers * (num_pages + 1) * page_size * _numel(spec.token_shape) * _itemsize(model)
-        for spec in model.kv_buffer_specs()
-    ]
-    return arena_bytes(sizes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
-
-
-def _itemsize(model: Any) -> int:
-    return torch.empty((), dtype=model.dtype).element_size()
+    tokens = (num_pages + 1) * page_size
+    return arena_bytes([tokens * s.bytes_per_token(model.dtype) for s in model.kv_buffer_specs()])
