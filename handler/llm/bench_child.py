@@ -139,12 +139,13 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     from snapfn.snapshot.runtime import cold_init
 
     from .engine.request import SamplingParams
+    from .memory import weights_bytes
 
     fn = _function(args, Path(args.model))
     cold_init(fn, log=None)
     model, engine = fn.model, fn.engine
     params = dict(model.named_parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    weight_bytes = weights_bytes(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     matmul_weights = sum(p.numel() for n, p in params.items() if tied or "embed_tokens" not in n)
     gbps = measure_memory_gbps(args.device)
@@ -191,13 +192,8 @@ def _config(args: argparse.Namespace):
 
 def _function(args: argparse.Namespace, model_dir: Path | None):
     from .function import LLMFunction
-    from .init_config import InitConfig
 
-    overrides = {
-        "device": args.device,
-        "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
-    }
-    return LLMFunction(InitConfig.from_env(os.environ, **overrides), model_dir)
+    return LLMFunction(_config(args), model_dir)
 
 
 def _first_token(engine, args: argparse.Namespace) -> dict[str, Any]:
