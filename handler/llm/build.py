@@ -22,7 +22,7 @@ from .loader import LoadReport, load_weights
 from .models import model_class
 from .models.base import CausalLM
 from .sharding import ParallelConfig
-from .tokenizer import Tokenizer
+from .tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,6 @@ def plan_num_pages(model: CausalLM, opts: EngineOptions) -> int:
 def allocate_kv(model: CausalLM, num_pages: int, page_size: int, alloc=None) -> KVPool:
     specs = model.kv_buffer_specs()
     return KVPool(specs, num_pages, page_size, model.dtype, model.device, alloc)
-
-
-def load_tokenizer(model_dir: Path) -> Tokenizer | None:
-    if not (model_dir / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.from_dir(model_dir)
 
 
 @dataclass

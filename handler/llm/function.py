@@ -186,7 +186,7 @@ class LLMFunction:
             figures["skipped"] = "no CUDA device: decode runs eagerly"
 
     def stage_tokenizer(self, figures: Figures, folder: Path) -> None:
-        from .build import load_tokenizer
+        from .tokenizer import load_tokenizer
 
         pending, self._tokenizer = self._tokenizer, None
         tokenizer = pending.result() if pending is not None else load_tokenizer(folder)
@@ -271,7 +271,7 @@ class LLMFunction:
         # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
         # while the model is built, and stream_weights waits for it.
         # The tokenizer (0.1-0.2 s for a 128k vocabulary) loads on another side thread.
-        from .build import load_tokenizer
+        from .tokenizer import load_tokenizer
 
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore")
         self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE, section)

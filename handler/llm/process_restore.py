@@ -40,7 +40,8 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
     from snapfn.snapshot.stages import StageRunner
 
     from ..process_client import ProcessClient
-    from .process_service import ProcessLLMService, load_tokenizer
+    from .process_service import ProcessLLMService
+    from .tokenizer import load_tokenizer
 
     # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary) loads while the worker restores
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")

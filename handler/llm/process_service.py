@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from pathlib import Path
 from typing import Any
 
 from snapfn.snapshot.errors import BadRequest, SnapfnError
@@ -65,13 +64,6 @@ class RemoteStream(Stream):
 
     def _on_done(self) -> None:
         self._service.client.forget(self._rid)
-
-
-def load_tokenizer(model_dir: Path):
-    from .tokenizer import Tokenizer
-
-    folder = Path(model_dir)
-    return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
 
 
 class ProcessLLMService:

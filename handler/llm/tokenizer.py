@@ -307,3 +307,9 @@ def _eos_ids_from_configs(model_dir: Path) -> tuple[int, ...]:
         elif isinstance(value, list):
             ids.extend(int(v) for v in value)
     return tuple(ids)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The model folder's tokenizer, or None when it has no tokenizer.json."""
+    folder = Path(model_dir)
+    return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
