@@ -36,7 +36,8 @@ from typing import Any
 
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.format import MANIFEST, parse_manifest
-from snapfn.snapshot.s3_transfer import Log, S3Location, format_bytes, make_s3_client, stderr_log
+from snapfn.snapshot.s3_transfer import S3Location, format_bytes, make_s3_client
+from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.staging import remove_tree
 from snapfn.snapshot.store import DEFAULT_NUM_THREADS, fetch_manifest, pull
 

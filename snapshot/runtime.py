@@ -11,7 +11,6 @@ stage of its restore (the replay check included) passed, or after a cold init.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,7 @@ from .errors import SnapfnError
 from .format import validate_snapshot
 from .function import SnapshotFunction
 from .publish import SnapshotWriter
-from .stages import StageRunner, StartupManifest, format_stage
-
-Log = Callable[[str], None]
-
-
-def stderr_log(line: str) -> None:
-    print(f"[snapfn] {line}", file=sys.stderr, flush=True)
+from .stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
 
 
 def cold_init(fn: SnapshotFunction, log: Log | None = stderr_log) -> StartupManifest:

@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from snapfn.snapshot.errors import BadRequest, BadSnapshot, bad_snapshot
+from snapfn.snapshot.stages import Log
 
-Log = Callable[[str], None]
 S3_SCHEME = "s3://"
 _BLOCK_BYTES = 1 << 20  # what one read of a GET body asks for
 _MAX_ATTEMPTS = 3  # a ranged GET whose body breaks off is retried this many times in all
-
-
-def stderr_log(line: str) -> None:
-    print(f"[snapfn] {line}", file=sys.stderr, flush=True)
 
 
 def is_s3_uri(value: object) -> bool:

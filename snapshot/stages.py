@@ -15,11 +15,19 @@ plain JSON:
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+Log = Callable[[str], None]
+
+
+def stderr_log(line: str) -> None:
+    """The runtime's default log: one "[snapfn] …" line on stderr."""
+    print(f"[snapfn] {line}", file=sys.stderr, flush=True)
 
 
 class Readiness(enum.Enum):

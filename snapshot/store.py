@@ -41,15 +41,14 @@ from snapfn.snapshot.format import (
 from snapfn.snapshot.publish import check_replaceable, install_snapshot, write_durably
 from snapfn.snapshot.pull_staging import PullStaging
 from snapfn.snapshot.s3_transfer import (
-    Log,
     S3Location,
     TransferProgress,
     format_bytes,
     make_s3_client,
     read_range_into,
     s3_refusal,
-    stderr_log,
 )
+from snapfn.snapshot.stages import Log, stderr_log
 
 __all__ = ["DEFAULT_MULTIPART_BYTES", "DEFAULT_NUM_THREADS", "fetch_manifest", "pull", "push"]
 
