@@ -36,9 +36,11 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .activator_instance import InstanceState
 from .metrics import latency_histogram, startup_metrics
 
-INSTANCE_STATES = ("starting", "up", "stopping")
+# every state a live instance can be in (an exited one is no longer in the pool)
+INSTANCE_STATES = tuple(s.value for s in InstanceState if s is not InstanceState.EXITED)
 
 
 class ActivatorMetrics:
