@@ -115,7 +115,7 @@ def cached_snapshot(
 def _evict(config: SnapshotCacheConfig, keep: Path, room_bytes: int, log: Log | None) -> None:
     """Remove least recently used entries (never `keep`) until `keep`'s `room_bytes` fit."""
     entries = sorted(
-        (p for p in config.root.iterdir() if p.is_dir() and p != keep and p.name != _LOCK),
+        (p for p in config.root.iterdir() if p.is_dir() and p != keep),  # .lock is a file
         key=lambda p: p.stat().st_mtime,
     )
     sizes = {p: _tree_bytes(p) for p in entries}

@@ -242,7 +242,7 @@ def _fetch_ranges(relpath: str, entry: dict[str, Any]) -> list[DigestRange]:
 
 
 def _journal_key(r: DigestRange) -> tuple[str, int, int, str]:
-    return (r.relpath, r.offset, r.length or 0, r.sha256)
+    return (r.relpath, r.offset, r.length, r.sha256)
 
 
 def _whole_file_ranges(manifest: dict[str, Any]) -> list[DigestRange]:
