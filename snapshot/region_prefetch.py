@@ -2,9 +2,9 @@
 
 A process image holds neither the weights nor the KV pool: the restored worker must map fresh
 device memory at its regions' addresses and stream the weights back (on the H200, 8B llama:
-remap 0.3 s + stream 0.5 s after criu's 1.1 s and the CUDA restore's 0.3 s). The restorer — the
-process that runs `criu restore` — has nothing to do meanwhile, so it does that work first, in
-a CUDA context of its own, and hands the memory over:
+remap 0.23 s + stream 0.86 s after criu and the CUDA restore, session-3 device run 2). The
+restorer — the process that runs `criu restore` — has nothing to do meanwhile, so it does that
+work first, in a CUDA context of its own, and hands the memory over:
 
     helper = PrefetchHelper.spawn(specs, snapshot_dir)     beside criu restore: a child process
                                                            (`python -m snapfn.snapshot.region_fill`)
