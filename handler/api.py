@@ -242,12 +242,20 @@ def load_function(spec: str) -> LoadedFunction:
     return LoadedFunction(spec, module, handler, module_hooks(module))
 
 
+def cold_start_manifest(spec: str) -> StartupManifest:
+    return StartupManifest(kind="init", tier="cold", info={"function": spec})
+
+
 def cold_start_function(
-    spec: str, function_dir: str | None, log: Callable[[str], None] | None = None
-) -> tuple[StartupManifest, LoadedFunction]:
-    """A function's cold init as timed stages: import it (`function_dir` first on the import
-    path) and run its init hooks. Returns the finished startup manifest and the function."""
-    startup = StartupManifest(kind="init", tier="cold", info={"function": spec})
+    startup: StartupManifest,
+    spec: str,
+    function_dir: str | None,
+    log: Callable[[str], None] | None = None,
+) -> LoadedFunction:
+    """A function's cold init as timed stages of `startup` (`cold_start_manifest(spec)`, made
+    by the caller so that it holds the failed stage when this raises): import the function
+    (`function_dir` first on the import path) and run its init hooks.
+    """
     runner = StageRunner(startup, log=log)
 
     def import_function(figures: dict[str, Any]) -> LoadedFunction:
@@ -262,7 +270,7 @@ def cold_start_function(
     loaded = runner.run("import_function", import_function)
     runner.run("init_hooks", lambda figures: figures.update(hooks=loaded.run_init()))
     runner.finish(ok=True)
-    return startup, loaded
+    return loaded
 
 
 def _run_hooks(hooks: list[Hook], error: type[SnapfnError]) -> list[str]:

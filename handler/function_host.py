@@ -20,7 +20,7 @@ from typing import Any
 from snapfn.snapshot.errors import BadRequest, SnapfnError
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
-from .api import Context, FunctionError, call_handler, cold_start_function
+from .api import Context, FunctionError, call_handler, cold_start_function, cold_start_manifest
 
 USER_FUNCTION = "user_function"  # its section's key in manifest.json
 
@@ -36,7 +36,8 @@ class FunctionHost:
     def init(self) -> dict[str, Any]:
         from snapfn.snapshot.compat import compat_key
 
-        startup, self.loaded = cold_start_function(self.spec, self.function_dir)
+        startup = cold_start_manifest(self.spec)
+        self.loaded = cold_start_function(startup, self.spec, self.function_dir)
         return {
             "function": USER_FUNCTION,
             "startup": startup.to_json(),

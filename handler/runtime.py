@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
 
-from .api import Context, Handler, LoadedFunction, call_handler, cold_start_function
+from .api import (
+    Context,
+    Handler,
+    LoadedFunction,
+    call_handler,
+    cold_start_function,
+    cold_start_manifest,
+)
 from .serve_target import DEFAULT_TIMEOUT_S, KINDS, NotReady, ServeTarget
 
 __all__ = ["DEFAULT_TIMEOUT_S", "KINDS", "NotReady", "ServeTarget", "WorkerRuntime"]
@@ -208,8 +215,9 @@ class WorkerRuntime:
 
     def _cold_start_function(self, log: Log) -> None:
         folder = self.target.function_dir
-        self.startup, loaded = cold_start_function(
-            self.function_name, None if folder is None else str(folder), log
+        self.startup = cold_start_manifest(self.function_name)
+        loaded = cold_start_function(
+            self.startup, self.function_name, None if folder is None else str(folder), log
         )
         self._function, self._handler = loaded, loaded.handler
 
