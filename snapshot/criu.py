@@ -178,8 +178,12 @@ def dump(
     elapsed_s = time.perf_counter() - start
     if done.returncode != 0:
         raise RestoreFailed(one_line(f"criu dump of pid {pid} failed: {_log_reason(log_path)}"))
-    image_bytes = sum(p.stat().st_size for p in images.glob("*.img"))
-    return DumpResult(images, image_bytes, elapsed_s, log_path)
+    return DumpResult(images, image_bytes(images), elapsed_s, log_path)
+
+
+def image_bytes(images_dir: str | os.PathLike) -> int:
+    """The size of criu's images in `images_dir` (its *.img files)."""
+    return sum(p.stat().st_size for p in Path(images_dir).glob("*.img"))
 
 
 def restore(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot import criu, cuda_checkpoint, smaps
+from snapfn.snapshot import criu, cuda_checkpoint, image_memory, smaps
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.pipe_channel import PipeChannel
 
@@ -49,12 +49,15 @@ class ProcessConfig:
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
     prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
+    # "file": large anonymous memory moves from criu's page image to a file the restored worker
+    # maps (snapshot/image_memory.py); "image": criu copies every page back
+    memory: str = "file"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
         values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
         names = (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float))
-        for name, cast in (*names, ("prefetch", str)):
+        for name, cast in (*names, ("prefetch", str), ("memory", str)):
             raw = environ.get(f"SNAPFN_PROCESS_{name.upper()}")
             if raw:
                 values[name] = cast(raw)
@@ -68,6 +71,8 @@ class ProcessConfig:
             )
         if config.prefetch not in ("auto", "off"):
             raise ValueError(f"prefetch must be auto or off, not {config.prefetch!r}")
+        if config.memory not in ("file", "image"):
+            raise ValueError(f"memory must be file or image, not {config.memory!r}")
         return config
 
     def for_device(self, device: str) -> ProcessConfig:
@@ -162,8 +167,15 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         worker.kill()
         raise
     worker.channel.close()
+    moved = _move_memory(images_dir, config, seconds)
+    image_bytes = criu.image_bytes(images_dir)
     if log is not None:
-        log(f"process image: {dumped.image_bytes / 1e6:.1f} MB in {images_dir}")
+        log(f"process image: {image_bytes / 1e6:.1f} MB in {images_dir}")
+        if moved is not None:
+            log(
+                f"moved {moved.moved_bytes / 1e6:.1f} MB of anonymous memory in {moved.pieces}"
+                f" mappings to {moved.file}; criu restores the rest"
+            )
         for stage, found in memory.items():
             log(f"private memory ({stage}): {smaps.describe(found, top=8)}")
     return {
@@ -174,10 +186,26 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
         "regions": ready.get("regions", []),
-        "image_bytes": dumped.image_bytes,
+        "image_bytes": image_bytes,
+        "memory": moved.to_json() if moved is not None else None,
         "private_memory": memory,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
     }
+
+
+def _move_memory(
+    images_dir: Path, config: ProcessConfig, seconds: dict[str, float]
+) -> image_memory.MovedMemory | None:
+    """The memory move after the dump (SNAPFN_PROCESS_MEMORY=file); a failure is the dump's."""
+    if config.memory != "file":
+        return None
+    start = time.perf_counter()
+    try:
+        moved = image_memory.move_memory(images_dir)
+    except (image_memory.ImageError, OSError) as exc:
+        raise RestoreFailed(one_line(f"moving the image's memory to a file failed: {exc}")) from exc
+    seconds["move_memory"] = time.perf_counter() - start
+    return moved
 
 
 def restore(
@@ -203,6 +231,9 @@ def restore(
     inherit = {theirs[name]: meta["inherit"][name] for name in PIPES}
     pid, worker = None, None
     try:
+        if meta.get("memory"):
+            theirs["memory"] = _open_memory_file(images_dir, meta["memory"])
+            inherit[theirs["memory"]] = meta["memory"]["key"]
         lazy = config.lazy
         if lazy == "auto" and meta["uses_cuda"]:
             # NOTE: measured on the H200 (8B llama): with lazy pages the CUDA restore faults
@@ -237,6 +268,21 @@ def restore(
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
+
+
+def _open_memory_file(images_dir: Path, memory: Mapping[str, Any]) -> int:
+    """The moved memory's file, read-only, for criu to map (--inherit-fd); its pages are asked
+    into the page cache now, beside the restore, in case they are not there yet."""
+    name = memory["file"]
+    if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+        raise RestoreFailed(f"the process image names a bad memory file: {name!r}")
+    try:
+        fd = os.open(images_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RestoreFailed(one_line(f"the process image's memory file: {exc}")) from None
+    with contextlib.suppress(OSError):  # advice only
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return fd
 
 
 def _criu_restore(

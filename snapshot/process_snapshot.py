@@ -104,6 +104,10 @@ def _checkpoint_or_fall_back(worker, images: Path, config, runner, log) -> dict[
 def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, Any]:
     meta = process.checkpoint(worker, images, config, log)
     figures.update(meta["seconds"], image_bytes=meta["image_bytes"], **meta["worker"])
+    if meta["memory"]:  # what left criu's image for memory.bin (snapshot/image_memory.py)
+        figures.update(
+            moved_bytes=meta["memory"]["moved_bytes"], moved_pieces=meta["memory"]["pieces"]
+        )
     for stage, found in meta["private_memory"].items():  # the census: where the image comes from
         if "private_bytes" in found:
             figures[f"private_bytes_{stage}"] = found["private_bytes"]

@@ -2,12 +2,15 @@
 
 It holds a "weights" tensor in a releasable CPU region (released before the snapshot, streamed
 back from a file after each restore, like the LLM's), a counter and a random draw made at init,
-and answers:  {"op": "state"} → its state;  {"op": "add", "n"} → counter += n.
+and answers:  {"op": "state"} → its state;  {"op": "add", "n"} → counter += n;
+{"op": "heap", "value"} → whether `args["heap_mb"]` of random bytes made at init are unchanged,
+then the first byte of each of its pages set to `value`.
 `args["fail_at"]` injects a failure at "init", "before_snapshot" or "after_restore".
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import time
@@ -28,6 +31,7 @@ class CounterHost:
         self.counter = 0
         self.region = self.weights = None
         self.init_draw = None
+        self.heap, self.heap_sha = bytearray(), ""
 
     def init(self) -> dict[str, Any]:
         self._maybe_fail("init")
@@ -38,6 +42,8 @@ class CounterHost:
         self.weights.copy_(torch.arange(elems, dtype=torch.float32))
         Path(self.args["weights_file"]).write_bytes(self.weights.numpy().tobytes())
         self.init_draw = random.random()
+        self.heap = bytearray(os.urandom(int(self.args.get("heap_mb", 0)) << 20))
+        self.heap_sha = hashlib.sha256(self.heap).hexdigest()
         self.counter = int(self.args.get("start", 0))
         from snapfn.snapshot.compat import compat_key
         from snapfn.snapshot.stages import StartupManifest
@@ -72,6 +78,12 @@ class CounterHost:
     def handle(self, message: dict[str, Any], send) -> None:
         if message["op"] == "add":
             self.counter += int(message["n"])
+        if message["op"] == "heap":
+            unchanged = hashlib.sha256(self.heap).hexdigest() == self.heap_sha
+            self.heap[::4096] = bytes([int(message["value"])]) * len(self.heap[::4096])
+            heap = {"address": _address(self.heap), "unchanged": unchanged}
+            send({"id": message["id"], "event": "result", **heap, "first": self.heap[0]})
+            return
         if message["op"] not in ("add", "state"):
             raise ValueError(f"unknown op {message['op']!r}")
         send(
@@ -93,6 +105,12 @@ class CounterHost:
     def _maybe_fail(self, step: str) -> None:
         if self.args.get("fail_at") == step:
             raise RuntimeError(f"injected failure at {step}")
+
+
+def _address(buffer: bytearray) -> int:
+    import ctypes
+
+    return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
 
 
 def request_prefix() -> str:

@@ -119,11 +119,62 @@ def test_a_worker_with_its_own_mount_namespace_restores_twice_at_once(criu_confi
         second.kill()
 
 
+def dumped_bytes(manifest: dict) -> int:
+    """What the dump held: criu's images plus the memory moved out of them to memory.bin."""
+    moved = manifest["process"]["memory"]
+    return manifest["process"]["image_bytes"] + (moved["moved_bytes"] if moved else 0)
+
+
 def test_released_weights_stay_out_of_the_image(config, tmp_path):
     _, released = make_snapshot(tmp_path / "a", config, weight_mb=64)
     _, kept = make_snapshot(tmp_path / "b", config, weight_mb=64, keep_weights=True)
-    grown = kept["process"]["image_bytes"] - released["process"]["image_bytes"]
+    grown = dumped_bytes(kept) - dumped_bytes(released)
     assert grown > 60 << 20, grown
+
+
+def test_large_memory_restores_from_the_memory_file_intact_and_private_to_each_copy(
+    config, tmp_path
+):
+    dest, manifest = make_snapshot(tmp_path, config, heap_mb=48)
+    moved = manifest["process"]["memory"]
+    assert moved["moved_bytes"] > 48 << 20 and moved["pieces"] >= 1
+    assert manifest["process"]["image_bytes"] < moved["moved_bytes"]  # criu copies the rest
+    assert (dest / "process" / "memory.bin").stat().st_size == moved["file_bytes"]
+    copies = [restore(dest, config)[0] for _ in range(2 if process.pid_namespace_works() else 1)]
+    try:
+        first = ask(copies[0], "heap", value=7)
+        maps = Path(f"/proc/{copies[0].pid}/maps").read_text().splitlines()
+        mapped = [line for line in maps if line.endswith("/memory.bin")]
+        assert first["unchanged"] and first["first"] == 7
+        assert any(_holds(line, first["address"]) for line in mapped), mapped
+        for other in copies[1:]:  # the first copy's writes stay its own
+            assert ask(other, "heap", value=9)["unchanged"]
+        assert ask(copies[0], "heap", value=8)["unchanged"] is False  # it sees its own writes
+        copies.append(restore(dest, config)[0])
+        assert ask(copies[-1], "heap", value=1)["unchanged"]  # the file is as it was
+    finally:
+        for worker in copies:
+            worker.kill()
+
+
+def _holds(maps_line: str, address: int) -> bool:
+    start, end = (int(x, 16) for x in maps_line.split()[0].split("-"))
+    return start <= address < end
+
+
+def test_memory_image_setting_keeps_every_page_in_criu_s_image(config, tmp_path):
+    import dataclasses
+
+    dest, manifest = make_snapshot(
+        tmp_path, dataclasses.replace(config, memory="image"), heap_mb=16
+    )
+    assert manifest["process"]["memory"] is None and not (dest / "process" / "memory.bin").exists()
+    assert manifest["process"]["image_bytes"] > 16 << 20
+    worker, _, _ = restore(dest, config)
+    try:
+        assert ask(worker, "heap", value=3)["unchanged"]
+    finally:
+        worker.kill()
 
 
 @pytest.mark.parametrize(
@@ -175,13 +226,15 @@ def test_a_restore_that_takes_too_long_is_killed(snapshot, config):
     assert _gone(info.value.startup.stage("criu_restore").figures["pid"])
 
 
-@pytest.mark.parametrize("lazy", ["auto", "off"])  # CPU: auto means lazy pages
-def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path, lazy):
+@pytest.mark.parametrize(
+    ("lazy", "damaged"), [("auto", "pages-*.img"), ("off", "pages-*.img"), ("off", "memory.bin")]
+)  # CPU: auto means lazy pages
+def test_a_truncated_image_is_refused_before_criu_runs(config, tmp_path, lazy, damaged):
     import dataclasses
 
     config = dataclasses.replace(config, lazy=lazy)
-    dest, _ = make_snapshot(tmp_path, config)
-    pages = next((dest / "process").glob("pages-*.img"))
+    dest, _ = make_snapshot(tmp_path, config, heap_mb=8)
+    pages = next((dest / "process").glob(damaged))
     with open(pages, "r+b") as f:
         f.truncate(pages.stat().st_size // 2)
     with pytest.raises(ProcessRestoreFailed, match="validate") as info:

@@ -189,6 +189,7 @@ def test_inspect_shows_the_process_image(tier1):
     assert "process image (tier 1):" in table and "release_weights_and_kv" in table
     assert "checkpoint" in table  # the checkpoint stage's timing is in the startup manifest
     assert "private memory host:" in table  # the census: where the image's bytes come from
+    assert "memory moved out of the image:" in table and "memory.bin" in table
 
 
 def test_inspect_names_the_regions_a_restorer_makes():

@@ -179,6 +179,12 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
             + (f", {gpu / 1e9:.2f} GB left on the GPU at the checkpoint" if gpu else "")
             + f"; before-snapshot hooks: {', '.join(process.get('hooks', [])) or 'none'}"
         )
+        moved = process.get("memory")
+        if isinstance(moved, dict):
+            lines.append(
+                f"  memory moved out of the image: {moved['moved_bytes'] / 1e6:.1f} MB in"
+                f" {moved['pieces']} mappings of {moved['file']}, mapped at restore"
+            )
         lines += _process_memory_lines(process)
     if "compat" in manifest:
         lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
