@@ -49,6 +49,8 @@ class ProcessConfig:
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
     prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
+    prefetch_threads: int = 8  # the helper's reader threads
+    prefetch_read: str = "pread"  # or "register" (an experiment: snapshot/region_fill.py)
     # "file": large anonymous memory moves from criu's page image to a file the restored worker
     # maps (snapshot/image_memory.py); "image": criu copies every page back
     memory: str = "file"
@@ -57,7 +59,8 @@ class ProcessConfig:
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
         values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
         names = (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float))
-        for name, cast in (*names, ("prefetch", str), ("memory", str)):
+        more = (("prefetch", str), ("memory", str), ("prefetch_threads", int))
+        for name, cast in (*names, *more, ("prefetch_read", str)):
             raw = environ.get(f"SNAPFN_PROCESS_{name.upper()}")
             if raw:
                 values[name] = cast(raw)
@@ -71,6 +74,11 @@ class ProcessConfig:
             )
         if config.prefetch not in ("auto", "off"):
             raise ValueError(f"prefetch must be auto or off, not {config.prefetch!r}")
+        if config.prefetch_read not in ("pread", "register") or config.prefetch_threads < 1:
+            raise ValueError(
+                "prefetch_read must be pread or register and prefetch_threads at least 1"
+                f" (got {config.prefetch_read!r}, {config.prefetch_threads})"
+            )
         if config.memory not in ("file", "image"):
             raise ValueError(f"memory must be file or image, not {config.memory!r}")
         return config

@@ -279,7 +279,14 @@ def _start_prefetch(
         figures["skipped"] = "the process image records no regions"
         return None
     figures.update(regions=len(specs), region_bytes=sum(s.nbytes for s in specs))
-    return PrefetchHelper.spawn(specs, snapshot_dir.absolute(), config.restore_timeout_s)
+    figures.update(threads=config.prefetch_threads, read=config.prefetch_read)
+    return PrefetchHelper.spawn(
+        specs,
+        snapshot_dir.absolute(),
+        config.restore_timeout_s,
+        num_threads=config.prefetch_threads,
+        read=config.prefetch_read,
+    )
 
 
 def _current_compat(device: str, world_size: int, config: process.ProcessConfig) -> dict:

@@ -33,6 +33,8 @@ from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
 
 SLOT_BYTES = 16 << 20  # pinned staging buffer per reader, two per reader
+READS = ("pread", "register")  # how readers get file bytes to the device (see _Fill)
+REGISTER_UNIT_BYTES = 64 << 20  # "register": the file range a reader pins and copies at once
 
 
 @dataclass
@@ -44,8 +46,10 @@ class _Made:
 
 
 class _Fill:
-    """One file copied into its region: readers pread into pinned slots, each copying its slot
-    to the device on its own stream while it reads the next; started on creation."""
+    """One file copied into its region, started on creation. "pread": readers pread into
+    pinned slots, each copying its slot to the device on its own stream while it reads the
+    next. "register" (an experiment): the file is mapped, and each reader pins a unit of its
+    page-cache pages read-only (cuMemHostRegister) and copies it straight from there."""
 
     def __init__(self, prefetch: RegionPrefetch, made: _Made, ctx: Any) -> None:
         path = prefetch.snapshot_dir / made.spec.path
@@ -54,13 +58,18 @@ class _Fill:
         if self.size > made.spec.nbytes:
             os.close(self.fd)
             raise RestoreFailed(f"{path}: {self.size} bytes do not fit region {made.spec.name!r}")
-        self._units = iter(range(0, self.size, SLOT_BYTES))
+        unit = REGISTER_UNIT_BYTES if prefetch.read == "register" else SLOT_BYTES
+        self._units = iter(range(0, self.size, unit))
         self._lock = threading.Lock()
         self.errors: list[Exception] = []
         self.seconds, self._start = 0.0, time.perf_counter()
-        args = (prefetch._cu, ctx, self.fd, self.size, made.va, self._next_unit, self.errors)
+        source, reader = self.fd, _reader
+        if prefetch.read == "register":
+            source, reader = _FileMapping(self.fd, self.size), _registered_reader
+        self._mapping = source if prefetch.read == "register" else None
+        args = (prefetch._cu, ctx, source, self.size, made.va, self._next_unit, self.errors)
         self.readers = [
-            threading.Thread(target=_reader, args=args, daemon=True)
+            threading.Thread(target=reader, args=args, daemon=True)
             for _ in range(prefetch.num_threads)
         ]
         for reader in self.readers:
@@ -74,6 +83,9 @@ class _Fill:
         """Wait for the readers; the bytes copied (raises the first reader's error)."""
         for reader in self.readers:
             reader.join()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -93,10 +105,13 @@ class RegionPrefetch:
         address: str,
         *,
         num_threads: int = 8,
+        read: str = "pread",
         timeout_s: float = 120.0,
     ) -> None:
+        if read not in READS:
+            raise ValueError(f"read must be one of {READS}, not {read!r}")
         self.specs, self.snapshot_dir = list(specs), Path(snapshot_dir)
-        self.num_threads, self.timeout_s = max(1, num_threads), timeout_s
+        self.num_threads, self.timeout_s, self.read = max(1, num_threads), timeout_s, read
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(address)
         self._listener.listen(1)
@@ -163,6 +178,8 @@ class RegionPrefetch:
         self._made.sort(key=lambda m: self.specs.index(m.spec))
         fill_s = max((f.seconds for f in fills), default=0.0)
         self.figures.update(
+            threads=self.num_threads,
+            read=self.read,
             filled_s=round(time.perf_counter() - start, 4),
             file_bytes=copied,
             gbps=round(copied / fill_s / 1e9, 2) if fill_s > 0 else 0.0,
@@ -233,11 +250,73 @@ def _reader(cu, ctx, fd: int, size: int, va: int, next_unit, errors: list) -> No
             cu.cuMemFreeHost(ptr)
 
 
+class _FileMapping:
+    """A file mapped read-only and shared (its page-cache pages), at `address`."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3
+        libc.mmap.argtypes += [ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._libc, self.size = libc, max(size, 1)
+        address = libc.mmap(None, self.size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise RestoreFailed(f"mmap of the weights failed: {os.strerror(ctypes.get_errno())}")
+        self.address = int(address)
+
+    def close(self) -> None:
+        self._libc.munmap(self.address, self.size)
+
+
+def _registered_reader(cu, ctx, mapping: _FileMapping, size, va, next_unit, errors) -> None:
+    pending: list[tuple[int, Any]] = []  # (host address registered, event of its copy)
+    stream = None
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def finish_oldest() -> None:
+        host, event = pending.pop(0)
+        _ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
+        cu.cuEventDestroy(event)
+        _ok(cu.cuMemHostUnregister(host), "cuMemHostUnregister")
+
+    try:
+        _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        stream = _ok(cu.cuStreamCreate(1), "cuStreamCreate")
+        while (offset := next_unit()) is not None:
+            if len(pending) == 2:
+                finish_oldest()
+            n = min(REGISTER_UNIT_BYTES, size - offset)
+            host = mapping.address + offset
+            flags = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: page-cache pages, pinned unwritable
+            _ok(cu.cuMemHostRegister(host, -(-n // page) * page, flags), "cuMemHostRegister")
+            event = _ok(cu.cuEventCreate(2), "cuEventCreate")
+            pending.append((host, event))
+            _ok(cu.cuMemcpyHtoDAsync(va + offset, host, n, stream), "cuMemcpyHtoDAsync")
+            _ok(cu.cuEventRecord(event, stream), "cuEventRecord")
+        while pending:
+            finish_oldest()
+    except Exception as exc:  # noqa: BLE001 - raised by _Fill.join
+        errors.append(exc)
+    finally:
+        if stream is not None:
+            cu.cuStreamSynchronize(stream)
+            cu.cuStreamDestroy(stream)
+        for host, event in pending:
+            cu.cuEventDestroy(event)
+            cu.cuMemHostUnregister(host)
+
+
 def main(argv: list[str]) -> int:
     doc = json.loads(argv[1])
     specs = [RegionSpec.from_json(s) for s in doc["specs"]]
     prefetch = RegionPrefetch(
-        specs, Path(doc["snapshot_dir"]), doc["address"], timeout_s=float(doc["timeout_s"])
+        specs,
+        Path(doc["snapshot_dir"]),
+        doc["address"],
+        num_threads=int(doc.get("num_threads", 8)),
+        read=doc.get("read", "pread"),
+        timeout_s=float(doc["timeout_s"]),
     )
     ok = prefetch.run()
     if prefetch.error is not None:

@@ -144,11 +144,17 @@ class PrefetchHelper:
 
     @classmethod
     def spawn(
-        cls, specs: Sequence[RegionSpec], snapshot_dir: Path, timeout_s: float
+        cls,
+        specs: Sequence[RegionSpec],
+        snapshot_dir: Path,
+        timeout_s: float,
+        num_threads: int = 8,
+        read: str = "pread",
     ) -> PrefetchHelper:
         directory = tempfile.mkdtemp(prefix="snapfn-regions-")
         doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
         doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
+        doc.update(num_threads=num_threads, read=read)
         argv = [sys.executable, "-m", "snapfn.snapshot.region_fill", json.dumps(doc)]
         return cls(argv, directory)
 

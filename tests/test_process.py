@@ -309,3 +309,17 @@ def test_a_failed_criu_dump_publishes_the_portable_tier_with_criu_reason(tmp_pat
     assert manifest["tier"] == "portable"
     (fallback,) = manifest["startup"]["fallbacks"]
     assert fallback["step"] == "checkpoint" and "injected dump failure" in fallback["reason"]
+
+
+def test_process_settings_come_from_the_environment_and_bad_ones_are_refused():
+    environ = {"SNAPFN_PROCESS_MEMORY": "image", "SNAPFN_PROCESS_PREFETCH_THREADS": "16"}
+    config = process.ProcessConfig.from_env(environ | {"SNAPFN_PROCESS_PREFETCH_READ": "register"})
+    assert (config.memory, config.prefetch_threads, config.prefetch_read) == (
+        "image",
+        16,
+        "register",
+    )
+    assert process.ProcessConfig.from_env({}).memory == "file"
+    for name, value in [("MEMORY", "disk"), ("PREFETCH_READ", "mmap"), ("PREFETCH_THREADS", "0")]:
+        with pytest.raises(ValueError, match=name.lower()):
+            process.ProcessConfig.from_env({f"SNAPFN_PROCESS_{name}": value})

@@ -105,6 +105,7 @@ def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
     from .engine.request import SamplingParams
     from .process_restore import restore_process
 
+    imported = since(args.t0)
     service, startup = restore_process(Path(args.snapshot), _config(args), log=None)
     ready = since(args.t0)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -126,6 +127,9 @@ def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
         "logprob": result.logprobs[0],
         "decode": decode,
         "torch_imported": "torch" in sys.modules,
+        # where the time before the restore's own stages went: interpreter start and imports
+        "imported_s": imported,
+        "restore_started_s": round(startup.started_at - args.t0, 4),
         "startup": startup.to_json(),
     }
 
