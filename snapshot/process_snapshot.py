@@ -23,14 +23,16 @@ import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapfn.snapshot import criu, process
 from snapfn.snapshot.compat import check_compat, compat_key
 from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, bad_snapshot
 from snapfn.snapshot.format import validate_snapshot
-from snapfn.snapshot.publish import SnapshotWriter
 from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
+
+if TYPE_CHECKING:
+    from snapfn.snapshot.publish import SnapshotWriter
 
 Log = Callable[[str], None]
 IMAGES = "process"
@@ -56,6 +58,8 @@ def init_process_snapshot(
 
     `args` are the host's; "root" (where the tier-0 files go) is added here.
     """
+    from snapfn.snapshot.publish import SnapshotWriter  # not needed to restore
+
     dest = Path(dest)
     with SnapshotWriter(dest) as writer:
         worker = process.spawn(host, {**args, "root": str(writer.root)}, config, log)
@@ -154,11 +158,14 @@ def restore_process_snapshot(
     log: Log | None,
     world_size: int = 1,
     accept: Callable[[dict[str, Any]], None] | None = None,
+    aside: Callable[[], None] | None = None,
 ) -> tuple[process.Worker, StartupManifest, dict[str, Any]]:
     """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure.
 
     `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
-    another function) raises there. Validation runs beside the criu restore (it took 0.1 s of
+    another function) raises there. `aside()` is called once criu has restored the worker, to
+    start the caller's own work beside the CUDA restore and the worker's resume (after criu,
+    because Python work started earlier holds the GIL while the restore is being launched). Validation runs beside the criu restore (it took 0.1 s of
     an 8B restore on the H200) once the image files have their recorded sizes (else criu waits
     for it); the restored worker resumes only once it passed (stage "gate"), and a failure is
     reported as the validate step's even when criu failed too."""
@@ -185,6 +192,8 @@ def restore_process_snapshot(
         meta = _process_meta(unchecked, snapshot_dir) or validated.result()["process"]
 
         def gate(figures: dict) -> None:
+            if aside is not None:
+                aside()
             manifest = validated.result()
             if manifest["process"] != meta:
                 raise bad_snapshot(snapshot_dir, "its manifest changed during the restore")

@@ -33,31 +33,40 @@ def process_restore_enabled(snapshot_dir: Path | None, environ=os.environ) -> bo
 
 def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_exit=None):
     """Tier 1 only: (ProcessLLMService, startup manifest); RestoreFailed (with `.startup`)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     from snapfn.snapshot.process import ProcessConfig
     from snapfn.snapshot.process_snapshot import ProcessRestoreFailed, restore_process_snapshot
-    from snapfn.snapshot.stages import StageRunner
 
-    from ..process_client import ProcessClient
-    from .process_service import ProcessLLMService
-    from .tokenizer import load_tokenizer
+    tokenizer: list[Future] = []
 
-    # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary) loads while the worker restores
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
-    tokenizer = pool.submit(load_tokenizer, Path(snapshot_dir) / "model")
-    pool.shutdown(wait=False)
+    def load_tokenizer_aside() -> None:
+        # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary, its import included) loads
+        # beside the CUDA restore; started before criu, it held the GIL while the restore was
+        # being launched (0.15-0.4 s later on the H200, session 4 run 2)
+        from .tokenizer import load_tokenizer
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
+        tokenizer.append(pool.submit(load_tokenizer, Path(snapshot_dir) / "model"))
+        pool.shutdown(wait=False)
+
     worker, startup, _ = restore_process_snapshot(
         Path(snapshot_dir),
         {},
         device=config.device,
         config=ProcessConfig.from_env(os.environ),
         log=log,
+        aside=load_tokenizer_aside,
     )
+    from snapfn.snapshot.stages import StageRunner
+
+    from ..process_client import ProcessClient
+    from .process_service import ProcessLLMService
+
     runner = StageRunner(startup, log=log, offset_s=startup.total_s)
     try:
         client = ProcessClient(worker, on_exit=on_exit)
-        service = runner.run("connect", lambda f: ProcessLLMService(client, tokenizer.result()))
+        service = runner.run("connect", lambda f: ProcessLLMService(client, tokenizer[0].result()))
     except Exception as exc:
         worker.kill()
         raise ProcessRestoreFailed("connect", str(exc), runner.finish(ok=False)) from exc
