@@ -67,6 +67,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_pull_arguments",
         "run_pull",
     ),
+    "pin": (
+        "keep a process snapshot's weights in pinned host memory for faster tier-1 restores here",
+        "snapfn.snapshot.pinned_cache",
+        "add_arguments",
+        "run",
+    ),
     "make-model": (
         "write a synthetic checkpoint in the Hugging Face layout",
         "llm.make_model",

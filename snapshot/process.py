@@ -51,13 +51,19 @@ class ProcessConfig:
     prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
     prefetch_threads: int = 8  # the helper's reader threads
     prefetch_read: str = "pread"  # or "register" (an experiment: snapshot/region_fill.py)
+    # where `snapfn pin` serves pinned copies of the weights (snapshot/pinned_cache.py); the
+    # helper copies from one when it is there, else reads the files; "" = look nowhere
+    pinned_socket: str = ""
     # "file": large anonymous memory moves from criu's page image to a file the restored worker
     # maps (snapshot/image_memory.py); "image": criu copies every page back
     memory: str = "file"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
+        from snapfn.snapshot.pinned_cache import default_socket
+
         values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
+        values["pinned_socket"] = environ.get("SNAPFN_PINNED_SOCKET", default_socket(environ))
         names = (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float))
         more = (("prefetch", str), ("memory", str), ("prefetch_threads", int))
         for name, cast in (*names, *more, ("prefetch_read", str)):

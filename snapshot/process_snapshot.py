@@ -295,6 +295,7 @@ def _start_prefetch(
         config.restore_timeout_s,
         num_threads=config.prefetch_threads,
         read=config.prefetch_read,
+        pinned=config.pinned_socket,
     )
 
 

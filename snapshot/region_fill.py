@@ -107,11 +107,16 @@ class RegionPrefetch:
         num_threads: int = 8,
         read: str = "pread",
         timeout_s: float = 120.0,
+        pinned: str = "",
     ) -> None:
         if read not in READS:
             raise ValueError(f"read must be one of {READS}, not {read!r}")
         self.specs, self.snapshot_dir = list(specs), Path(snapshot_dir)
         self.num_threads, self.timeout_s, self.read = max(1, num_threads), timeout_s, read
+        self.pinned = pinned  # a pinned-copy keeper's socket (snapshot/pinned_cache.py), or ""
+        self._imports: list[
+            tuple[int, int, Any]
+        ] = []  # pinned copies mapped here: va, size, handle
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(address)
         self._listener.listen(1)
@@ -154,6 +159,7 @@ class RegionPrefetch:
         prop = _prop(cu, self.specs[0].device)
         ordered = sorted(self.specs, key=lambda s: s.fill != "file")
         fills: list[_Fill] = []
+        pinned_bytes = 0
         stream = _ok(cu.cuStreamCreate(1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
         try:
             for spec in ordered:
@@ -165,12 +171,20 @@ class RegionPrefetch:
                 if spec.fill != "none":
                     made.va = _map(cu, handle, spec)
                 if spec.fill == "file":
-                    fills.append(_Fill(self, made, ctx))
+                    copied = None
+                    try:
+                        copied = self._copy_pinned(made, stream) if self.pinned else None
+                    except RestoreFailed as exc:  # the files are still there: read them
+                        self.figures["pinned_miss"] = str(exc)
+                    if copied is None:
+                        fills.append(_Fill(self, made, ctx))
+                    pinned_bytes += copied or 0
                 elif spec.fill == "zero":
                     _ok(cu.cuMemsetD32Async(made.va, 0, spec.nbytes // 4, stream), "memset")
             self.figures["made_s"] = round(time.perf_counter() - start, 4)
             copied = sum(fill.join() for fill in fills)
             _ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            self._drop_imports()
         finally:
             for fill in fills:
                 fill.join(raise_error=False)
@@ -181,11 +195,47 @@ class RegionPrefetch:
             threads=self.num_threads,
             read=self.read,
             filled_s=round(time.perf_counter() - start, 4),
-            file_bytes=copied,
+            file_bytes=copied + pinned_bytes,
+            pinned_bytes=pinned_bytes,
             gbps=round(copied / fill_s / 1e9, 2) if fill_s > 0 else 0.0,
             regions=len(self._made),
             region_bytes=sum(m.spec.nbytes for m in self._made),
         )
+
+    def _copy_pinned(self, made: _Made, stream: Any) -> int | None:
+        """Copy `made`'s file from the keeper's pinned copy (PCIe rate, no CPU copy); None,
+        with the reason in the figures, when the keeper has none."""
+        from snapfn.snapshot import pinned_cache
+
+        lease = pinned_cache.request(self.pinned, self.snapshot_dir / made.spec.path)
+        if isinstance(lease, pinned_cache.Miss):
+            self.figures["pinned_miss"] = lease.reason
+            return None
+        cu = self._cu
+        try:
+            if lease.size > made.spec.nbytes or lease.location != "host_numa":
+                raise RestoreFailed(
+                    f"pinned copy of {made.spec.path} ({lease.size} bytes, {lease.location})"
+                    f" does not fit region {made.spec.name!r}"
+                )
+            handle = _ok(cu.cuMemImportFromShareableHandle(lease.fd, _FD_TYPE(cu)), "import")
+        finally:
+            os.close(lease.fd)
+        va = int(_ok(cu.cuMemAddressReserve(lease.alloc_bytes, 2 << 20, 0, 0), "reserve"))
+        self._imports.append((va, lease.alloc_bytes, handle))
+        _ok(cu.cuMemMap(va, lease.alloc_bytes, 0, handle, 0), "cuMemMap(pinned)")
+        access = pinned_cache.access_desc(cu, "CU_MEM_LOCATION_TYPE_DEVICE", made.spec.device)
+        _ok(cu.cuMemSetAccess(va, lease.alloc_bytes, [access], 1), "cuMemSetAccess(pinned)")
+        _ok(cu.cuMemcpyAsync(made.va, va, lease.size, stream), "cuMemcpyAsync(pinned)")
+        return lease.size
+
+    def _drop_imports(self) -> None:
+        """Unmap and release the pinned copies mapped here (the keeper keeps them)."""
+        cu, imports, self._imports = self._cu, self._imports, []
+        for va, nbytes, handle in imports:
+            cu.cuMemUnmap(va, nbytes)
+            cu.cuMemAddressFree(va, nbytes)
+            cu.cuMemRelease(handle)
 
     def _serve(self) -> bool:
         """Hand the fds to the first connection and wait for its ack; False if none came."""
@@ -207,6 +257,10 @@ class RegionPrefetch:
 
     def _release(self) -> None:
         """Let go of the restorer's side of every region (idempotent)."""
+        if self._imports:  # a failure before the copies were waited for
+            with contextlib.suppress(Exception):
+                self._cu.cuCtxSynchronize()
+            self._drop_imports()
         cu, made, self._made = self._cu, self._made, []
         for m in made:
             if m.fd >= 0:
@@ -317,6 +371,7 @@ def main(argv: list[str]) -> int:
         num_threads=int(doc.get("num_threads", 8)),
         read=doc.get("read", "pread"),
         timeout_s=float(doc["timeout_s"]),
+        pinned=str(doc.get("pinned", "")),
     )
     ok = prefetch.run()
     if prefetch.error is not None:

@@ -150,11 +150,12 @@ class PrefetchHelper:
         timeout_s: float,
         num_threads: int = 8,
         read: str = "pread",
+        pinned: str = "",
     ) -> PrefetchHelper:
         directory = tempfile.mkdtemp(prefix="snapfn-regions-")
         doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
         doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
-        doc.update(num_threads=num_threads, read=read)
+        doc.update(num_threads=num_threads, read=read, pinned=pinned)
         argv = [sys.executable, "-m", "snapfn.snapshot.region_fill", json.dumps(doc)]
         return cls(argv, directory)
 

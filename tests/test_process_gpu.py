@@ -98,6 +98,44 @@ def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_p
     assert message["figures"]["file_bytes"] == payload.numel()
 
 
+def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
+    import threading
+
+    from snapfn.snapshot import region_prefetch
+    from snapfn.snapshot.pinned_cache import PinnedCache
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+    from snapfn.snapshot.vmm import CudaRegion
+
+    payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
+    (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
+    cache = PinnedCache("cuda")
+    cache.add(tmp_path / "weights.bin")
+    address, stop = str(tmp_path / "pinned.sock"), threading.Event()
+    keeper = threading.Thread(target=cache.serve, args=(address, stop), daemon=True)
+    keeper.start()
+    weights = CudaRegion(8 << 20, torch.device("cuda", 0))
+    weights.base.fill_(7)
+    weights.release()
+    spec = RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin")
+    try:
+        helper = PrefetchHelper.spawn([spec], tmp_path, timeout_s=60, pinned=address)
+        try:
+            message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
+            assert message["ok"], message["error"]
+            weights.adopt(fds[weights.address])
+            region_prefetch.ack(sock)
+            assert helper.wait(30) == 0
+        finally:
+            helper.close()
+    finally:
+        stop.set()
+        keeper.join(5)
+        cache.close()
+    figures = message["figures"]
+    assert figures["pinned_bytes"] == payload.numel() and "pinned_miss" not in figures, figures
+    assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
+
+
 def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
     import os
     import time

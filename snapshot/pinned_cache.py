@@ -1,0 +1,370 @@
+"""Pinned host copies of a snapshot's weight files that outlive restores (tier 1 on CUDA).
+
+    snapfn pin --snapshot DIR [--socket PATH]     the keeper: the files the process image's
+                                                  regions are filled from, in pinned host memory,
+                                                  served on a unix socket until it is stopped
+    lease = request(address, path)                the prefetch helper: an fd of the pinned copy,
+                                                  or a Miss saying why (no keeper, not pinned,
+                                                  the file changed since)
+
+Why: a tier-1 restore's helper copies the weights page cache → pinned slots → GPU, and that CPU
+copy tops out at 18–33 GB/s on the lent H200 machines (`bench/probes/fill_numa.py`), 0.6 s of an
+8B restore. Pinned memory copies at the PCIe rate, 55 GB/s, but pinning is per process and costs
+as much as the copy. A CUDA VMM allocation located on the host (CU_MEM_LOCATION_TYPE_HOST_NUMA) is
+pinned and can be exported as a POSIX fd: the keeper makes one per file and fills it once; each
+restore's helper imports the fd, maps it and copies from it (`bench/probes/host_vmm.py`: import
+and map 0.06 s, 55.3 GB/s). The price: the files' bytes stay pinned in RAM while the keeper runs.
+
+Protocol (SOCK_SEQPACKET, one request per connection): → {"dev", "ino", "size", "mtime_ns"} of
+the file as the client sees it; ← {"ok": true, "size", "alloc_bytes", "location"} with the fd,
+or {"ok": false, "reason"}. A copy is matched by the file's identity (device, inode, size,
+modification time); the worker checks every chunk's sum64 on the GPU after the hand-over, so a
+wrong copy is refused like a damaged file and the restore falls back.
+
+Backends: "cuda" (the above) and "memfd" (an unpinned memfd with the file's bytes: the protocol
+without a GPU, for tests and for CPU machines, where nothing reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed, one_line
+
+MAX_MESSAGE = 1 << 16
+FILL_THREADS = 8
+FILL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a pinned copy is matched on: the file as `os.stat` sees it."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path | str) -> FileIdentity:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def to_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A pinned copy handed to a client: its fd (the client closes it) and its sizes."""
+
+    fd: int
+    size: int  # the file's bytes
+    alloc_bytes: int  # the allocation's, rounded up to its granularity
+    location: str  # "host_numa" (CUDA) or "memfd"
+
+
+@dataclass(frozen=True)
+class Miss:
+    """No pinned copy for this file, and why."""
+
+    reason: str
+
+
+def default_socket(environ: Mapping[str, str]) -> str:
+    """Where `snapfn pin` listens and a restore looks, unless told otherwise."""
+    base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return str(Path(base) / f"snapfn-pinned-{os.getuid()}.sock")
+
+
+@dataclass
+class _Pinned:
+    identity: FileIdentity
+    fd: int
+    alloc_bytes: int
+    release: Callable[[], None]
+
+
+class PinnedCache:
+    """The keeper's side: files copied into pinned allocations, served on a unix socket."""
+
+    def __init__(self, backend: str = "cuda", device: int = 0, log=None) -> None:
+        if backend not in ("cuda", "memfd"):
+            raise ValueError(f"backend must be cuda or memfd, not {backend!r}")
+        self.backend, self.device, self._log = backend, device, log
+        self._files: dict[FileIdentity, _Pinned] = {}
+        self._cu: Any = None
+
+    def add(self, path: Path | str) -> FileIdentity:
+        """Copy `path` into a pinned allocation of its own; returns the identity it is served by."""
+        identity = FileIdentity.of(path)
+        if identity in self._files:
+            return identity
+        make = self._make_cuda if self.backend == "cuda" else _make_memfd
+        self._files[identity] = make(Path(path), identity)
+        return identity
+
+    def serve(self, address: str, stop: threading.Event | None = None) -> None:
+        """Answer requests on `address` until `stop` is set (or forever)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen(16)
+        listener.settimeout(0.2)
+        try:
+            while stop is None or not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    self._answer(conn)
+        finally:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        try:
+            asked = FileIdentity(**json.loads(conn.recv(MAX_MESSAGE)))
+        except (OSError, ValueError, TypeError) as exc:
+            with contextlib.suppress(OSError):
+                conn.send(json.dumps({"ok": False, "reason": f"bad request: {exc}"}).encode())
+            return
+        found = self._files.get(asked)
+        with contextlib.suppress(OSError):
+            if found is None:
+                conn.send(json.dumps({"ok": False, "reason": self._why_not(asked)}).encode())
+                return
+            location = "host_numa" if self.backend == "cuda" else "memfd"
+            reply = {"ok": True, "size": asked.size, "alloc_bytes": found.alloc_bytes}
+            socket.send_fds(conn, [json.dumps(reply | {"location": location}).encode()], [found.fd])
+
+    def _why_not(self, asked: FileIdentity) -> str:
+        same_file = [i for i in self._files if (i.dev, i.ino) == (asked.dev, asked.ino)]
+        if same_file:
+            return "the file changed since it was pinned (size or modification time)"
+        return "this file is not pinned here"
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for pinned in files.values():
+            with contextlib.suppress(OSError):
+                os.close(pinned.fd)
+            pinned.release()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(i.size for i in self._files)
+
+    def _make_cuda(self, path: Path, identity: FileIdentity) -> _Pinned:
+        from snapfn.snapshot.cuda_driver import driver, ok
+
+        cu = self._cu = self._cu or driver()
+        device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
+        ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        prop = host_allocation_prop(cu, _numa_node(cu, self.device))
+        grain = int(ok(cu.cuMemGetAllocationGranularity(prop, 0), "granularity"))
+        alloc_bytes = max(grain, -(-identity.size // grain) * grain)
+        handle = ok(cu.cuMemCreate(alloc_bytes, prop, 0), "cuMemCreate(host)")
+        va = int(ok(cu.cuMemAddressReserve(alloc_bytes, grain, 0, 0), "cuMemAddressReserve"))
+        ok(cu.cuMemMap(va, alloc_bytes, 0, handle, 0), "cuMemMap")
+        host = access_desc(cu, "CU_MEM_LOCATION_TYPE_HOST_NUMA", prop.location.id)
+        ok(cu.cuMemSetAccess(va, alloc_bytes, [host], 1), "cuMemSetAccess(host)")
+        _fill_from_file(path, va, identity.size)
+        fd = int(ok(cu.cuMemExportToShareableHandle(handle, _fd_type(cu), 0), "export"))
+
+        def release() -> None:
+            cu.cuMemUnmap(va, alloc_bytes)
+            cu.cuMemAddressFree(va, alloc_bytes)
+            cu.cuMemRelease(handle)
+
+        return _Pinned(identity, fd, alloc_bytes, release)
+
+
+def _make_memfd(path: Path, identity: FileIdentity) -> _Pinned:
+    fd = os.memfd_create(f"snapfn-pinned-{path.name}", os.MFD_CLOEXEC)
+    with open(path, "rb") as src:
+        while chunk := src.read(FILL_BYTES):
+            os.write(fd, chunk)
+    return _Pinned(identity, fd, identity.size, lambda: None)
+
+
+def _fill_from_file(path: Path, address: int, size: int) -> None:
+    """pread `path` into host memory at `address` on FILL_THREADS threads."""
+    import ctypes
+
+    view = memoryview((ctypes.c_ubyte * max(size, 1)).from_address(address)).cast("B")
+    units = iter(range(0, size, FILL_BYTES))
+    lock, errors = threading.Lock(), []
+    fd = os.open(path, os.O_RDONLY)
+
+    def reader() -> None:
+        try:
+            while True:
+                with lock:
+                    offset = next(units, None)
+                if offset is None:
+                    return
+                part, at = view[offset : min(size, offset + FILL_BYTES)], offset
+                while len(part):
+                    got = os.preadv(fd, [part], at)
+                    if got == 0:
+                        raise RestoreFailed(f"{path} ends at byte {at}")
+                    part, at = part[got:], at + got
+        except Exception as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(FILL_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os.close(fd)
+    if errors:
+        raise errors[0]
+
+
+def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | Miss:
+    """Ask the keeper at `address` for `path`'s pinned copy; never raises."""
+    if not address or not os.path.exists(address):
+        return Miss(f"no keeper at {address or '(none configured)'}")
+    try:
+        identity = FileIdentity.of(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+            sock.send(json.dumps(identity.to_json()).encode())
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    except (OSError, ValueError) as exc:
+        return Miss(one_line(f"keeper at {address}: {exc}"))
+    try:
+        reply = json.loads(data)
+        if not reply.get("ok"):
+            return Miss(str(reply.get("reason", "refused")))
+        if len(fds) != 1:
+            raise ValueError(f"{len(fds)} fds with the reply")
+        size, alloc_bytes = int(reply["size"]), int(reply["alloc_bytes"])
+        return Lease(fds.pop(), size, alloc_bytes, str(reply["location"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return Miss(one_line(f"keeper at {address} answered badly: {exc}"))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# ---- CUDA pieces shared with the helper ---------------------------------------------------------
+def _fd_type(cu):
+    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def host_allocation_prop(cu, numa_node: int):
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    prop.location.id = numa_node
+    prop.requestedHandleTypes = _fd_type(cu)
+    return prop
+
+
+def access_desc(cu, location_type: str, location_id: int):
+    access = cu.CUmemAccessDesc()
+    access.location.type = getattr(cu.CUmemLocationType, location_type)
+    access.location.id = location_id
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return access
+
+
+def _numa_node(cu, device: int) -> int:
+    """The GPU's host NUMA node (0 when the machine does not say, as on the lent VM)."""
+    from snapfn.snapshot.cuda_driver import ok
+
+    bus = ok(cu.cuDeviceGetPCIBusId(32, device), "cuDeviceGetPCIBusId")
+    bus = (bus.decode() if isinstance(bus, bytes) else str(bus)).split("\0")[0].lower()
+    try:
+        return max(0, int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text()))
+    except (OSError, ValueError):
+        return 0
+
+
+# ---- snapfn pin -----------------------------------------------------------------------------------
+def files_to_pin(snapshot_dir: Path) -> list[Path]:
+    """The files a tier-1 restore's helper fills the worker's regions from."""
+    from snapfn.snapshot.errors import bad_snapshot
+    from snapfn.snapshot.format import read_manifest
+    from snapfn.snapshot.region_prefetch import RegionSpec
+
+    manifest = read_manifest(snapshot_dir)
+    specs = [RegionSpec.from_json(s) for s in (manifest.get("process") or {}).get("regions", [])]
+    paths = sorted({snapshot_dir / s.path for s in specs if s.fill == "file"})
+    if not paths:
+        raise bad_snapshot(snapshot_dir, "holds no process image whose regions are read from files")
+    return paths
+
+
+def add_arguments(parser) -> None:
+    import argparse
+
+    parser.add_argument("--snapshot", type=Path, required=True, help="a process snapshot (tier 1)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="where to serve (default: $SNAPFN_PINNED_SOCKET, else"
+        " $XDG_RUNTIME_DIR or /tmp, /snapfn-pinned-UID.sock); restores look there too",
+    )
+    parser.add_argument(
+        "--device",
+        type=int,
+        default=0,
+        help="the CUDA device (its host NUMA node holds the copies)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("cuda", "memfd"),
+        default="cuda",
+        help=argparse.SUPPRESS,  # memfd: the protocol without a GPU
+    )
+
+
+def run(args) -> int:
+    """Pin the snapshot's weight files, then serve them until SIGTERM or Ctrl-C."""
+    import signal
+    import sys
+    import time
+
+    address = args.socket or os.environ.get("SNAPFN_PINNED_SOCKET") or default_socket(os.environ)
+    files = files_to_pin(Path(args.snapshot))
+    cache = PinnedCache(args.backend, args.device)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    start = time.perf_counter()
+    try:
+        for path in files:
+            cache.add(path)
+            print(
+                f"snapfn pin: {path} pinned ({path.stat().st_size / 1e9:.2f} GB)", file=sys.stderr
+            )
+        seconds = time.perf_counter() - start
+        print(
+            f"snapfn pin: {len(files)} files, {cache.pinned_bytes / 1e9:.2f} GB pinned in"
+            f" {seconds:.2f} s; serving on {address} until stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+        cache.serve(address, stop)
+    finally:
+        cache.close()
+    return 0

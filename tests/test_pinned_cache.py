@@ -1,0 +1,136 @@
+"""The pinned-copy keeper's protocol on CPU (memfd copies standing in for pinned CUDA host
+allocations): a file is served by its identity, a changed or unknown file is refused with the
+reason, no keeper is a quick miss; and `snapfn pin` as a process. The CUDA copies and the
+helper's fill from them: tests/test_process_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from snapfn.snapshot import pinned_cache
+from snapfn.snapshot.pinned_cache import Lease, Miss, PinnedCache, request
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(os.urandom((3 << 20) + 77))
+    cache = PinnedCache("memfd")
+    cache.add(weights)
+    address, stop = str(tmp_path / "k.sock"), threading.Event()
+    thread = threading.Thread(target=cache.serve, args=(address, stop), daemon=True)
+    thread.start()
+    _wait_for(lambda: os.path.exists(address))
+    yield address, weights
+    stop.set()
+    thread.join(5)
+    cache.close()
+    assert not os.path.exists(address)  # the keeper removes its socket
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    return os.pread(fd, size, 0)
+
+
+def test_a_pinned_file_is_served_by_its_identity(keeper):
+    address, weights = keeper
+    lease = request(address, weights)
+    assert isinstance(lease, Lease), lease
+    try:
+        assert (lease.size, lease.location) == (weights.stat().st_size, "memfd")
+        assert _read_all(lease.fd, lease.size) == weights.read_bytes()
+    finally:
+        os.close(lease.fd)
+    link = weights.parent / "same-file"  # another name of the same file is the same file
+    link.hardlink_to(weights)
+    second = request(address, link)
+    assert isinstance(second, Lease)
+    os.close(second.fd)
+
+
+def test_a_changed_or_unknown_file_or_no_keeper_is_a_miss_with_the_reason(keeper, tmp_path):
+    address, weights = keeper
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x" * 4096)
+    assert request(address, other) == Miss("this file is not pinned here")
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 0xFF
+    weights.write_bytes(bytes(data))  # same inode, same size, newer modification time
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert "changed since it was pinned" in request(address, weights).reason
+    assert request(str(tmp_path / "none.sock"), weights).reason.startswith("no keeper at")
+    assert request("", weights).reason == "no keeper at (none configured)"
+
+
+def test_a_bad_request_is_answered_and_the_keeper_keeps_serving(keeper):
+    address, weights = keeper
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        sock.connect(address)
+        sock.send(b'{"path": "nope"}')
+        assert b"bad request" in sock.recv(1 << 16)
+    lease = request(address, weights)
+    assert isinstance(lease, Lease)
+    os.close(lease.fd)
+
+
+def test_restores_look_for_the_keeper_where_snapfn_pin_serves_by_default(tmp_path):
+    from snapfn.snapshot.process import ProcessConfig
+
+    environ = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    expected = str(tmp_path / f"snapfn-pinned-{os.getuid()}.sock")
+    assert pinned_cache.default_socket(environ) == expected
+    assert ProcessConfig.from_env(environ).pinned_socket == expected
+    assert ProcessConfig.from_env({"SNAPFN_PINNED_SOCKET": ""}).pinned_socket == ""
+
+
+def test_snapfn_pin_refuses_a_snapshot_without_weight_regions(tmp_path):
+    from snapfn.snapshot.errors import BadSnapshot
+
+    with pytest.raises(BadSnapshot, match="no snapshot directory"):
+        pinned_cache.files_to_pin(tmp_path / "missing")
+
+
+def test_snapfn_pin_serves_until_stopped(tmp_path):
+    weights = tmp_path / "snap" / "weights" / "rank0.bin"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(os.urandom(1 << 20))
+    address = str(tmp_path / "pin.sock")
+    code = (
+        "import sys; from pathlib import Path; from snapfn.snapshot import pinned_cache as p;"
+        f"p.files_to_pin = lambda d: [Path({str(weights)!r})];"
+        "from snapfn.handler.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    argv = [sys.executable, "-c", code, "pin", "--snapshot", str(tmp_path / "snap")]
+    keeper = subprocess.Popen(
+        argv + ["--socket", address, "--backend", "memfd"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: os.path.exists(address) or keeper.poll() is not None)
+        lease = request(address, weights)
+        assert isinstance(lease, Lease), lease
+        assert _read_all(lease.fd, lease.size) == weights.read_bytes()
+        os.close(lease.fd)
+    finally:
+        keeper.terminate()
+        _, err = keeper.communicate(timeout=10)
+    assert keeper.returncode == 0, err
+    assert "1 files, 0.00 GB pinned" in err and f"serving on {address}" in err
+    assert not Path(address).exists()
