@@ -17,7 +17,9 @@ name=h200-llama8b-tier1-pinned
 bench --modes cold_init,restore,init_process,restore_process --decode-batches 1,32 \
   --out "$out/$name-pagecache.json" 2>&1 | grep -A12 "^mode"
 echo "[$((SECONDS - t0)) s] page cache done"
-snapfn pin --snapshot "$work/bench/snapshot_process" 2> "$out/$name-keeper.log" &
+# NOTE: not the `snapfn` shell function: its background subshell would be what `kill` stops
+# (run 4 left the keeper running that way, its last restore still pinned, and timed out)
+python3 -m snapfn.handler.cli pin --snapshot "$work/bench/snapshot_process" 2> "$out/$name-keeper.log" > /dev/null &
 keeper=$!
 for _ in $(seq 300); do grep -q "serving on" "$out/$name-keeper.log" && break; sleep 0.2; done
 tail -2 "$out/$name-keeper.log"

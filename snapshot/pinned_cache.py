@@ -169,27 +169,41 @@ class PinnedCache:
         return sum(i.size for i in self._files)
 
     def _make_cuda(self, path: Path, identity: FileIdentity) -> _Pinned:
-        from snapfn.snapshot.cuda_driver import driver, ok
+        from snapfn.snapshot.cuda_driver import (
+            access_desc,
+            allocation_prop,
+            driver,
+            fd_handle_type,
+            map_handle,
+            ok,
+            unmap,
+        )
 
         cu = self._cu = self._cu or driver()
         device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
         ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
         ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        prop = host_allocation_prop(cu, _numa_node(cu, self.device))
+        node = _numa_node(cu, self.device)
+        prop = allocation_prop(cu, "HOST_NUMA", node)
         grain = int(ok(cu.cuMemGetAllocationGranularity(prop, 0), "granularity"))
         alloc_bytes = max(grain, -(-identity.size // grain) * grain)
         handle = ok(cu.cuMemCreate(alloc_bytes, prop, 0), "cuMemCreate(host)")
-        va = int(ok(cu.cuMemAddressReserve(alloc_bytes, grain, 0, 0), "cuMemAddressReserve"))
-        ok(cu.cuMemMap(va, alloc_bytes, 0, handle, 0), "cuMemMap")
-        host = access_desc(cu, "CU_MEM_LOCATION_TYPE_HOST_NUMA", prop.location.id)
-        ok(cu.cuMemSetAccess(va, alloc_bytes, [host], 1), "cuMemSetAccess(host)")
-        _fill_from_file(path, va, identity.size)
-        fd = int(ok(cu.cuMemExportToShareableHandle(handle, _fd_type(cu), 0), "export"))
+        try:
+            va = map_handle(cu, handle, alloc_bytes, [access_desc(cu, "HOST_NUMA", node)], grain)
+        except RestoreFailed:
+            cu.cuMemRelease(handle)
+            raise
 
         def release() -> None:
-            cu.cuMemUnmap(va, alloc_bytes)
-            cu.cuMemAddressFree(va, alloc_bytes)
+            unmap(cu, va, alloc_bytes)
             cu.cuMemRelease(handle)
+
+        try:
+            _fill_from_file(path, va, identity.size)
+            fd = int(ok(cu.cuMemExportToShareableHandle(handle, fd_handle_type(cu), 0), "export"))
+        except BaseException:
+            release()
+            raise
 
         return _Pinned(identity, fd, alloc_bytes, release)
 
@@ -263,28 +277,6 @@ def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | M
     finally:
         for fd in fds:
             os.close(fd)
-
-
-# ---- CUDA pieces shared with the helper ---------------------------------------------------------
-def _fd_type(cu):
-    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-def host_allocation_prop(cu, numa_node: int):
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
-    prop.location.id = numa_node
-    prop.requestedHandleTypes = _fd_type(cu)
-    return prop
-
-
-def access_desc(cu, location_type: str, location_id: int):
-    access = cu.CUmemAccessDesc()
-    access.location.type = getattr(cu.CUmemLocationType, location_type)
-    access.location.id = location_id
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    return access
 
 
 def _numa_node(cu, device: int) -> int:

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.cuda_driver import driver
+from snapfn.snapshot.cuda_driver import (
+    access_desc,
+    allocation_prop,
+    driver,
+    fd_handle_type,
+    map_handle,
+    unmap,
+)
 from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
@@ -156,7 +163,7 @@ class RegionPrefetch:
         self._ctx_device = device
         _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         self.figures["context_s"] = round(time.perf_counter() - start, 4)
-        prop = _prop(cu, self.specs[0].device)
+        prop = allocation_prop(cu, "DEVICE", self.specs[0].device)
         ordered = sorted(self.specs, key=lambda s: s.fill != "file")
         fills: list[_Fill] = []
         pinned_bytes = 0
@@ -166,7 +173,7 @@ class RegionPrefetch:
                 handle = _ok(cu.cuMemCreate(spec.nbytes, prop, 0), f"cuMemCreate({spec.name})")
                 made = _Made(spec, handle, -1)
                 self._made.append(made)
-                fd = cu.cuMemExportToShareableHandle(handle, _FD_TYPE(cu), 0)
+                fd = cu.cuMemExportToShareableHandle(handle, fd_handle_type(cu), 0)
                 made.fd = int(_ok(fd, "cuMemExportToShareableHandle"))
                 if spec.fill != "none":
                     made.va = _map(cu, handle, spec)
@@ -218,14 +225,16 @@ class RegionPrefetch:
                     f"pinned copy of {made.spec.path} ({lease.size} bytes, {lease.location})"
                     f" does not fit region {made.spec.name!r}"
                 )
-            handle = _ok(cu.cuMemImportFromShareableHandle(lease.fd, _FD_TYPE(cu)), "import")
+            handle = _ok(cu.cuMemImportFromShareableHandle(lease.fd, fd_handle_type(cu)), "import")
         finally:
             os.close(lease.fd)
-        va = int(_ok(cu.cuMemAddressReserve(lease.alloc_bytes, 2 << 20, 0, 0), "reserve"))
+        try:
+            access = [access_desc(cu, "DEVICE", made.spec.device)]
+            va = map_handle(cu, handle, lease.alloc_bytes, access)
+        except RestoreFailed:
+            cu.cuMemRelease(handle)
+            raise
         self._imports.append((va, lease.alloc_bytes, handle))
-        _ok(cu.cuMemMap(va, lease.alloc_bytes, 0, handle, 0), "cuMemMap(pinned)")
-        access = pinned_cache.access_desc(cu, "CU_MEM_LOCATION_TYPE_DEVICE", made.spec.device)
-        _ok(cu.cuMemSetAccess(va, lease.alloc_bytes, [access], 1), "cuMemSetAccess(pinned)")
         _ok(cu.cuMemcpyAsync(made.va, va, lease.size, stream), "cuMemcpyAsync(pinned)")
         return lease.size
 
@@ -233,8 +242,7 @@ class RegionPrefetch:
         """Unmap and release the pinned copies mapped here (the keeper keeps them)."""
         cu, imports, self._imports = self._cu, self._imports, []
         for va, nbytes, handle in imports:
-            cu.cuMemUnmap(va, nbytes)
-            cu.cuMemAddressFree(va, nbytes)
+            unmap(cu, va, nbytes)
             cu.cuMemRelease(handle)
 
     def _serve(self) -> bool:
@@ -267,8 +275,7 @@ class RegionPrefetch:
                 with contextlib.suppress(OSError):
                     os.close(m.fd)
             if m.va:
-                cu.cuMemUnmap(m.va, m.spec.nbytes)
-                cu.cuMemAddressFree(m.va, m.spec.nbytes)
+                unmap(cu, m.va, m.spec.nbytes)
             cu.cuMemRelease(m.handle)
         if self._ctx_device is not None:
             cu.cuDevicePrimaryCtxRelease(self._ctx_device)
@@ -380,28 +387,8 @@ def main(argv: list[str]) -> int:
 
 
 # ---- driver helpers ------------------------------------------------------------------------------
-def _FD_TYPE(cu):  # noqa: N802 - a constant, looked up lazily
-    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-def _prop(cu, device: int):
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device
-    prop.requestedHandleTypes = _FD_TYPE(cu)
-    return prop
-
-
 def _map(cu, handle, spec: RegionSpec) -> int:
-    va = int(_ok(cu.cuMemAddressReserve(spec.nbytes, 2 << 20, 0, 0), "cuMemAddressReserve"))
-    _ok(cu.cuMemMap(va, spec.nbytes, 0, handle, 0), "cuMemMap")
-    access = cu.CUmemAccessDesc()
-    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = spec.device
-    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    _ok(cu.cuMemSetAccess(va, spec.nbytes, [access], 1), "cuMemSetAccess")
-    return va
+    return map_handle(cu, handle, spec.nbytes, [access_desc(cu, "DEVICE", spec.device)])
 
 
 def _pinned_slot(cu) -> tuple[int, memoryview, Any]:
