@@ -13,7 +13,8 @@ the startup manifest. A restore that fails raises RestoreFailed after killing th
 caller falls back to tier 0 with the manifest of the failed attempt.
 
 The manifest gains: "tier": "process", "process": {images, inherit, uses_cuda, hooks,
-image_bytes, seconds, host}, "replay": the greedy tokens + logprobs recorded at init.
+image_bytes, memory (what moved to memory.bin, or null), regions, private_memory, seconds, host},
+"replay": the greedy tokens + logprobs recorded at init.
 """
 
 from __future__ import annotations

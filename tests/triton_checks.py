@@ -38,11 +38,28 @@ RMS_SHAPES = {"tiny": (5, 64), "heads": (3, 4, 128), "latent": (7, 512), "odd": 
 # [N, K] and stacked experts [E, N, K]; partial edge blocks included
 FP8_SHAPES = {"square": (256, 128), "edges": (300, 200), "experts": (3, 136, 260)}
 
+# paged decode: (requests, q heads, kv heads, head dim, page size, page-row width, seq lens)
+DECODE_SHAPES = {
+    "gqa": (3, 8, 2, 64, 16, 6, (1, 40, 96)),  # a one-token request, a partial last page
+    "mha": (2, 4, 4, 32, 16, 3, (16, 33)),
+    "llama8b": (2, 32, 8, 128, 16, 9, (130, 7)),  # the 8B's heads; a row wider than needed
+    "odd": (2, 6, 2, 48, 8, 5, (0, 23)),  # group of 3, head dim 48, a request with no tokens
+}
+# splits forced, so that one program walks several pages (the default gives small shapes one
+# page per split): the whole row in one split, and two splits of three pages
+DECODE_SPLITS = {"gqa": None, "mha": None, "llama8b": None, "odd": None, "gqa1": 1, "gqa2": 2}
+DECODE_SHAPES |= {"gqa1": DECODE_SHAPES["gqa"], "gqa2": DECODE_SHAPES["gqa"]}
+# decode attention (atol, rtol) against the float32 reference: float32 sums in another order;
+# bf16 inputs are exact in float32 and the output is rounded once (reference: twice, probs too)
+DECODE_TOL = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
+    + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
+    + [f"backend_decode-{d}" for d in DTYPES]
 )
 
 
@@ -132,6 +149,55 @@ def _check_linear(dtype: torch.dtype, device: str) -> dict:
     return _check_close("linear_fp8", got, want, EXACT)
 
 
+def _check_decode(shape: tuple, dtype: torch.dtype, device: str, splits: int | None) -> dict:
+    from snapfn.handler.llm.kernels import triton_attention as ta
+    from snapfn.handler.llm.kernels.torch_ref import decode_attention
+
+    b, hq, hkv, d, page, width, seq_lens = shape
+    gen = torch.Generator().manual_seed(hq * d + width)
+    num_pages = b * width + 3
+    k_cache = torch.randn(num_pages, page, hkv, d, generator=gen)
+    v_cache = torch.randn(num_pages, page, hkv, d, generator=gen)
+    q = torch.randn(b, hq, d, generator=gen)
+    # each request's row: distinct pages in a shuffled order (a real pool's are anywhere)
+    page_table = torch.randperm(num_pages, generator=gen)[: b * width].view(b, width).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, k_cache, v_cache = (t.to(dtype) for t in (q, k_cache, v_cache))
+    scale = d**-0.5
+    args = [t.to(device) for t in (q, k_cache, v_cache, page_table, lens)]
+    got = ta.paged_decode_attention(*args, scale, splits=splits).float().cpu()
+    upcast = (q.float(), k_cache.float(), v_cache.float(), page_table, lens)
+    want = decode_attention(*upcast, scale)  # float32 reference on CPU
+    live = lens > 0  # the reference gives NaN for a request with no tokens; the kernel zeros
+    assert torch.equal(got[~live], torch.zeros_like(got[~live])), "empty request not zero"
+    return _check_close("decode_attention", got[live], want[live], DECODE_TOL[dtype])
+
+
+def _check_backend_decode(dtype: torch.dtype, device: str) -> dict:
+    """The triton backend's decode attention against the torch backend's, through the seam."""
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.kernels import get_backend
+
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(12, 16, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(2, 8, 64, generator=gen).to(dtype)
+    page_table = torch.tensor([[3, 7, 1, 0], [11, 2, 5, 9]], dtype=torch.int32)
+    seq_lens = torch.tensor([50, 9], dtype=torch.int32)
+
+    def decode_batch(on: str) -> SimpleNamespace:  # what paged_attention reads of a batch
+        return SimpleNamespace(
+            is_decode=True, page_table=page_table.to(on), seq_lens=seq_lens.to(on)
+        )
+
+    args = [t.to(device) for t in (q, k_cache, v_cache)]
+    got = get_backend("triton").paged_attention(*args, decode_batch(device), 0.125)
+    upcast = [t.float() for t in (q, k_cache, v_cache)]
+    want = get_backend("torch").paged_attention(*upcast, decode_batch("cpu"), 0.125)
+    assert got.dtype == dtype and got.shape == want.shape
+    return _check_close("backend_decode", got.float().cpu(), want, DECODE_TOL[dtype])
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
     kind, *rest = case.split("-")
@@ -142,6 +208,10 @@ def run_case(case: str, device: str) -> dict:
         return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
     if kind == "linear_fp8":
         return _check_linear(dtype, device)
+    if kind == "backend_decode":
+        return _check_backend_decode(dtype, device)
+    if kind == "decode_attention":
+        return _check_decode(DECODE_SHAPES[rest[0]], dtype, device, DECODE_SPLITS[rest[0]])
     raise ValueError(f"unknown case {case!r}")
 
 

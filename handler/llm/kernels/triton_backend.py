@@ -1,9 +1,12 @@
 """Triton backend: the torch reference with our own Triton kernels where they cover an op.
 
-Today that is only the FP8 path of `linear`: the 128x128 block-scaled weight is dequantized by
-a Triton kernel, then multiplied by `F.linear` like the reference does. Everything else is
-inherited from `TorchBackend`, which stays the oracle. Nothing of this is verified on a GPU
-yet (docs/kernels.md).
+- `linear` with an FP8 weight: the 128x128 block-scaled weight is dequantized by a Triton
+  kernel, then multiplied by `F.linear` like the reference does (GPU-tested on the H200);
+- `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
+  only each request's own pages (checked against the reference under triton's interpreter;
+  not yet run on a GPU).
+
+Everything else is inherited from `TorchBackend`, which stays the oracle (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -23,3 +26,12 @@ class TritonBackend(TorchBackend):
         from .triton_kernels import dequantize_fp8_block
 
         return F.linear(x, dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+
+    def paged_attention(self, q, k_cache, v_cache, batch, scale):
+        if not batch.is_decode:
+            return super().paged_attention(q, k_cache, v_cache, batch, scale)
+        from .triton_attention import paged_decode_attention
+
+        return paged_decode_attention(
+            q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale
+        ).to(q.dtype)
