@@ -60,6 +60,7 @@ CASES = (
     + [f"linear_fp8-{d}" for d in DTYPES]
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
+    + ["engine_greedy-tiny-fp32", "engine_greedy-glm-tiny-fp32"]
 )
 
 
@@ -198,6 +199,45 @@ def _check_backend_decode(dtype: torch.dtype, device: str) -> dict:
     return _check_close("backend_decode", got.float().cpu(), want, DECODE_TOL[dtype])
 
 
+def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
+    """Whole model: greedy tokens through the triton backend equal the torch backend's
+    (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
+    import tempfile
+    from pathlib import Path
+
+    from snapfn.handler.llm.build import EngineOptions, build_engine
+    from snapfn.handler.llm.engine.engine import SchedulerConfig
+    from snapfn.handler.llm.engine.request import SamplingParams
+    from snapfn.handler.llm.make_model import make_model
+
+    checkpoint = "fp8" if preset.startswith("glm") else "bf16"
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(preset, Path(tmp) / preset, dtype=checkpoint, seed=3)
+        results = {}
+        for backend in ("torch", "triton"):
+            opts = EngineOptions(
+                dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                num_pages=64,
+                backend=backend,
+                device=device,
+                scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
+            )
+            engine = build_engine(model, opts).engine
+            params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+            prompts = [[5, 17, 3, 9, 12, 40, 7], [2, 8], [30, 1, 4, 4, 11, 6, 19, 23, 2, 9, 10]]
+            results[backend] = engine.generate(prompts, params)
+    got, want = results["triton"], results["torch"]
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids, f"{preset}: {a.token_ids} != {b.token_ids}"
+    diffs = [
+        abs(x - y)
+        for a, b in zip(got, want, strict=True)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True)
+    ]
+    assert max(diffs) < 1e-3, f"{preset}: logprobs differ by {max(diffs)}"
+    return {"max_abs_err": max(diffs), "tokens": sum(len(r.token_ids) for r in got)}
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
     kind, *rest = case.split("-")
@@ -208,6 +248,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
     if kind == "linear_fp8":
         return _check_linear(dtype, device)
+    if kind == "engine_greedy":
+        return _check_engine_greedy("-".join(rest[:-1]), rest[-1], device)
     if kind == "backend_decode":
         return _check_backend_decode(dtype, device)
     if kind == "decode_attention":
