@@ -50,6 +50,11 @@ class Backend:
         """`x @ W.T + b`; W may be fp8 with a 128x128 block `weight_scale_inv`."""
         raise NotImplementedError
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of `x [..., H]` with `weight [H]` (float32 statistics,
+        cast back to `x`'s dtype, then times the weight)."""
+        raise NotImplementedError
+
     def store_kv(self, cache: torch.Tensor, values: torch.Tensor, batch: ForwardBatch) -> None:
         """Write `values [T, *token_shape]` into `cache` at `batch.slot_mapping`."""
         raise NotImplementedError

@@ -23,6 +23,9 @@ class TorchBackend(Backend):
             weight = weight.to(x.dtype)
         return F.linear(x, weight, bias)
 
+    def rms_norm(self, x, weight, eps):
+        return rms_norm(x, weight, eps)
+
     def store_kv(self, cache, values, batch):
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, batch.slot_mapping, values.to(cache.dtype))
@@ -106,6 +109,15 @@ class TorchBackend(Backend):
         k_nope, v = kv.unflatten(-1, (num_heads, nope_dim + v_dim)).split([nope_dim, v_dim], -1)
         k_rope = latent[..., None, rank:].expand(*k_nope.shape[:-1], rope_dim)
         return torch.cat([k_nope, k_rope], dim=-1), v
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32, the weight applied after casting back (as
+    Hugging Face does)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:

@@ -2,6 +2,8 @@
 
 - `linear` with an FP8 weight: the 128x128 block-scaled weight is dequantized by a Triton
   kernel, then multiplied by `F.linear` like the reference does (GPU-tested on the H200);
+- `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
+  session 4, checked there under triton's interpreter only);
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
   only each request's own pages (checked against the reference under triton's interpreter;
   not yet run on a GPU).
@@ -26,6 +28,11 @@ class TritonBackend(TorchBackend):
         from .triton_kernels import dequantize_fp8_block
 
         return F.linear(x, dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+
+    def rms_norm(self, x, weight, eps):
+        from .triton_kernels import rms_norm
+
+        return rms_norm(x, weight, eps)
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         if not batch.is_decode:

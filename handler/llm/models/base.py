@@ -72,7 +72,7 @@ class CausalLM(nn.Module):
         )
 
     def norm(self, dim: int) -> RMSNorm:
-        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device)
+        return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device, self.backend)
 
     def embedding(self) -> nn.Embedding:
         """The token embedding: `model.embed_tokens`, filled by the loader."""

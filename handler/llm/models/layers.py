@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import QuantConfig, RopeConfig
 from ..kernels import Backend
+from ..kernels.torch_ref import rms_norm
 from ..quant import FP8_DTYPE, scale_shape
 
 
@@ -64,20 +65,25 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, weight applied after casting back (as Hugging Face does)."""
+    """`rms_norm` with its weight; through `backend.rms_norm` when given one (the model's)."""
 
     def __init__(
-        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: Backend | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param((dim,), dtype, device)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if self.backend is None:
+            return rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:

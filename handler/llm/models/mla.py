@@ -108,13 +108,17 @@ class MLAttention(nn.Module):
         self.backend = model.backend
         qk_dim, bias = self.nope_dim + self.rope_dim, cfg.attention_bias
         self.q_a_proj = model.linear(f"{prefix}.q_a_proj", cfg.hidden_size, mla.q_lora_rank, bias)
-        self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device)
+        self.q_a_layernorm = RMSNorm(
+            mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
+        )
         self.q_b_proj = model.linear(f"{prefix}.q_b_proj", mla.q_lora_rank, self.num_heads * qk_dim)
         latent_dim = self.kv_rank + self.rope_dim
         self.kv_a_proj_with_mqa = model.linear(
             f"{prefix}.kv_a_proj_with_mqa", cfg.hidden_size, latent_dim, bias
         )
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device)
+        self.kv_a_layernorm = RMSNorm(
+            self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
+        )
         kv_b_out = self.num_heads * (self.nope_dim + mla.v_head_dim)
         self.kv_b_proj = model.linear(f"{prefix}.kv_b_proj", self.kv_rank, kv_b_out)
         self.o_proj = model.linear(
