@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import BadRequest
 from ..kernels import ExpertWeights
 from ..quant import FP8_DTYPE, scale_shape
+from ..sharding import ParallelConfig
 from .layers import is_quantized
 
 if TYPE_CHECKING:
@@ -114,6 +116,26 @@ class StackedExperts(nn.Module):
         )
 
 
+def sum_over_ep_ranks(partial: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """The routed experts' output: every ep rank's share summed (an all-reduce over the
+    `torch.distributed` world, which must be the ep group: tokens are replicated, each rank runs
+    its own experts; NCCL on CUDA, gloo on CPU). The identity at ep_size 1."""
+    if parallel.ep_size == 1:
+        return partial
+    import torch.distributed as dist
+
+    if parallel.tp_size != 1:
+        raise BadRequest("expert parallel with tensor parallel (tp_size > 1) is not supported yet")
+    if not dist.is_initialized() or dist.get_world_size() != parallel.ep_size:
+        world = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise BadRequest(
+            f"ep_size={parallel.ep_size} needs torch.distributed initialised with one rank per"
+            f" ep rank (world: {world})"
+        )
+    dist.all_reduce(partial)
+    return partial
+
+
 class MoE(nn.Module):
     """Routed experts (through `backend.moe`) plus the always-on shared experts."""
 
@@ -121,6 +143,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = model.config.moe
         self.backend = model.backend
+        self.parallel = model.parallel
         self.gate = TopkRouter(model)
         self.experts = StackedExperts(model, f"{prefix}.experts")
         if moe.n_shared_experts:
@@ -129,8 +152,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        # NOTE: with ep > 1 this is the local experts' share only; the all-reduce comes later
+        # with ep > 1 this is the local experts' share: the ranks' shares are summed before the
+        # shared experts (which every rank holds whole) are added once
         out = self.backend.moe(x, self.experts.weights(), topk_ids, topk_weights)
+        out = sum_over_ep_ranks(out, self.parallel)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
