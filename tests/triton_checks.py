@@ -53,6 +53,16 @@ DECODE_SHAPES |= {"gqa1": DECODE_SHAPES["gqa"], "gqa2": DECODE_SHAPES["gqa"]}
 # bf16 inputs are exact in float32 and the output is rounded once (reference: twice, probs too)
 DECODE_TOL = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
+# routed experts: (tokens, top-k, local experts, first local expert, of all experts, hidden,
+# intermediate); sizes off the 16/32 block grid, and ep ranks whose pairs partly go elsewhere
+MOE_SHAPES = {
+    "decode": (3, 2, 4, 0, 4, 48, 40),
+    "prefill": (37, 4, 8, 0, 8, 64, 96),
+    "ep_rank1": (20, 3, 4, 4, 8, 32, 24),  # experts 4-7 of 8: about half the pairs are elsewhere
+    "fp8": (9, 2, 4, 0, 4, 160, 136),  # FP8 experts: partial 128-blocks both ways
+}
+MOE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 0.0)}  # bf16: x max|out|
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -60,7 +70,12 @@ CASES = (
     + [f"linear_fp8-{d}" for d in DTYPES]
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
-    + ["engine_greedy-tiny-fp32", "engine_greedy-glm-tiny-fp32"]
+    + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
+    + [
+        "engine_greedy-tiny-fp32",
+        "engine_greedy-glm-tiny-fp32",
+        "engine_greedy-glm-tiny-bf16ckpt-fp32",
+    ]
 )
 
 
@@ -210,7 +225,8 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.make_model import make_model
 
-    checkpoint = "fp8" if preset.startswith("glm") else "bf16"
+    checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
+    preset = preset.removesuffix("-bf16ckpt")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(preset, Path(tmp) / preset, dtype=checkpoint, seed=3)
         results = {}
@@ -238,6 +254,43 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     return {"max_abs_err": max(diffs), "tokens": sum(len(r.token_ids) for r in got)}
 
 
+def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import ExpertWeights, get_backend
+    from snapfn.handler.llm.kernels import triton_moe as tm
+
+    tokens, topk, num_local, first, num_all, hidden, inter = shape
+    gen = torch.Generator().manual_seed(tokens * hidden + inter)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate, up = (torch.randn(num_local, inter, hidden, generator=gen) * 0.2 for _ in range(2))
+    down = torch.randn(num_local, hidden, inter, generator=gen) * 0.2
+    ids = torch.stack([torch.randperm(num_all, generator=gen)[:topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=gen)
+
+    if shape is MOE_SHAPES["fp8"]:  # quantized weights and their scales; else plain
+        quantized = [quantize_fp8_block(w) for w in (gate, up, down)]
+        stored = [q for q, _ in quantized] + [s for _, s in quantized]
+    else:
+        stored = [w.to(dtype) for w in (gate, up, down)] + [None] * 3
+
+    def experts(ws):
+        return ExpertWeights(*ws, first_expert=first)
+
+    on = [None if w is None else w.to(device) for w in stored]
+    got = tm.fused_moe(x.to(dtype).to(device), experts(on), ids.to(device), weights.to(device))
+    if stored[3] is None:  # the float32 reference on the same (rounded) weights
+        plain = [w.float() for w in stored[:3]] + [None] * 3
+    else:  # dequantized as the reference does it in `dtype`, then upcast
+        plain = [dequantize_fp8_block(q, s, dtype).float() for q, s in quantized] + [None] * 3
+    want = get_backend("torch").moe(x.to(dtype).float(), experts(plain), ids, weights)
+    assert got.dtype == dtype and got.shape == want.shape
+    # bf16: the kernel rounds to bf16 where the reference in bf16 does (each projection, silu,
+    # the product; the interpreter by truncation), five roundings against none in the float32
+    # reference: bounded relative to the output's scale
+    atol, rtol = MOE_TOL[dtype]
+    scale = float(want.abs().max())
+    return _check_close("moe", got.float().cpu(), want, (atol * max(1.0, scale), rtol))
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
     kind, *rest = case.split("-")
@@ -250,6 +303,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_linear(dtype, device)
     if kind == "engine_greedy":
         return _check_engine_greedy("-".join(rest[:-1]), rest[-1], device)
+    if kind == "moe":
+        return _check_moe(MOE_SHAPES[rest[0]], dtype, device)
     if kind == "backend_decode":
         return _check_backend_decode(dtype, device)
     if kind == "decode_attention":

@@ -4,6 +4,9 @@
   kernel, then multiplied by `F.linear` like the reference does (GPU-tested on the H200);
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
+- `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
+  from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts (checked under triton's
+  interpreter only);
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
   only each request's own pages (checked against the reference under triton's interpreter;
   not yet run on a GPU).
@@ -28,6 +31,11 @@ class TritonBackend(TorchBackend):
         from .triton_kernels import dequantize_fp8_block
 
         return F.linear(x, dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+
+    def moe(self, x, experts, topk_ids, topk_weights):
+        from .triton_moe import fused_moe
+
+        return fused_moe(x, experts, topk_ids, topk_weights)
 
     def rms_norm(self, x, weight, eps):
         from .triton_kernels import rms_norm

@@ -1,0 +1,232 @@
+"""Routed experts in Triton without a host sync, matching `TorchBackend.moe` (bf16 / fp32
+weights, or FP8 with 128x128 block scales).
+
+    out = fused_moe(x, experts, topk_ids, topk_weights)      # [T, H], this rank's share
+
+The reference loops over the experts hit (`.tolist()`: a host sync, so decode graphs cannot
+capture it) and gathers each one's tokens. Here every shape is fixed by `T`, `k` and the number
+of local experts:
+
+1. `align_by_expert` (torch ops, no sync): the `T*k` (token, slot) pairs sorted by local expert,
+   each expert's run padded to a multiple of `BLOCK_M`; pairs routed to another ep rank dropped.
+   Out: `pair_of_row [max_rows]` (pair id, or `T*k` = padding) and `expert_of_block
+   [max_blocks]` (-1 = unused block).
+2. `_gate_up_kernel`: per (row block, column block of I): `silu(x @ gate_e.T) * (x @ up_e.T)`
+   for the block's expert, in float32, stored once rounded to `x`'s dtype (as the reference).
+3. `_down_kernel`: per (row block, column block of H): `act @ down_e.T` times the pair's router
+   weight, stored at the pair's row of `[T*k, H]` (each pair once); summed over `k` in torch.
+
+FP8 experts: each weight tile is dequantized in the kernel (times its block's scale, rounded to
+`x`'s dtype, as the reference's `dequantize_fp8_block`) before the multiply.
+NOTE: imports triton at import time, like triton_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import ExpertWeights
+from .triton_kernels import _check_device
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    first_expert: int,
+    num_local: int,
+    block_m: int = BLOCK_M,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_of_row [max_rows], expert_of_block [max_blocks]); see the module docstring."""
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    local = topk_ids.flatten().long() - first_expert  # [P]
+    on_rank = (local >= 0) & (local < num_local)
+    bucket = torch.where(on_rank, local, num_local)  # other ranks' pairs: one extra bucket
+    counts = torch.zeros(num_local + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m  # [E]
+    row_start = torch.cumsum(padded, 0) - padded  # [E] exclusive
+    pair_start = torch.cumsum(counts, 0) - counts  # [E + 1] within the sorted pairs
+    pairs = torch.arange(num_pairs, device=device)
+    order = torch.argsort(bucket * num_pairs + pairs)  # by expert, then pair: stable
+    sorted_bucket = bucket[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - pair_start[sorted_bucket]
+    max_rows = num_pairs + num_local * (block_m - 1)
+    max_rows = (max_rows + block_m - 1) // block_m * block_m
+    dest = row_start[sorted_bucket.clamp_max(num_local - 1)] + rank_in_expert
+    dest = torch.where(sorted_bucket < num_local, dest, max_rows)  # off-rank: dropped
+    pair_of_row = torch.full((max_rows + 1,), num_pairs, dtype=torch.long, device=device)
+    pair_of_row.scatter_(0, dest, order)
+    pair_of_row = pair_of_row[:max_rows]
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    ends = torch.cumsum(padded, 0)  # [E]
+    expert_of_block = torch.searchsorted(ends, block_starts, right=True)  # [blocks]
+    expert_of_block = torch.where(expert_of_block < num_local, expert_of_block, -1)
+    return pair_of_row.to(torch.int32), expert_of_block.to(torch.int32)
+
+
+@triton.jit
+def _dequant_tile(w, scale_ptr, expert, rows, cols, num_row_blocks, num_col_blocks, mask, dtype):
+    """An FP8 weight tile times its 128x128 block scales, rounded to `dtype` as the reference's
+    `dequantize_fp8_block` does; `rows` / `cols` index the expert's [N, K] weight."""
+    block = expert.to(tl.int64) * num_row_blocks * num_col_blocks
+    offsets = block + (rows // 128) * num_col_blocks + cols // 128
+    scale = tl.load(scale_ptr + offsets, mask=mask, other=0.0)
+    return (w.to(tl.float32) * scale).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    gate_ptr,  # [E, I, H]
+    up_ptr,  # [E, I, H]
+    gate_scale_ptr,  # [E, ceil(I/128), ceil(H/128)] when FP8
+    up_scale_ptr,
+    act_ptr,  # [max_rows, I]
+    pair_of_row_ptr,
+    expert_of_block_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    TOPK: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    col_block = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + block)
+    if expert >= 0:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(pair_of_row_ptr + rows)
+        live = pairs < num_pairs
+        tokens = tl.where(live, pairs // TOPK, 0).to(tl.int64)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        weight_base = expert.to(tl.int64) * inter * hidden
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + ks
+            x = tl.load(
+                x_ptr + tokens[:, None] * hidden + k[None, :],
+                mask=live[:, None] & (k[None, :] < hidden),
+                other=0.0,
+            )
+            w_offsets = weight_base + cols[None, :].to(tl.int64) * hidden + k[:, None]
+            w_mask = (cols[None, :] < inter) & (k[:, None] < hidden)
+            gate = tl.load(gate_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+            up = tl.load(up_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)  # [K, N]
+            if FP8:
+                nb, kb = tl.cdiv(inter, 128), tl.cdiv(hidden, 128)
+                dtype = act_ptr.dtype.element_ty
+                rows_n, cols_k = cols[None, :], k[:, None]
+                args = (expert, rows_n, cols_k, nb, kb, w_mask, dtype)
+                gate = _dequant_tile(gate, gate_scale_ptr, *args)
+                up = _dequant_tile(up, up_scale_ptr, *args)
+            acc_gate += tl.dot(x.to(tl.float32), gate, input_precision="ieee")
+            acc_up += tl.dot(x.to(tl.float32), up, input_precision="ieee")
+        # the reference rounds each projection to x's dtype before silu(gate) * up
+        dtype = act_ptr.dtype.element_ty
+        gate_r = acc_gate.to(dtype).to(tl.float32)
+        up_r = acc_up.to(dtype).to(tl.float32)
+        silu = (gate_r / (1.0 + tl.exp(-gate_r))).to(dtype).to(tl.float32)
+        act = silu * up_r
+        out_offsets = rows[:, None].to(tl.int64) * inter + cols[None, :]
+        tl.store(act_ptr + out_offsets, act.to(dtype), mask=live[:, None] & (cols[None, :] < inter))
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,  # [max_rows, I]
+    down_ptr,  # [E, H, I]
+    down_scale_ptr,  # [E, ceil(H/128), ceil(I/128)] when FP8
+    weights_ptr,  # [T*k] router weights
+    out_ptr,  # [T*k, H] float32
+    pair_of_row_ptr,
+    expert_of_block_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    ROUND_PRODUCT: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    col_block = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + block)
+    if expert >= 0:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(pair_of_row_ptr + rows)
+        live = pairs < num_pairs
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        weight_base = expert.to(tl.int64) * hidden * inter
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + ks
+            act = tl.load(
+                act_ptr + rows[:, None].to(tl.int64) * inter + k[None, :],
+                mask=live[:, None] & (k[None, :] < inter),
+                other=0.0,
+            )
+            w_offsets = weight_base + cols[None, :].to(tl.int64) * inter + k[:, None]
+            w_mask = (cols[None, :] < hidden) & (k[:, None] < inter)
+            down = tl.load(down_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+            if FP8:
+                nb, kb = tl.cdiv(hidden, 128), tl.cdiv(inter, 128)
+                dtype = act_ptr.dtype.element_ty
+                down = _dequant_tile(
+                    down, down_scale_ptr, expert, cols[None, :], k[:, None], nb, kb, w_mask, dtype
+                )
+            acc += tl.dot(act.to(tl.float32), down, input_precision="ieee")
+        dtype = act_ptr.dtype.element_ty
+        y = acc.to(dtype).to(tl.float32)  # the reference's down projection, in x's dtype
+        weight = tl.load(weights_ptr + tl.where(live, pairs, 0), mask=live, other=0.0)
+        y = y * weight.to(tl.float32)[:, None]
+        if ROUND_PRODUCT:  # router weights in x's dtype: the reference's product is rounded too
+            y = y.to(dtype).to(tl.float32)
+        out_offsets = tl.where(live, pairs, 0)[:, None].to(tl.int64) * hidden + cols[None, :]
+        tl.store(out_ptr + out_offsets, y, mask=live[:, None] & (cols[None, :] < hidden))
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    experts: ExpertWeights,
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    topk_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:  # [T, H] in x's dtype: this rank's experts' contributions
+    _check_device(x, experts.gate, topk_ids, topk_weights)
+    fp8 = experts.gate_scale_inv is not None
+    num_tokens, hidden = x.shape
+    topk = topk_ids.shape[1]
+    inter = experts.gate.shape[1]
+    num_pairs = num_tokens * topk
+    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if num_pairs and experts.num_local:
+        pair_of_row, expert_of_block = align_by_expert(
+            topk_ids, experts.first_expert, experts.num_local
+        )
+        act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
+        blocks = expert_of_block.numel()
+        x = x.contiguous()
+        gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
+        scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
+        gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread
+        _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+            x, gate, up, gate_s, up_s, act, pair_of_row, expert_of_block, num_pairs, hidden,
+            inter, TOPK=topk, FP8=fp8, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
+        weights = topk_weights.reshape(-1).contiguous()
+        _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+            act, down, down_s, weights, out, pair_of_row, expert_of_block, num_pairs, hidden,
+            inter, ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32,
+            FP8=fp8, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
+    return out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
