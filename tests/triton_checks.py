@@ -63,6 +63,13 @@ MOE_SHAPES = {
 }
 MOE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 0.0)}  # bf16: x max|out|
 
+# DSA indexer decode: (requests, indexer heads, head dim, page size, row width, seq lens, topk)
+INDEXER_SHAPES = {
+    "glm": (3, 4, 32, 16, 5, (70, 9, 33), 16),  # fewer keys than topk in one request
+    "wide": (2, 8, 64, 8, 7, (50, 1), 8),
+    "ties": (2, 4, 32, 16, 4, (60, 40), 48),  # zero keys: exact ties at 0, earlier key first
+}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -71,6 +78,7 @@ CASES = (
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
+    + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
@@ -291,6 +299,43 @@ def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     return _check_close("moe", got.float().cpu(), want, (atol * max(1.0, scale), rtol))
 
 
+def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels.torch_ref import _topk_decode
+
+    b, heads, dim, page, width, seq_lens, topk = INDEXER_SHAPES[name]
+    gen = torch.Generator().manual_seed(heads * dim + width)
+    num_pages = b * width + 2
+    # positive queries and keys: relu keeps every score, and they are far apart
+    k_cache = torch.rand(num_pages, page, dim, generator=gen)
+    q = torch.rand(b, heads, dim, generator=gen)
+    if name == "ties":
+        k_cache[:, ::3] = 0.0  # every third slot of every page scores exactly 0
+    weights = torch.rand(b, heads, generator=gen) * heads**-0.5
+    page_table = torch.randperm(num_pages, generator=gen)[: b * width].view(b, width).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, k_cache = q.to(dtype), k_cache.to(dtype)
+    scale = dim**-0.5
+    args = [t.to(device) for t in (q, weights, k_cache, page_table, lens)]
+    got_scores = ti.index_scores_decode(*args, scale).cpu()
+    k = k_cache.float()[page_table.long()].flatten(1, 2)  # the reference's scores, float32
+    scores = torch.relu(torch.matmul(q.float(), k.transpose(1, 2)) * scale)
+    want_scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)
+    live = torch.arange(k.shape[1])[None, :] < lens[:, None]
+    want_scores = want_scores.masked_fill(~live, float("-inf"))
+    _check_close("index_scores", got_scores, want_scores, (1e-5, 1e-5))
+    # the picks: equal, given that the scores around each cut are further apart than the error
+    ranked = want_scores.sort(dim=-1, descending=True).values
+    cut = min(topk, ranked.shape[1] - 1)
+    gaps = (ranked[:, cut - 1] - ranked[:, cut]).abs()
+    near_tie = (gaps < 1e-4) & torch.isfinite(ranked[:, cut]) & (ranked[:, cut] != 0)
+    assert not near_tie.any(), f"test data too close to a tie at the cut: {gaps}"
+    got = ti.indexer_topk_decode(*args, topk, scale).cpu()
+    want = _topk_decode(q.float(), weights, k_cache.float(), page_table, lens, topk, scale)
+    assert torch.equal(got, want), f"picks differ:\n{got}\n{want}"
+    return {"max_abs_err": float((got_scores - want_scores).nan_to_num(0.0).abs().max())}
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
     kind, *rest = case.split("-")
@@ -303,6 +348,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_linear(dtype, device)
     if kind == "engine_greedy":
         return _check_engine_greedy("-".join(rest[:-1]), rest[-1], device)
+    if kind == "indexer":
+        return _check_indexer(rest[0], dtype, device)
     if kind == "moe":
         return _check_moe(MOE_SHAPES[rest[0]], dtype, device)
     if kind == "backend_decode":

@@ -205,8 +205,13 @@ def _topk_decode(q, weights, k_cache, page_table, seq_lens, topk, scale):
     scores = F.relu(torch.matmul(q.float(), k.float().transpose(1, 2)) * scale)  # [B, Hi, L]
     index_scores = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)  # [B, L]
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
-    index_scores = index_scores.masked_fill(~valid, float("-inf"))
-    index_scores = F.pad(index_scores, (0, max(0, topk - k.shape[1])), value=float("-inf"))
+    return select_topk(index_scores.masked_fill(~valid, float("-inf")), seq_lens, topk)
+
+
+def select_topk(index_scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """`[B, L]` decode index scores (-inf past each request's keys) → `[B, topk]` int32 key
+    positions, highest first, the earlier key first among equals, -1 where keys run out."""
+    index_scores = F.pad(index_scores, (0, max(0, topk - index_scores.shape[1])), value=-torch.inf)
     picked = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk]  # [B, topk]
     return picked.masked_fill(picked >= seq_lens[:, None].long(), -1).to(torch.int32)
 

@@ -7,6 +7,8 @@
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts (checked under triton's
   interpreter only);
+- `dsa_topk` for decode batches: `triton_indexer.indexer_topk_decode` scores only each
+  request's own keys, then picks like the reference (checked under the interpreter only);
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
   only each request's own pages (checked against the reference under triton's interpreter;
   not yet run on a GPU).
@@ -36,6 +38,15 @@ class TritonBackend(TorchBackend):
         from .triton_moe import fused_moe
 
         return fused_moe(x, experts, topk_ids, topk_weights)
+
+    def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
+        if not batch.is_decode:
+            return super().dsa_topk(q, weights, k_cache, batch, topk, scale)
+        from .triton_indexer import indexer_topk_decode
+
+        return indexer_topk_decode(
+            q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale
+        )
 
     def rms_norm(self, x, weight, eps):
         from .triton_kernels import rms_norm

@@ -1,0 +1,105 @@
+"""The DSA indexer's decode scoring in Triton, matching `torch_ref._topk_decode`'s scores.
+
+    picked = indexer_topk_decode(q, weights, k_cache, page_table, seq_lens, topk, scale)
+
+Per request, every cached key `l` scores `sum_h weights[h] * relu(scale * q[h] . k[l])`; the
+`topk` best keys are then picked as the reference does (`torch_ref.select_topk`: stable sort,
+earlier key first among equals, -1 past the request's keys). The reference gathers the whole
+page row (the graph bucket's width) and multiplies it; here one program per (request, block of
+positions) reads only the pages that hold the request's keys and writes their scores (-inf past
+the request's last key). Fixed grid, no host sync: capturable in decode graphs.
+
+NOTE: imports triton at import time, like triton_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .torch_ref import select_topk
+from .triton_kernels import _check_device
+
+BLOCK_L = 32
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr,  # [B, Hi, Di]
+    weights_ptr,  # [B, Hi] float32
+    k_ptr,  # [P, S, Di]
+    page_table_ptr,  # [B, W]
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, W*S] float32
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_wb,
+    stride_kp,
+    stride_ks,
+    stride_pt,
+    num_heads,
+    head_dim,
+    width_tokens,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    b = tl.program_id(0)
+    block = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    pos = block * BLOCK_L + tl.arange(0, BLOCK_L)
+    in_row = pos < width_tokens
+    valid = in_row & (pos < seq_len)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    q_offsets = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+    q_mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [H, D]
+    w_offsets = b.to(tl.int64) * stride_wb + heads
+    w = tl.load(weights_ptr + w_offsets, mask=heads < num_heads, other=0.0).to(tl.float32)
+    page_offsets = b.to(tl.int64) * stride_pt + pos // PAGE
+    pages = tl.load(page_table_ptr + page_offsets, mask=valid, other=0).to(tl.int64)
+    k_offsets = pages[:, None] * stride_kp + (pos % PAGE)[:, None] * stride_ks + dims[None, :]
+    k_mask = valid[:, None] & (dims[None, :] < head_dim)
+    k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)  # [L, D]
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [H, L]
+    scores = tl.maximum(scores, 0.0)
+    index = tl.sum(w[:, None] * scores, axis=0)  # [L]
+    index = tl.where(valid, index, float("-inf"))
+    tl.store(out_ptr + b.to(tl.int64) * width_tokens + pos, index, mask=in_row)
+
+
+def index_scores_decode(
+    q: torch.Tensor,  # [B, Hi, Di] rotated indexer queries
+    weights: torch.Tensor,  # [B, Hi] float32
+    k_cache: torch.Tensor,  # [P, S, Di]
+    page_table: torch.Tensor,  # [B, W] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, W*S] float32, -inf past each request's keys
+    _check_device(q, weights, k_cache, page_table, seq_lens)
+    b, num_heads, head_dim = q.shape
+    page = k_cache.shape[1]
+    width_tokens = page_table.shape[1] * page
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("the last dim of q and of the key cache must be contiguous")
+    weights = weights.float().contiguous()
+    out = torch.empty(b, width_tokens, dtype=torch.float32, device=q.device)
+    if b and width_tokens:
+        _index_scores_kernel[(b, triton.cdiv(width_tokens, BLOCK_L))](
+            q, weights, k_cache, page_table, seq_lens, out, scale,
+            q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
+            page_table.stride(0), num_heads, head_dim, width_tokens,
+            PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_L=BLOCK_L,
+        )  # fmt: skip
+    return out
+
+
+def indexer_topk_decode(q, weights, k_cache, page_table, seq_lens, topk: int, scale: float):
+    """`[B, topk]` int32 key positions per request (see the module docstring)."""
+    scores = index_scores_decode(q, weights, k_cache, page_table, seq_lens, scale)
+    return select_topk(scores, seq_lens, topk)
