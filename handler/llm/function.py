@@ -175,9 +175,14 @@ class LLMFunction:
     def stage_capture_graphs(self, figures: Figures) -> None:
         if self.uses_graphs():
             pool = self.memory.graph_pool() if self.memory is not None else None
+            before = runtime_env.count_cache_files(self.config.cache_dir)
             stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len, pool)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+            # decode kernels JIT-compile in the run before each capture: a restore must add none
+            figures["compiled_files"] = (
+                runtime_env.count_cache_files(self.config.cache_dir) - before
+            )
         elif self.device.startswith("cuda"):
             figures["skipped"] = (
                 f"{self._model_config.arch}: decode runs eagerly (MoE routing syncs the host)"
