@@ -113,7 +113,10 @@ class PinnedCache:
         return identity
 
     def serve(self, address: str, stop: threading.Event | None = None) -> None:
-        """Answer requests on `address` until `stop` is set (or forever)."""
+        """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when a
+        keeper already answers there (a stale socket file is replaced)."""
+        if _answers(address):
+            raise RestoreFailed(f"another keeper already serves on {address}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -206,6 +209,17 @@ class PinnedCache:
             raise
 
         return _Pinned(identity, fd, alloc_bytes, release)
+
+
+def _answers(address: str) -> bool:
+    """Whether something accepts connections on the unix socket `address`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(address)
+        except OSError:
+            return False
+    return True
 
 
 def _make_memfd(path: Path, identity: FileIdentity) -> _Pinned:

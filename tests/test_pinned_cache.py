@@ -134,3 +134,34 @@ def test_snapfn_pin_serves_until_stopped(tmp_path):
     assert keeper.returncode == 0, err
     assert "1 files, 0.00 GB pinned" in err and f"serving on {address}" in err
     assert not Path(address).exists()
+
+
+def test_a_second_keeper_does_not_take_over_a_live_one_but_replaces_a_stale_socket(
+    keeper, tmp_path
+):
+    from snapfn.snapshot.errors import RestoreFailed
+
+    address, weights = keeper
+    with pytest.raises(RestoreFailed, match="already serves"):
+        PinnedCache("memfd").serve(address)
+    assert _leased(address, weights)  # the first one still answers
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as dead:
+        dead.bind(str(stale))  # a socket file nobody listens on (a keeper that was killed)
+    cache, stop = PinnedCache("memfd"), threading.Event()
+    cache.add(weights)
+    thread = threading.Thread(target=cache.serve, args=(str(stale), stop), daemon=True)
+    thread.start()
+    _wait_for(lambda: _leased(str(stale), weights))
+    stop.set()
+    thread.join(5)
+    cache.close()
+
+
+def _leased(address: str, path: Path) -> bool:
+    """Whether the keeper at `address` hands out `path` (the fd is closed again)."""
+    lease = request(address, path)
+    if isinstance(lease, Lease):
+        os.close(lease.fd)
+        return True
+    return False
