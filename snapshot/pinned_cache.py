@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.preads import preadv_exact
 
 MAX_MESSAGE = 1 << 16
 FILL_THREADS = 8
@@ -246,12 +247,9 @@ def _fill_from_file(path: Path, address: int, size: int) -> None:
                     offset = next(units, None)
                 if offset is None:
                     return
-                part, at = view[offset : min(size, offset + FILL_BYTES)], offset
-                while len(part):
-                    got = os.preadv(fd, [part], at)
-                    if got == 0:
-                        raise RestoreFailed(f"{path} ends at byte {at}")
-                    part, at = part[got:], at + got
+                preadv_exact(
+                    fd, [view[offset : min(size, offset + FILL_BYTES)]], offset, what=str(path)
+                )
         except Exception as exc:  # noqa: BLE001 - raised below
             errors.append(exc)
 

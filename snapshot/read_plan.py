@@ -4,20 +4,17 @@ The file is cut into chunks (the table's digest units) and consecutive chunks ar
 units of at most `unit_bytes` (one `preadv` each; on CUDA, one ring slot). A chunk lists its
 pieces — file bytes that land at an offset of one tensor, or padding (`name` None) — covering
 it exactly and in order; a unit lists its tensor copies, a tensor's consecutive pieces merged
-across chunk boundaries. `preadv_exact` fills byte views from the file through short reads and
-IOV_MAX (BadSnapshot where the file ends early); `host_bytes` / `device_bytes`, `piece_view`
-and `slot_views` are the views those reads and copies target. No threads, no CUDA calls.
+across chunk boundaries. `host_bytes` / `device_bytes`, `piece_view` and `slot_views` are the
+views the reads (`preads.preadv_exact`) and copies target. No threads, no CUDA calls.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from snapfn.snapshot.errors import BadSnapshot
 from snapfn.snapshot.layout import RestoreLayout
 
 
@@ -104,22 +101,6 @@ def plan_units(layout: RestoreLayout, unit_bytes: int) -> list[Unit]:
     chunks = _plan_chunks(layout)
     groups = [tuple(chunks[i : i + per_unit]) for i in range(0, len(chunks), per_unit)]
     return [Unit(g[0].file_lo, g[-1].file_hi, g, _merge_copies(g)) for g in groups]
-
-
-def preadv_exact(fd: int, views: list[memoryview], offset: int, iov_max: int) -> None:
-    """Fill `views` in order from the file bytes at `offset`, through short reads and IOV_MAX."""
-    views, i = list(views), 0
-    while i < len(views):
-        got = os.preadv(fd, views[i : i + iov_max], offset)
-        if got == 0:
-            raise BadSnapshot(f"restore layout: the file ends at byte {offset}, before its table")
-        offset += got
-        while got:
-            if got >= len(views[i]):
-                got -= len(views[i])
-                i += 1
-            else:
-                views[i], got = views[i][got:], 0
 
 
 def host_bytes(dest: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:

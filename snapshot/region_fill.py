@@ -37,6 +37,7 @@ from snapfn.snapshot.cuda_driver import (
 )
 from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.preads import preadv_exact
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
 
 SLOT_BYTES = 16 << 20  # pinned staging buffer per reader, two per reader
@@ -296,7 +297,7 @@ def _reader(cu, ctx, fd: int, size: int, va: int, next_unit, errors: list) -> No
             if k >= 2:
                 _ok(cu.cuEventSynchronize(event), "cuEventSynchronize")  # its last copy is done
             n = min(SLOT_BYTES, size - offset)
-            _pread_exact(fd, view[:n], offset)
+            preadv_exact(fd, [view[:n]], offset)
             _ok(cu.cuMemcpyHtoDAsync(va + offset, ptr, n, stream), "cuMemcpyHtoDAsync")
             _ok(cu.cuEventRecord(event, stream), "cuEventRecord")
             k += 1
@@ -396,14 +397,6 @@ def _pinned_slot(cu) -> tuple[int, memoryview, Any]:
     view = memoryview((ctypes.c_ubyte * SLOT_BYTES).from_address(ptr)).cast("B")
     event = _ok(cu.cuEventCreate(2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
     return ptr, view, event
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise RestoreFailed(f"file ends at byte {offset}")
-        view, offset = view[got:], offset + got
 
 
 if __name__ == "__main__":

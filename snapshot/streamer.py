@@ -30,15 +30,17 @@ from snapfn.snapshot.chunk_checks import ChunkChecks, verify_mode
 from snapfn.snapshot.cuda_copies import Ship, StagedCopies, enqueue_copies
 from snapfn.snapshot.errors import BadSnapshot
 from snapfn.snapshot.layout import RestoreLayout, dtype_name
+from snapfn.snapshot.preads import preadv_exact
 from snapfn.snapshot.read_plan import (
     Unit,
     device_bytes,
     host_bytes,
     piece_view,
     plan_units,
-    preadv_exact,
     slot_views,
 )
+
+LAYOUT = "restore layout"  # what a short read names
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class WeightStreamer:
         self, fd: int, unit: Unit, dest: dict[str, memoryview]
     ) -> list[list[memoryview]]:
         views = [[piece_view(p, dest) for p in c.pieces] for c in unit.chunks]
-        preadv_exact(fd, [v for vs in views for v in vs], unit.file_lo, self._iov_max)
+        preadv_exact(fd, [v for vs in views for v in vs], unit.file_lo, self._iov_max, LAYOUT)
         return views
 
     def _stream_cuda(
@@ -263,7 +265,7 @@ class WeightStreamer:
         return checks
 
     def _read_into_slot(self, fd: int, unit: Unit, slot: memoryview) -> None:
-        preadv_exact(fd, [slot[: unit.file_hi - unit.file_lo]], unit.file_lo, self._iov_max)
+        preadv_exact(fd, [slot[: unit.file_hi - unit.file_lo]], unit.file_lo, self._iov_max, LAYOUT)
 
     def _refill(
         self, fd: int, unit: Unit, slot: memoryview, copied: torch.cuda.Event, checks: list[Future]
