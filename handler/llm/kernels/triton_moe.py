@@ -69,13 +69,20 @@ def align_by_expert(
 
 
 @triton.jit
-def _dequant_tile(w, scale_ptr, expert, rows, cols, num_row_blocks, num_col_blocks, mask, dtype):
-    """An FP8 weight tile times its 128x128 block scales, rounded to `dtype` as the reference's
-    `dequantize_fp8_block` does; `rows` / `cols` index the expert's [N, K] weight."""
-    block = expert.to(tl.int64) * num_row_blocks * num_col_blocks
-    offsets = block + (rows // 128) * num_col_blocks + cols // 128
-    scale = tl.load(scale_ptr + offsets, mask=mask, other=0.0)
-    return (w.to(tl.float32) * scale).to(dtype).to(tl.float32)
+def _weight_tile(w_ptr, scale_ptr, expert, cols, k, num_out, num_in, dtype, FP8: tl.constexpr):
+    """`[BLOCK_K, BLOCK_N]` float32 tile of expert `expert`'s `[num_out, num_in]` weight at output
+    columns `cols` and inputs `k` (zero outside it); FP8: times its 128x128 block scales and
+    rounded to `dtype`, as the reference's `dequantize_fp8_block`."""
+    mask = (cols[None, :] < num_out) & (k[:, None] < num_in)
+    offsets = expert.to(tl.int64) * num_out * num_in + cols[None, :].to(tl.int64) * num_in
+    w = tl.load(w_ptr + offsets + k[:, None], mask=mask, other=0.0).to(tl.float32)
+    if FP8:
+        num_in_blocks = tl.cdiv(num_in, 128)
+        blocks = expert.to(tl.int64) * tl.cdiv(num_out, 128) * num_in_blocks
+        scale_offsets = blocks + (cols[None, :] // 128) * num_in_blocks + k[:, None] // 128
+        scale = tl.load(scale_ptr + scale_offsets, mask=mask, other=0.0)
+        w = (w * scale).to(dtype).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -107,7 +114,7 @@ def _gate_up_kernel(
         tokens = tl.where(live, pairs // TOPK, 0).to(tl.int64)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        weight_base = expert.to(tl.int64) * inter * hidden
+        dtype = act_ptr.dtype.element_ty
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -117,21 +124,13 @@ def _gate_up_kernel(
                 mask=live[:, None] & (k[None, :] < hidden),
                 other=0.0,
             )
-            w_offsets = weight_base + cols[None, :].to(tl.int64) * hidden + k[:, None]
-            w_mask = (cols[None, :] < inter) & (k[:, None] < hidden)
-            gate = tl.load(gate_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
-            up = tl.load(up_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)  # [K, N]
-            if FP8:
-                nb, kb = tl.cdiv(inter, 128), tl.cdiv(hidden, 128)
-                dtype = act_ptr.dtype.element_ty
-                rows_n, cols_k = cols[None, :], k[:, None]
-                args = (expert, rows_n, cols_k, nb, kb, w_mask, dtype)
-                gate = _dequant_tile(gate, gate_scale_ptr, *args)
-                up = _dequant_tile(up, up_scale_ptr, *args)
+            gate = _weight_tile(
+                gate_ptr, gate_scale_ptr, expert, cols, k, inter, hidden, dtype, FP8
+            )
+            up = _weight_tile(up_ptr, up_scale_ptr, expert, cols, k, inter, hidden, dtype, FP8)
             acc_gate += tl.dot(x.to(tl.float32), gate, input_precision="ieee")
             acc_up += tl.dot(x.to(tl.float32), up, input_precision="ieee")
         # the reference rounds each projection to x's dtype before silu(gate) * up
-        dtype = act_ptr.dtype.element_ty
         gate_r = acc_gate.to(dtype).to(tl.float32)
         up_r = acc_up.to(dtype).to(tl.float32)
         silu = (gate_r / (1.0 + tl.exp(-gate_r))).to(dtype).to(tl.float32)
@@ -167,7 +166,7 @@ def _down_kernel(
         live = pairs < num_pairs
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        weight_base = expert.to(tl.int64) * hidden * inter
+        dtype = act_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + ks
@@ -176,17 +175,10 @@ def _down_kernel(
                 mask=live[:, None] & (k[None, :] < inter),
                 other=0.0,
             )
-            w_offsets = weight_base + cols[None, :].to(tl.int64) * inter + k[:, None]
-            w_mask = (cols[None, :] < hidden) & (k[:, None] < inter)
-            down = tl.load(down_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
-            if FP8:
-                nb, kb = tl.cdiv(hidden, 128), tl.cdiv(inter, 128)
-                dtype = act_ptr.dtype.element_ty
-                down = _dequant_tile(
-                    down, down_scale_ptr, expert, cols[None, :], k[:, None], nb, kb, w_mask, dtype
-                )
+            down = _weight_tile(
+                down_ptr, down_scale_ptr, expert, cols, k, hidden, inter, dtype, FP8
+            )
             acc += tl.dot(act.to(tl.float32), down, input_precision="ieee")
-        dtype = act_ptr.dtype.element_ty
         y = acc.to(dtype).to(tl.float32)  # the reference's down projection, in x's dtype
         weight = tl.load(weights_ptr + tl.where(live, pairs, 0), mask=live, other=0.0)
         y = y * weight.to(tl.float32)[:, None]
