@@ -83,10 +83,11 @@ class Task:
     entries: list[Message]
     runs: list[Run]
     pages: Path
+    vmas: list[Message] = field(init=False)  # the mm entry's, decoded once
     pieces: list[Piece] = field(default_factory=list)
 
-    def vmas(self) -> list[Message]:
-        return [Message.decode(v) for v in self.mm.values(ci.MM_VMAS)]
+    def __post_init__(self) -> None:
+        self.vmas = [Message.decode(v) for v in self.mm.values(ci.MM_VMAS)]
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def _shared_ranges(tasks: list[Task]) -> set[tuple[int, int]]:
     """Mappings that more than one task holds: possibly copy-on-write shared, never moved."""
     seen: dict[tuple[int, int], int] = {}
     for task in tasks:
-        for vma in task.vmas():
+        for vma in task.vmas:
             key = (vma.get(ci.VMA_START), vma.get(ci.VMA_END))
             seen[key] = seen.get(key, 0) + 1
     return {key for key, count in seen.items() if count > 1}
@@ -193,7 +194,7 @@ def _choose_pieces(
     task: Task, shared: set[tuple[int, int]], min_bytes: int, gap_bytes: int
 ) -> list[Piece]:
     pieces = []
-    for vma in task.vmas():
+    for vma in task.vmas:
         start, end = int(vma.get(ci.VMA_START)), int(vma.get(ci.VMA_END))
         if not _movable(vma) or (start, end) in shared:
             continue
@@ -281,7 +282,7 @@ def _with_range(entry: Message, vaddr: int, num_pages: int) -> Message:
 
 def _write_mm(path: Path, task: Task, file_id: int) -> None:
     vmas = []
-    for vma in task.vmas():
+    for vma in task.vmas:
         start, end = int(vma.get(ci.VMA_START)), int(vma.get(ci.VMA_END))
         inside = [p for p in task.pieces if start <= p.start and p.end <= end]
         cuts = sorted({start, end, *(x for p in inside for x in (p.start, p.end))})
