@@ -60,33 +60,24 @@ class ProcessConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ProcessConfig:
+        """Defaults, then SNAPFN_PROCESS_<FIELD> (and the criu / pinned-keeper variables), then
+        explicit overrides; ValueError naming the field for a value it does not take."""
         from snapfn.snapshot.pinned_cache import default_socket
 
         values: dict[str, Any] = {"criu": criu.CriuConfig.from_env(environ)}
         values["pinned_socket"] = environ.get("SNAPFN_PINNED_SOCKET", default_socket(environ))
-        names = (("lazy", str), ("pid_namespace", str), ("restore_timeout_s", float))
-        more = (("prefetch", str), ("memory", str), ("prefetch_threads", int))
-        for name, cast in (*names, *more, ("prefetch_read", str)):
+        for name, cast in _ENV_FIELDS.items():
             raw = environ.get(f"SNAPFN_PROCESS_{name.upper()}")
             if raw:
                 values[name] = cast(raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)
-        if config.lazy not in ("auto", "on", "off"):
-            raise ValueError(f"lazy must be auto, on or off, not {config.lazy!r}")
-        if config.pid_namespace not in ("auto", "on", "off", "mount"):
-            raise ValueError(
-                f"pid_namespace must be auto, on, off or mount, not {config.pid_namespace!r}"
-            )
-        if config.prefetch not in ("auto", "off"):
-            raise ValueError(f"prefetch must be auto or off, not {config.prefetch!r}")
-        if config.prefetch_read not in ("pread", "register") or config.prefetch_threads < 1:
-            raise ValueError(
-                "prefetch_read must be pread or register and prefetch_threads at least 1"
-                f" (got {config.prefetch_read!r}, {config.prefetch_threads})"
-            )
-        if config.memory not in ("file", "image"):
-            raise ValueError(f"memory must be file or image, not {config.memory!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(config, name) not in allowed:
+                choices = ", ".join(allowed)
+                raise ValueError(f"{name} must be one of {choices}, not {getattr(config, name)!r}")
+        if config.prefetch_threads < 1:
+            raise ValueError(f"prefetch_threads must be at least 1, not {config.prefetch_threads}")
         return config
 
     def for_device(self, device: str) -> ProcessConfig:
@@ -95,6 +86,25 @@ class ProcessConfig:
         if device.startswith("cuda") and self.pid_namespace == "auto":
             return dataclasses.replace(self, pid_namespace="off")
         return self
+
+
+# what SNAPFN_PROCESS_<FIELD> may set, and the values the string fields take
+_ENV_FIELDS = {
+    "lazy": str,
+    "pid_namespace": str,
+    "restore_timeout_s": float,
+    "prefetch": str,
+    "memory": str,
+    "prefetch_threads": int,
+    "prefetch_read": str,
+}
+_CHOICES = {
+    "lazy": ("auto", "on", "off"),
+    "pid_namespace": ("auto", "on", "off", "mount"),
+    "prefetch": ("auto", "off"),
+    "prefetch_read": ("pread", "register"),
+    "memory": ("file", "image"),
+}
 
 
 class Worker:
