@@ -69,8 +69,14 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "pin": (
         "keep a process snapshot's weights in pinned host memory for faster tier-1 restores here",
-        "snapfn.snapshot.pinned_cache",
-        "add_arguments",
+        "snapfn.snapshot.keeper",
+        "add_pin_arguments",
+        "run",
+    ),
+    "keeper": (
+        "serve this machine's tier-1 restores from a warm CUDA driver (and pinned weights)",
+        "snapfn.snapshot.keeper",
+        "add_keeper_arguments",
         "run",
     ),
     "make-model": (

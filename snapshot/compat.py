@@ -30,7 +30,7 @@ import importlib.util
 import platform
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +44,21 @@ _DRIVER_RELEASE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "triton-nightly")
 
 
-def compat_key(device: str = "cpu", world_size: int = 1, light: bool = False) -> dict[str, Any]:
+def compat_key(
+    device: str = "cpu",
+    world_size: int = 1,
+    light: bool = False,
+    gpu_fields: Callable[[int], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Describe what a snapshot made here, on `device` with `world_size` ranks, is valid for.
 
     `light`: the same key without importing torch (seconds a process-snapshot restorer must not
-    pay): the GPU through cuda.bindings' driver API, torch's versions from its version.py.
+    pay): the GPU through cuda.bindings' driver API (`driver_api_fields`, or `gpu_fields(index)`
+    — e.g. asked of a keeper whose driver is already initialised), torch's versions from its
+    version.py.
     """
     if light:
-        return _light_key(device, world_size)
+        return _light_key(device, world_size, gpu_fields or driver_api_fields)
     # NOTE: torch is imported here, not at module level: importing it costs seconds and this
     # module is imported by tools (inspect, doctor) that may never need it.
     import torch
@@ -72,7 +79,9 @@ def compat_key(device: str = "cpu", world_size: int = 1, light: bool = False) ->
     return key
 
 
-def _light_key(device: str, world_size: int) -> dict[str, Any]:
+def _light_key(
+    device: str, world_size: int, gpu_fields: Callable[[int], dict[str, Any]]
+) -> dict[str, Any]:
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"compat_key: unsupported device type {kind!r} (cpu or cuda)")
@@ -83,7 +92,7 @@ def _light_key(device: str, world_size: int) -> dict[str, Any]:
     }
     versions = _torch_versions()
     if kind == "cuda":
-        key.update(_driver_api_fields(int(index or 0)))
+        key.update(gpu_fields(int(index or 0)))
         key.update(
             driver_version=_driver_release(),
             cuda_runtime_version=versions.get("cuda"),
@@ -107,7 +116,8 @@ def _torch_versions() -> dict[str, str]:
     return dict(_VERSION_LINE.findall(text))
 
 
-def _driver_api_fields(index: int) -> dict[str, Any]:
+def driver_api_fields(index: int) -> dict[str, Any]:
+    """The key's GPU fields through the driver API (cuInit on first use: ~0.1–0.3 s)."""
     from snapfn.snapshot.cuda_driver import driver, ok
 
     cu = driver()

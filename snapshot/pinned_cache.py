@@ -1,11 +1,12 @@
 """Pinned host copies of a snapshot's weight files that outlive restores (tier 1 on CUDA).
 
-    snapfn pin --snapshot DIR [--socket PATH]     the keeper: the files the process image's
-                                                  regions are filled from, in pinned host memory,
-                                                  served on a unix socket until it is stopped
-    lease = request(address, path)                the prefetch helper: an fd of the pinned copy,
+    snapfn pin --snapshot DIR [--socket PATH]     the keeper (snapshot/keeper.py) holds the
+                                                  files the process image's regions are filled
+                                                  from in pinned host memory (PinnedCache)
+    lease = request(address, path)                a prefetch helper: an fd of the pinned copy,
                                                   or a Miss saying why (no keeper, not pinned,
-                                                  the file changed since)
+                                                  the file changed since); the keeper's own
+                                                  prefetches copy from its mapping (`mapped`)
 
 Why: a tier-1 restore's helper copies the weights page cache → pinned slots → GPU, and that CPU
 copy tops out at 18–33 GB/s on the lent H200 machines (`bench/probes/fill_numa.py`), 0.6 s of an
@@ -15,8 +16,8 @@ pinned and can be exported as a POSIX fd: the keeper makes one per file and fill
 restore's helper imports the fd, maps it and copies from it (`bench/probes/host_vmm.py`: import
 and map 0.06 s, 55.3 GB/s). The price: the files' bytes stay pinned in RAM while the keeper runs.
 
-Protocol (SOCK_SEQPACKET, one request per connection): → {"dev", "ino", "size", "mtime_ns"} of
-the file as the client sees it; ← {"ok": true, "size", "alloc_bytes", "location"} with the fd,
+Protocol (the keeper's "file" op, SOCK_SEQPACKET, one request per connection): →
+{"dev", "ino", "size", "mtime_ns"} of the file as the client sees it; ← {"ok": true, "size", "alloc_bytes", "location"} with the fd,
 or {"ok": false, "reason"}. A copy is matched by the file's identity (device, inode, size,
 modification time); the worker checks every chunk's sum64 on the GPU after the hand-over, so a
 wrong copy is refused like a damaged file and the restore falls back.
@@ -92,10 +93,11 @@ class _Pinned:
     fd: int
     alloc_bytes: int
     release: Callable[[], None]
+    va: int = 0  # where the keeper maps it, device-readable (cuda), else 0
 
 
 class PinnedCache:
-    """The keeper's side: files copied into pinned allocations, served on a unix socket."""
+    """The keeper's files, each copied into a pinned allocation of its own (served by keeper.py)."""
 
     def __init__(self, backend: str = "cuda", device: int = 0, log=None) -> None:
         if backend not in ("cuda", "memfd"):
@@ -113,47 +115,31 @@ class PinnedCache:
         self._files[identity] = make(Path(path), identity)
         return identity
 
-    def serve(self, address: str, stop: threading.Event | None = None) -> None:
-        """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when a
-        keeper already answers there (a stale socket file is replaced)."""
-        if _answers(address):
-            raise RestoreFailed(f"another keeper already serves on {address}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(address)
-        os.chmod(address, 0o600)
-        listener.listen(16)
-        listener.settimeout(0.2)
-        try:
-            while stop is None or not stop.is_set():
-                try:
-                    conn, _ = listener.accept()
-                except TimeoutError:
-                    continue
-                with conn:
-                    self._answer(conn)
-        finally:
-            listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address)
-
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
-        try:
-            asked = FileIdentity(**json.loads(conn.recv(MAX_MESSAGE)))
-        except (OSError, ValueError, TypeError) as exc:
-            with contextlib.suppress(OSError):
-                conn.send(json.dumps({"ok": False, "reason": f"bad request: {exc}"}).encode())
-            return
+    def lease(self, asked: FileIdentity) -> tuple[int, dict[str, Any]] | str:
+        """The fd of `asked`'s pinned copy and the reply that goes with it, or why there is none."""
         found = self._files.get(asked)
-        with contextlib.suppress(OSError):
-            if found is None:
-                conn.send(json.dumps({"ok": False, "reason": self._why_not(asked)}).encode())
-                return
-            location = "host_numa" if self.backend == "cuda" else "memfd"
-            reply = {"ok": True, "size": asked.size, "alloc_bytes": found.alloc_bytes}
-            socket.send_fds(conn, [json.dumps(reply | {"location": location}).encode()], [found.fd])
+        if found is None:
+            return self._why_not(asked)
+        location = "host_numa" if self.backend == "cuda" else "memfd"
+        return found.fd, {
+            "size": asked.size,
+            "alloc_bytes": found.alloc_bytes,
+            "location": location,
+        }
+
+    def mapped(self, path: Path | str) -> tuple[int, int] | Miss:
+        """(address, size) of `path`'s pinned copy as mapped here, readable by the device's
+        copies (the keeper's own prefetches copy from it), or a Miss saying why not."""
+        try:
+            asked = FileIdentity.of(path)
+        except OSError as exc:
+            return Miss(one_line(str(exc)))
+        found = self._files.get(asked)
+        if found is None:
+            return Miss(self._why_not(asked))
+        if not found.va:
+            return Miss(f"{self.backend} copies are not mapped for the device")
+        return found.va, asked.size
 
     def _why_not(self, asked: FileIdentity) -> str:
         same_file = [i for i in self._files if (i.dev, i.ino) == (asked.dev, asked.ino)]
@@ -193,7 +179,9 @@ class PinnedCache:
         alloc_bytes = max(grain, -(-identity.size // grain) * grain)
         handle = ok(cu.cuMemCreate(alloc_bytes, prop, 0), "cuMemCreate(host)")
         try:
-            va = map_handle(cu, handle, alloc_bytes, [access_desc(cu, "HOST_NUMA", node)], grain)
+            # NOTE: the device may read it too: the keeper's own prefetches copy from here
+            accesses = [access_desc(cu, "HOST_NUMA", node), access_desc(cu, "DEVICE", self.device)]
+            va = map_handle(cu, handle, alloc_bytes, accesses, grain)
         except RestoreFailed:
             cu.cuMemRelease(handle)
             raise
@@ -209,18 +197,7 @@ class PinnedCache:
             release()
             raise
 
-        return _Pinned(identity, fd, alloc_bytes, release)
-
-
-def _answers(address: str) -> bool:
-    """Whether something accepts connections on the unix socket `address`."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect(address)
-        except OSError:
-            return False
-    return True
+        return _Pinned(identity, fd, alloc_bytes, release, va)
 
 
 def _make_memfd(path: Path, identity: FileIdentity) -> _Pinned:
@@ -316,59 +293,3 @@ def files_to_pin(snapshot_dir: Path) -> list[Path]:
     if not paths:
         raise bad_snapshot(snapshot_dir, "holds no process image whose regions are read from files")
     return paths
-
-
-def add_arguments(parser) -> None:
-    import argparse
-
-    parser.add_argument("--snapshot", type=Path, required=True, help="a process snapshot (tier 1)")
-    parser.add_argument(
-        "--socket",
-        default=None,
-        help="where to serve (default: $SNAPFN_PINNED_SOCKET, else"
-        " $XDG_RUNTIME_DIR or /tmp, /snapfn-pinned-UID.sock); restores look there too",
-    )
-    parser.add_argument(
-        "--device",
-        type=int,
-        default=0,
-        help="the CUDA device (its host NUMA node holds the copies)",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("cuda", "memfd"),
-        default="cuda",
-        help=argparse.SUPPRESS,  # memfd: the protocol without a GPU
-    )
-
-
-def run(args) -> int:
-    """Pin the snapshot's weight files, then serve them until SIGTERM or Ctrl-C."""
-    import signal
-    import sys
-    import time
-
-    address = args.socket or os.environ.get("SNAPFN_PINNED_SOCKET") or default_socket(os.environ)
-    files = files_to_pin(Path(args.snapshot))
-    cache = PinnedCache(args.backend, args.device)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    start = time.perf_counter()
-    try:
-        for path in files:
-            cache.add(path)
-            print(
-                f"snapfn pin: {path} pinned ({path.stat().st_size / 1e9:.2f} GB)", file=sys.stderr
-            )
-        seconds = time.perf_counter() - start
-        print(
-            f"snapfn pin: {len(files)} files, {cache.pinned_bytes / 1e9:.2f} GB pinned in"
-            f" {seconds:.2f} s; serving on {address} until stopped",
-            file=sys.stderr,
-            flush=True,
-        )
-        cache.serve(address, stop)
-    finally:
-        cache.close()
-    return 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot import criu, cuda_checkpoint, image_memory, smaps
+from snapfn.snapshot import criu, cuda_checkpoint, image_memory, keeper, smaps
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.pipe_channel import PipeChannel
 
@@ -54,6 +54,10 @@ class ProcessConfig:
     # where `snapfn pin` serves pinned copies of the weights (snapshot/pinned_cache.py); the
     # helper copies from one when it is there, else reads the files; "" = look nowhere
     pinned_socket: str = ""
+    # "auto": when a keeper (`snapfn keeper` / `snapfn pin`, snapshot/keeper.py) answers at
+    # pinned_socket, it makes the regions and does the CUDA restore (its driver is initialised
+    # already); "off": this restore does both itself
+    keeper: str = "auto"
     # "file": large anonymous memory moves from criu's page image to a file the restored worker
     # maps (snapshot/image_memory.py); "image": criu copies every page back
     memory: str = "file"
@@ -80,6 +84,11 @@ class ProcessConfig:
             raise ValueError(f"prefetch_threads must be at least 1, not {config.prefetch_threads}")
         return config
 
+    @property
+    def keeper_address(self) -> str:
+        """Where to ask a keeper for work, or "" (off)."""
+        return self.pinned_socket if self.keeper == "auto" else ""
+
     def for_device(self, device: str) -> ProcessConfig:
         """This config for a worker on `device`. CUDA fails inside a fresh pid namespace
         (cudaGetDeviceCount: error 304, measured on the H200), so "auto" means none there."""
@@ -97,6 +106,7 @@ _ENV_FIELDS = {
     "memory": str,
     "prefetch_threads": int,
     "prefetch_read": str,
+    "keeper": str,
 }
 _CHOICES = {
     "lazy": ("auto", "on", "off"),
@@ -104,6 +114,7 @@ _CHOICES = {
     "prefetch": ("auto", "off"),
     "prefetch_read": ("pread", "register"),
     "memory": ("file", "image"),
+    "keeper": ("auto", "off"),
 }
 
 
@@ -277,7 +288,7 @@ def restore(
         message = resume() if callable(resume) else resume  # e.g. naming a prefetch helper
         worker.channel.send({"op": "resume", **message})
         if meta["uses_cuda"]:
-            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f))
+            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f, config.keeper_address))
         restored = run_stage(
             "resume", lambda f: worker.wait_event("restored", config.restore_timeout_s)
         )
@@ -333,7 +344,17 @@ def _criu_restore(
     raise AssertionError("unreachable")
 
 
-def _cuda_restore(pid: int, figures: dict) -> None:
+def _cuda_restore(pid: int, figures: dict, keeper_address: str) -> None:
+    """Restore and unlock the worker's GPU state: by the keeper when one answers (its driver
+    is initialised), else here (the keeper's failure noted)."""
+    if keeper_address:
+        try:
+            done = keeper.cuda_restore(keeper_address, pid)
+        except RestoreFailed as exc:
+            figures["keeper"] = str(exc)
+        else:
+            figures.update({k: round(v, 4) for k, v in done.items()}, by="keeper")
+            return
     figures["restore_s"] = round(cuda_checkpoint.restore(pid), 4)
     figures["unlock_s"] = round(cuda_checkpoint.unlock(pid), 4)
 

@@ -275,7 +275,8 @@ def _start_prefetch(
     """Spawn the helper that makes and fills a CUDA worker's regions while criu restores it
     (snapshot/region_prefetch.py), or None — the worker then does it after its restore — when
     it is off or the (unvalidated) manifest records no regions (the reason goes in the figures)."""
-    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+    from snapfn.snapshot.keeper import KeeperPrefetch
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
 
     if config.prefetch == "off":
         figures["skipped"] = "SNAPFN_PROCESS_PREFETCH=off"
@@ -290,7 +291,7 @@ def _start_prefetch(
         return None
     figures.update(regions=len(specs), region_bytes=sum(s.nbytes for s in specs))
     figures.update(threads=config.prefetch_threads, read=config.prefetch_read)
-    return PrefetchHelper.spawn(
+    doc = prefetch_doc(
         specs,
         snapshot_dir.absolute(),
         config.restore_timeout_s,
@@ -298,9 +299,28 @@ def _start_prefetch(
         read=config.prefetch_read,
         pinned=config.pinned_socket,
     )
+    if config.keeper_address:
+        try:
+            helper = KeeperPrefetch(config.keeper_address, doc)
+        except RestoreFailed as exc:  # no keeper, or it refused: a helper of our own
+            figures["keeper"] = str(exc)
+        else:
+            figures["by"] = "keeper"
+            return helper
+    return PrefetchHelper(doc)
 
 
 def _current_compat(device: str, world_size: int, config: process.ProcessConfig) -> dict:
+    """This machine's compat key. On CUDA, the GPU's fields from the keeper when one answers
+    (it does the CUDA restore too: nothing here needs the driver), else from the driver here."""
+    if device.startswith("cuda") and config.keeper_address:
+        from snapfn.snapshot import keeper
+
+        try:
+            ask = functools.partial(keeper.device_fields, config.keeper_address)
+            return compat_key(device, world_size, light=True, gpu_fields=ask)
+        except RestoreFailed:
+            pass  # no keeper: the driver here
     key = compat_key(device, world_size, light=True)
     if device.startswith("cuda"):
         from snapfn.snapshot import cuda_checkpoint

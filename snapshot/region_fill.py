@@ -37,6 +37,7 @@ from snapfn.snapshot.cuda_driver import (
 )
 from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.pinned_cache import PinnedCache
 from snapfn.snapshot.preads import preadv_exact
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
 
@@ -116,12 +117,15 @@ class RegionPrefetch:
         read: str = "pread",
         timeout_s: float = 120.0,
         pinned: str = "",
+        local: PinnedCache | None = None,
     ) -> None:
         if read not in READS:
             raise ValueError(f"read must be one of {READS}, not {read!r}")
         self.specs, self.snapshot_dir = list(specs), Path(snapshot_dir)
         self.num_threads, self.timeout_s, self.read = max(1, num_threads), timeout_s, read
         self.pinned = pinned  # a pinned-copy keeper's socket (snapshot/pinned_cache.py), or ""
+        self.local = local  # run by the keeper: its own pinned copies, mapped in this process
+        self._cancelled = threading.Event()
         self._imports: list[
             tuple[int, int, Any]
         ] = []  # pinned copies mapped here: va, size, handle
@@ -181,7 +185,8 @@ class RegionPrefetch:
                 if spec.fill == "file":
                     copied = None
                     try:
-                        copied = self._copy_pinned(made, stream) if self.pinned else None
+                        pinned = self.local is not None or self.pinned
+                        copied = self._copy_pinned(made, stream) if pinned else None
                     except RestoreFailed as exc:  # the files are still there: read them
                         self.figures["pinned_miss"] = str(exc)
                     if copied is None:
@@ -215,7 +220,18 @@ class RegionPrefetch:
         with the reason in the figures, when the keeper has none."""
         from snapfn.snapshot import pinned_cache
 
-        lease = pinned_cache.request(self.pinned, self.snapshot_dir / made.spec.path)
+        path = self.snapshot_dir / made.spec.path
+        if self.local is not None:
+            found = self.local.mapped(path)
+            if isinstance(found, pinned_cache.Miss):
+                self.figures["pinned_miss"] = found.reason
+                return None
+            va, size = found
+            if size > made.spec.nbytes:
+                raise RestoreFailed(f"pinned {made.spec.path}: {size} bytes do not fit its region")
+            _ok(self._cu.cuMemcpyAsync(made.va, va, size, stream), "cuMemcpyAsync(pinned)")
+            return size
+        lease = pinned_cache.request(self.pinned, path)
         if isinstance(lease, pinned_cache.Miss):
             self.figures["pinned_miss"] = lease.reason
             return None
@@ -246,13 +262,25 @@ class RegionPrefetch:
             unmap(cu, va, nbytes)
             cu.cuMemRelease(handle)
 
+    def cancel(self) -> None:
+        """Stop waiting for the worker (the restore that wanted the regions is gone): the
+        memory is let go. A no-op once the regions were handed over."""
+        self._cancelled.set()
+
     def _serve(self) -> bool:
-        """Hand the fds to the first connection and wait for its ack; False if none came."""
-        self._listener.settimeout(self.timeout_s)
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:  # timed out: the worker never came
-            return False
+        """Hand the fds to the first connection and wait for its ack; False if none came
+        (timed out or cancelled)."""
+        self._listener.settimeout(0.05)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+                break
+            except TimeoutError:
+                if self._cancelled.is_set() or time.monotonic() > deadline:
+                    return False
+            except OSError:
+                return False
         with conn:
             conn.settimeout(self.timeout_s)
             message = {"ok": self.error is None, "error": self.error, "figures": self.figures}
@@ -369,18 +397,22 @@ def _registered_reader(cu, ctx, mapping: _FileMapping, size, va, next_unit, erro
             cu.cuMemHostUnregister(host)
 
 
-def main(argv: list[str]) -> int:
-    doc = json.loads(argv[1])
-    specs = [RegionSpec.from_json(s) for s in doc["specs"]]
-    prefetch = RegionPrefetch(
-        specs,
+def prefetch_from_doc(doc: dict[str, Any], local: PinnedCache | None = None) -> RegionPrefetch:
+    """The RegionPrefetch that `PrefetchHelper.spawn`'s argument describes (listening)."""
+    return RegionPrefetch(
+        [RegionSpec.from_json(s) for s in doc["specs"]],
         Path(doc["snapshot_dir"]),
         doc["address"],
         num_threads=int(doc.get("num_threads", 8)),
         read=doc.get("read", "pread"),
         timeout_s=float(doc["timeout_s"]),
         pinned=str(doc.get("pinned", "")),
+        local=local,
     )
+
+
+def main(argv: list[str]) -> int:
+    prefetch = prefetch_from_doc(json.loads(argv[1]))
     ok = prefetch.run()
     if prefetch.error is not None:
         print(f"[snapfn prefetch] {prefetch.error}", file=sys.stderr, flush=True)

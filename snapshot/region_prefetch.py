@@ -124,15 +124,33 @@ def ack(sock: socket.socket) -> None:
 
 
 # ---- the restorer's side -------------------------------------------------------------------------
+def prefetch_doc(
+    specs: Sequence[RegionSpec],
+    snapshot_dir: Path,
+    timeout_s: float,
+    num_threads: int = 8,
+    read: str = "pread",
+    pinned: str = "",
+) -> dict[str, Any]:
+    """What a RegionPrefetch is made from (region_fill.prefetch_from_doc), listening at a
+    socket in a new private directory: a helper's argument, or a keeper's prefetch request."""
+    directory = tempfile.mkdtemp(prefix="snapfn-regions-")
+    doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
+    doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
+    return doc | {"num_threads": num_threads, "read": read, "pinned": pinned}
+
+
 class PrefetchHelper:
     """The child process that runs a RegionPrefetch for one restore."""
 
-    def __init__(self, argv: list[str], directory: str) -> None:
-        self._dir, self.address = directory, os.path.join(directory, "sock")
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self.address = str(doc["address"])
+        self._dir = os.path.dirname(self.address)
         self.proc: subprocess.Popen | None = None
         self.spawn_error: OSError | None = None
         # NOTE: spawning took 0.075 s of the restore's critical path on the H200 (8B run):
         # it happens on a side thread; the worker retries connecting until it listens
+        argv = [sys.executable, "-m", "snapfn.snapshot.region_fill", json.dumps(doc)]
         self._spawned = threading.Thread(target=self._spawn, args=(argv,), daemon=True)
         self._spawned.start()
 
@@ -152,12 +170,7 @@ class PrefetchHelper:
         read: str = "pread",
         pinned: str = "",
     ) -> PrefetchHelper:
-        directory = tempfile.mkdtemp(prefix="snapfn-regions-")
-        doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
-        doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
-        doc.update(num_threads=num_threads, read=read, pinned=pinned)
-        argv = [sys.executable, "-m", "snapfn.snapshot.region_fill", json.dumps(doc)]
-        return cls(argv, directory)
+        return cls(prefetch_doc(specs, snapshot_dir, timeout_s, num_threads, read, pinned))
 
     def wait(self, timeout_s: float | None = None) -> int | None:
         """The helper's exit status (None: it never started)."""

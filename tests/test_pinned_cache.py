@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from snapfn.snapshot import pinned_cache
+from snapfn.snapshot.keeper import Keeper
 from snapfn.snapshot.pinned_cache import Lease, Miss, PinnedCache, request
 
 
@@ -26,7 +27,9 @@ def keeper(tmp_path):
     cache = PinnedCache("memfd")
     cache.add(weights)
     address, stop = str(tmp_path / "k.sock"), threading.Event()
-    thread = threading.Thread(target=cache.serve, args=(address, stop), daemon=True)
+    thread = threading.Thread(
+        target=Keeper(cache, cuda=False).serve, args=(address, stop), daemon=True
+    )
     thread.start()
     _wait_for(lambda: os.path.exists(address))
     yield address, weights
@@ -84,6 +87,11 @@ def test_a_bad_request_is_answered_and_the_keeper_keeps_serving(keeper):
         sock.connect(address)
         sock.send(b'{"path": "nope"}')
         assert b"bad request" in sock.recv(1 << 16)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        sock.connect(address)
+        sock.send(b'{"op": "reboot"}')
+        assert b"unknown op 'reboot'" in sock.recv(1 << 16)
     lease = request(address, weights)
     assert isinstance(lease, Lease)
     os.close(lease.fd)
@@ -143,14 +151,15 @@ def test_a_second_keeper_does_not_take_over_a_live_one_but_replaces_a_stale_sock
 
     address, weights = keeper
     with pytest.raises(RestoreFailed, match="already serves"):
-        PinnedCache("memfd").serve(address)
+        Keeper(PinnedCache("memfd"), cuda=False).serve(address)
     assert _leased(address, weights)  # the first one still answers
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as dead:
         dead.bind(str(stale))  # a socket file nobody listens on (a keeper that was killed)
     cache, stop = PinnedCache("memfd"), threading.Event()
     cache.add(weights)
-    thread = threading.Thread(target=cache.serve, args=(str(stale), stop), daemon=True)
+    serve = Keeper(cache, cuda=False).serve
+    thread = threading.Thread(target=serve, args=(str(stale), stop), daemon=True)
     thread.start()
     _wait_for(lambda: _leased(str(stale), weights))
     stop.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,7 @@ def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
     import threading
 
     from snapfn.snapshot import region_prefetch
+    from snapfn.snapshot.keeper import Keeper
     from snapfn.snapshot.pinned_cache import PinnedCache
     from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
     from snapfn.snapshot.vmm import CudaRegion
@@ -111,7 +113,7 @@ def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
     cache = PinnedCache("cuda")
     cache.add(tmp_path / "weights.bin")
     address, stop = str(tmp_path / "pinned.sock"), threading.Event()
-    keeper = threading.Thread(target=cache.serve, args=(address, stop), daemon=True)
+    keeper = threading.Thread(target=Keeper(cache).serve, args=(address, stop), daemon=True)
     keeper.start()
     weights = CudaRegion(8 << 20, torch.device("cuda", 0))
     weights.base.fill_(7)
@@ -182,6 +184,47 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
         service.close()
     # NOTE: a CUDA worker keeps its pid (no pid namespace): the next restore needs it free
     wait_for_exit(restored.stage("criu_restore").figures["pid"])
+
+    assert restored.stage("cuda_restore").figures["keeper"].startswith("no keeper at")
+
+    # a keeper serving: it makes and fills the regions (from its pinned copy) and does the
+    # CUDA restore; this process never initialises the driver for the restore
+    import threading
+
+    from snapfn.snapshot.keeper import Keeper
+    from snapfn.snapshot.pinned_cache import PinnedCache, files_to_pin
+
+    cache = PinnedCache("cuda")
+    for path in files_to_pin(tmp_path / "snap"):
+        cache.add(path)
+    address, stop = str(tmp_path / "keeper.sock"), threading.Event()
+    keeper = Keeper(cache)
+    keeper.warm()
+    serving = threading.Thread(target=keeper.serve, args=(address, stop), daemon=True)
+    serving.start()
+    monkeypatch.setenv("SNAPFN_PINNED_SOCKET", address)
+    try:
+        while not Path(address).exists():
+            time.sleep(0.01)
+        service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)
+        try:
+            assert fn is None and restored.tier == "process", restored.fallbacks
+            got = [service.generate(p, params) for p in prompts]
+            for g, w in zip(got, want, strict=True):
+                assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+            assert restored.stage("prefetch").figures.get("by") == "keeper", restored.stages
+            assert restored.stage("cuda_restore").figures.get("by") == "keeper", restored.stages
+            figures = restored.stage("worker.adopt").figures
+            assert "fallback" not in figures and figures["restorer"]["pinned_bytes"] > 0, figures
+            print({s.name: round(s.seconds, 3) for s in restored.stages})
+        finally:
+            service.close()
+        wait_for_exit(restored.stage("criu_restore").figures["pid"])
+    finally:
+        stop.set()
+        serving.join(5)
+        cache.close()
+    monkeypatch.delenv("SNAPFN_PINNED_SOCKET")
 
     monkeypatch.setenv("SNAPFN_PROCESS_PREFETCH", "off")  # the worker maps and streams itself
     service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)

@@ -1,0 +1,205 @@
+"""The keeper's restore ops (snapshot/keeper.py) on CPU: the GPU work stands in as fakes (a
+prefetch whose regions are memfds, a recorded CUDA restore), the protocol and the fallbacks are
+real — a restore uses the keeper when it answers and does the work itself when it does not or
+refuses, a closed lease cancels a hand-over nobody took, a GPU-less keeper refuses GPU ops with
+its reason. The CUDA half runs in tests/test_process_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_region_prefetch import MemfdPrefetch, spec
+
+from snapfn.snapshot import cuda_checkpoint, keeper, process, region_prefetch
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.keeper import Keeper, KeeperPrefetch, KeeperUnavailable
+from snapfn.snapshot.pinned_cache import PinnedCache
+from snapfn.snapshot.process_snapshot import _current_compat
+from snapfn.snapshot.region_prefetch import RegionSpec, prefetch_doc
+
+
+class FakeGpuKeeper(Keeper):
+    """A keeper whose GPU work is faked: memfd regions; what it was asked is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(PinnedCache("memfd"), cuda=False)
+        self.prefetches: list[MemfdPrefetch] = []
+        self.finished: list[bool] = []
+
+    def _need_cuda(self) -> None:
+        pass
+
+    def _make_prefetch(self, doc):
+        made = MemfdPrefetch(
+            [RegionSpec.from_json(s) for s in doc["specs"]],
+            doc["snapshot_dir"],
+            doc["address"],
+            timeout_s=doc["timeout_s"],
+        )
+        self.prefetches.append(made)
+        run = made.run
+        made.run = lambda: self.finished.append(run()) or self.finished[-1]
+        return made
+
+
+def serving(keeper_: Keeper, address: str):
+    stop = threading.Event()
+    thread = threading.Thread(target=keeper_.serve, args=(address, stop), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not os.path.exists(address):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return stop, thread
+
+
+@pytest.fixture
+def fake_keeper(tmp_path):
+    k = FakeGpuKeeper()
+    address = str(tmp_path / "keeper.sock")
+    stop, thread = serving(k, address)
+    yield k, address
+    stop.set()
+    thread.join(5)
+
+
+@pytest.fixture
+def recorded_cuda(monkeypatch):
+    """cuda_checkpoint.restore / unlock recorded instead of called (by the keeper or here)."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        cuda_checkpoint, "restore", lambda pid: calls.append(("restore", pid)) or 0.2
+    )
+    monkeypatch.setattr(
+        cuda_checkpoint, "unlock", lambda pid: calls.append(("unlock", pid)) or 0.01
+    )
+    return calls
+
+
+def test_the_cuda_restore_is_the_keepers_when_it_answers(fake_keeper, recorded_cuda):
+    _, address = fake_keeper
+    figures: dict = {}
+    process._cuda_restore(4242, figures, address)
+    assert recorded_cuda == [("restore", 4242), ("unlock", 4242)]
+    assert figures == {"restore_s": 0.2, "unlock_s": 0.01, "by": "keeper"}
+
+
+def test_without_a_keeper_or_when_it_refuses_the_restore_does_it_itself(
+    tmp_path, recorded_cuda, monkeypatch
+):
+    figures: dict = {}
+    process._cuda_restore(7, figures, str(tmp_path / "nobody.sock"))
+    assert recorded_cuda == [("restore", 7), ("unlock", 7)]
+    assert figures["keeper"].startswith("no keeper at") and "by" not in figures
+    gpu_less = Keeper(PinnedCache("memfd"), cuda=False)  # refuses: no GPU
+    address = str(tmp_path / "gpuless.sock")
+    stop, thread = serving(gpu_less, address)
+    try:
+        figures = {}
+        process._cuda_restore(8, figures, address)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert recorded_cuda[2:] == [("restore", 8), ("unlock", 8)]
+    assert "this keeper has no GPU" in figures["keeper"]
+    recorded_cuda.clear()
+    process._cuda_restore(9, {}, "")  # keeper off: not even looked for
+    assert recorded_cuda == [("restore", 9), ("unlock", 9)]
+
+
+def test_a_keeper_that_fails_the_restore_says_why(fake_keeper, monkeypatch):
+    _, address = fake_keeper
+
+    def failing(pid):
+        raise RestoreFailed(
+            f"cuCheckpointProcessRestore(pid {pid}) failed: CUDA_ERROR_OUT_OF_MEMORY"
+        )
+
+    monkeypatch.setattr(cuda_checkpoint, "restore", failing)
+    with pytest.raises(RestoreFailed, match="CUDA_ERROR_OUT_OF_MEMORY") as raised:
+        keeper.cuda_restore(address, 11)
+    assert not isinstance(raised.value, KeeperUnavailable)  # it answered: not "no keeper"
+
+
+def test_the_keepers_prefetch_hands_the_regions_to_the_worker(fake_keeper, tmp_path):
+    k, address = fake_keeper
+    specs = [RegionSpec.from_json(spec(name="w", address=1 << 40))]
+    doc = prefetch_doc(specs, tmp_path, timeout_s=10)
+    lease = KeeperPrefetch(address, doc)
+    try:
+        message, fds, sock = region_prefetch.receive(lease.address, timeout_s=10)
+        assert message["ok"] and os.pread(fds[1 << 40], 8, 0) == b"w"
+        os.close(fds[1 << 40])
+        region_prefetch.ack(sock)
+    finally:
+        lease.close()
+    _wait_for(lambda: k.finished == [True])  # handed over and acknowledged
+    assert not os.path.exists(os.path.dirname(lease.address))  # the private directory is gone
+
+
+def test_closing_the_lease_cancels_a_hand_over_nobody_took(fake_keeper, tmp_path):
+    k, address = fake_keeper
+    doc = prefetch_doc([RegionSpec.from_json(spec())], tmp_path, timeout_s=60)
+    lease = KeeperPrefetch(address, doc)
+    start = time.monotonic()
+    lease.close()  # e.g. criu failed: no worker will come
+    _wait_for(lambda: k.finished == [False])
+    assert time.monotonic() - start < 5  # not the 60 s timeout: the memory is let go now
+
+
+def test_a_restore_asks_the_keeper_for_the_gpu_fields_or_falls_back(
+    fake_keeper, tmp_path, monkeypatch
+):
+    from snapfn.snapshot import compat
+
+    _, address = fake_keeper
+    fields = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
+    asked: list[int] = []
+    monkeypatch.setattr(compat, "driver_api_fields", lambda i: asked.append(i) or dict(fields))
+    config = process.ProcessConfig(pinned_socket=address)
+    key = _current_compat("cuda:0", 1, config)
+    assert asked == [0] and key["gpu_name"] == "NVIDIA H200" and key["device_type"] == "cuda"
+    # no keeper: the driver here (faked too: this machine has none), and the checkpoint API probed
+    probed: list[bool] = []
+    monkeypatch.setattr(cuda_checkpoint, "available", lambda: probed.append(True) or (True, ""))
+    config = process.ProcessConfig(pinned_socket=str(tmp_path / "nobody.sock"))
+    assert _current_compat("cuda:0", 1, config)["gpu_name"] == "NVIDIA H200"
+    assert asked == [0, 0] and probed == [True]
+
+
+def test_keeper_off_is_a_setting():
+    environ = {"SNAPFN_PROCESS_KEEPER": "off", "SNAPFN_PINNED_SOCKET": "/run/k.sock"}
+    config = process.ProcessConfig.from_env(environ)
+    assert config.keeper == "off" and config.keeper_address == ""
+    assert process.ProcessConfig.from_env({"SNAPFN_PINNED_SOCKET": "/run/k.sock"}).keeper_address
+    with pytest.raises(ValueError, match="keeper must be one of auto, off"):
+        process.ProcessConfig.from_env({"SNAPFN_PROCESS_KEEPER": "maybe"})
+
+
+def test_snapfn_keeper_serves_without_a_snapshot_until_stopped(tmp_path):
+    address = str(tmp_path / "keeper.sock")
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "keeper", "--socket", address]
+    proc = subprocess.Popen(argv + ["--backend", "memfd"], stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: os.path.exists(address) or proc.poll() is not None)
+        with pytest.raises(RestoreFailed, match="this keeper has no GPU"):
+            keeper.device_fields(address, 0)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert "0 files, 0.00 GB pinned" in err and f"serving on {address}" in err
+    with pytest.raises(KeeperUnavailable, match="no keeper at"):
+        keeper.device_fields(address, 0)
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
