@@ -16,6 +16,7 @@ from snapfn.handler.llm.embedded import embedded_model_dir
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.process_host import REPLAY_TOKENS
 from snapfn.snapshot.process import ProcessConfig
 from snapfn.snapshot.stages import Readiness
 
@@ -69,7 +70,7 @@ def test_tier1_restore_generates_exactly_what_a_cold_init_does(tier1, cold_outpu
         for g, w in zip(got, cold_outputs, strict=True):
             assert (g.token_ids, g.logprobs, g.text) == (w.token_ids, w.logprobs, w.text)
         replay = startup.stage("worker.replay_check").figures
-        assert replay["tokens"] == replay["recorded"] and len(replay["tokens"]) == 4
+        assert replay["tokens"] == replay["recorded"] and len(replay["tokens"]) == REPLAY_TOKENS
         for _ in range(3):  # what a metrics scrape asks; a refused request
             assert service.kv_usage() >= 0
         with pytest.raises(BadRequest):
