@@ -294,6 +294,15 @@ def _add_arguments(parser, snapshot_required: bool) -> None:
         help="the CUDA device (its host NUMA node holds the copies)",
     )
     parser.add_argument(
+        "--hold",
+        choices=("copy", "page-cache"),
+        default="copy",
+        help="copy: the weights copied into pinned CUDA host memory (RAM for a second copy;"
+        " prefetch helpers can use it too); page-cache: the files' page-cache pages pinned in"
+        " place (no second copy; the keeper's own restores only). Both copy to the GPU at the"
+        " PCIe rate (default: copy)",
+    )
+    parser.add_argument(
         "--backend",
         choices=("cuda", "memfd"),
         default="cuda",
@@ -310,8 +319,10 @@ def run(args) -> int:
 
     address = args.socket or os.environ.get("SNAPFN_PINNED_SOCKET") or default_socket(os.environ)
     files = files_to_pin(Path(args.snapshot)) if args.snapshot is not None else []
-    cache = PinnedCache(args.backend, args.device)
-    keeper = Keeper(cache, cuda=args.backend == "cuda", device=args.device)
+    cuda = args.backend == "cuda"
+    backend = {"copy": "cuda", "page-cache": "page-cache"}[args.hold] if cuda else args.backend
+    cache = PinnedCache(backend, args.device)
+    keeper = Keeper(cache, cuda=cuda, device=args.device)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

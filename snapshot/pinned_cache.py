@@ -42,6 +42,9 @@ from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.preads import preadv_exact
 
 MAX_MESSAGE = 1 << 16
+# "cuda": a copy in CUDA host-NUMA memory, exportable; "page-cache": the file's page-cache pages
+# registered in place (the keeper's own prefetches only); "memfd": the protocol without a GPU
+BACKENDS = ("cuda", "page-cache", "memfd")
 FILL_THREADS = 8
 FILL_BYTES = 64 << 20
 
@@ -100,8 +103,8 @@ class PinnedCache:
     """The keeper's files, each copied into a pinned allocation of its own (served by keeper.py)."""
 
     def __init__(self, backend: str = "cuda", device: int = 0, log=None) -> None:
-        if backend not in ("cuda", "memfd"):
-            raise ValueError(f"backend must be cuda or memfd, not {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
         self.backend, self.device, self._log = backend, device, log
         self._files: dict[FileIdentity, _Pinned] = {}
         self._cu: Any = None
@@ -111,8 +114,8 @@ class PinnedCache:
         identity = FileIdentity.of(path)
         if identity in self._files:
             return identity
-        make = self._make_cuda if self.backend == "cuda" else _make_memfd
-        self._files[identity] = make(Path(path), identity)
+        make = {"cuda": self._make_cuda, "page-cache": self._register, "memfd": _make_memfd}
+        self._files[identity] = make[self.backend](Path(path), identity)
         return identity
 
     def lease(self, asked: FileIdentity) -> tuple[int, dict[str, Any]] | str:
@@ -120,6 +123,8 @@ class PinnedCache:
         found = self._files.get(asked)
         if found is None:
             return self._why_not(asked)
+        if found.fd < 0:
+            return "page-cache pins serve the keeper's own prefetches only (it makes the regions)"
         location = "host_numa" if self.backend == "cuda" else "memfd"
         return found.fd, {
             "size": asked.size,
@@ -150,8 +155,9 @@ class PinnedCache:
     def close(self) -> None:
         files, self._files = self._files, {}
         for pinned in files.values():
-            with contextlib.suppress(OSError):
-                os.close(pinned.fd)
+            if pinned.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(pinned.fd)
             pinned.release()
 
     @property
@@ -198,6 +204,42 @@ class PinnedCache:
             raise
 
         return _Pinned(identity, fd, alloc_bytes, release, va)
+
+    def _register(self, path: Path, identity: FileIdentity) -> _Pinned:
+        """The file's own page-cache pages, mapped and pinned in place (cuMemHostRegister,
+        read-only): no second copy in RAM, copied to the GPU at the PCIe rate like a pinned
+        copy, but only by this process (nothing to export)."""
+        from snapfn.snapshot.cuda_driver import driver, ok
+        from snapfn.snapshot.file_mapping import FileMapping
+
+        cu = self._cu = self._cu or driver()
+        device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
+        ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mapping = FileMapping(fd, identity.size)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        page = os.sysconf("SC_PAGE_SIZE")
+        nbytes = -(-mapping.size // page) * page
+        try:
+            # NOTE: CU_MEMHOSTREGISTER_READ_ONLY (0x08): page-cache pages, pinned unwritable
+            ok(cu.cuMemHostRegister(mapping.address, nbytes, 0x08), "cuMemHostRegister")
+        except RestoreFailed:
+            mapping.close()
+            raise
+
+        def release() -> None:
+            cu.cuMemHostUnregister(mapping.address)
+            mapping.close()
+
+        try:
+            va = int(ok(cu.cuMemHostGetDevicePointer(mapping.address, 0), "device pointer"))
+        except RestoreFailed:
+            release()
+            raise
+        return _Pinned(identity, -1, nbytes, release, va)
 
 
 def _make_memfd(path: Path, identity: FileIdentity) -> _Pinned:

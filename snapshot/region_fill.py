@@ -37,6 +37,7 @@ from snapfn.snapshot.cuda_driver import (
 )
 from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.file_mapping import FileMapping
 from snapfn.snapshot.pinned_cache import PinnedCache
 from snapfn.snapshot.preads import preadv_exact
 from snapfn.snapshot.region_prefetch import MAX_MESSAGE, RegionSpec
@@ -74,7 +75,7 @@ class _Fill:
         self.seconds, self._start = 0.0, time.perf_counter()
         source, reader = self.fd, _reader
         if prefetch.read == "register":
-            source, reader = _FileMapping(self.fd, self.size), _registered_reader
+            source, reader = FileMapping(self.fd, self.size), _registered_reader
         self._mapping = source if prefetch.read == "register" else None
         args = (prefetch._cu, ctx, source, self.size, made.va, self._next_unit, self.errors)
         self.readers = [
@@ -340,26 +341,7 @@ def _reader(cu, ctx, fd: int, size: int, va: int, next_unit, errors: list) -> No
             cu.cuMemFreeHost(ptr)
 
 
-class _FileMapping:
-    """A file mapped read-only and shared (its page-cache pages), at `address`."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3
-        libc.mmap.argtypes += [ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._libc, self.size = libc, max(size, 1)
-        address = libc.mmap(None, self.size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if address in (None, ctypes.c_void_p(-1).value):
-            raise RestoreFailed(f"mmap of the weights failed: {os.strerror(ctypes.get_errno())}")
-        self.address = int(address)
-
-    def close(self) -> None:
-        self._libc.munmap(self.address, self.size)
-
-
-def _registered_reader(cu, ctx, mapping: _FileMapping, size, va, next_unit, errors) -> None:
+def _registered_reader(cu, ctx, mapping: FileMapping, size, va, next_unit, errors) -> None:
     pending: list[tuple[int, Any]] = []  # (host address registered, event of its copy)
     stream = None
     page = os.sysconf("SC_PAGE_SIZE")

@@ -138,6 +138,43 @@ def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
     assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
 
 
+@pytest.mark.parametrize("hold", ["cuda", "page-cache"])
+def test_a_keepers_own_prefetch_copies_from_what_it_holds(tmp_path, hold):
+    import threading
+
+    from snapfn.snapshot import region_prefetch
+    from snapfn.snapshot.pinned_cache import PinnedCache
+    from snapfn.snapshot.region_fill import RegionPrefetch
+    from snapfn.snapshot.region_prefetch import RegionSpec
+    from snapfn.snapshot.vmm import CudaRegion
+
+    payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
+    (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
+    cache = PinnedCache(hold)
+    cache.add(tmp_path / "weights.bin")
+    weights = CudaRegion(8 << 20, torch.device("cuda", 0))
+    weights.base.fill_(7)
+    weights.release()
+    spec = RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin")
+    address = str(tmp_path / "regions.sock")
+    prefetch = RegionPrefetch([spec], tmp_path, address, timeout_s=60, local=cache)
+    running = threading.Thread(target=prefetch.run, daemon=True)
+    running.start()
+    try:
+        message, fds, sock = region_prefetch.receive(address, timeout_s=60)
+        assert message["ok"], message["error"]
+        weights.adopt(fds[weights.address])
+        region_prefetch.ack(sock)
+        running.join(30)
+    finally:
+        prefetch.cancel()
+        running.join(30)
+        cache.close()
+    figures = message["figures"]
+    assert figures["pinned_bytes"] == payload.numel() and "pinned_miss" not in figures, figures
+    assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
+
+
 def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
     import os
     import time
