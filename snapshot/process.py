@@ -27,11 +27,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from snapfn.snapshot import criu, cuda_checkpoint, image_memory, keeper, smaps
+from snapfn.snapshot import criu, cuda_checkpoint, keeper, smaps
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.pipe_channel import PipeChannel
+
+if TYPE_CHECKING:
+    from snapfn.snapshot import image_memory
 
 Log = Callable[[str], None]
 PIPES = ("ctl", "rep", "out")  # owner → worker, worker → owner, worker's stdout + stderr
@@ -234,6 +237,8 @@ def _move_memory(
     """The memory move after the dump (SNAPFN_PROCESS_MEMORY=file); a failure is the dump's."""
     if config.memory != "file":
         return None
+    from snapfn.snapshot import image_memory  # NOTE: here: restores never need it
+
     start = time.perf_counter()
     try:
         moved = image_memory.move_memory(images_dir)
