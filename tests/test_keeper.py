@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-from test_region_prefetch import MemfdPrefetch, spec
 
 from snapfn.snapshot import cuda_checkpoint, keeper, process, region_prefetch
 from snapfn.snapshot.errors import RestoreFailed
@@ -21,6 +20,8 @@ from snapfn.snapshot.keeper import Keeper, KeeperPrefetch, KeeperUnavailable
 from snapfn.snapshot.pinned_cache import PinnedCache
 from snapfn.snapshot.process_snapshot import _current_compat
 from snapfn.snapshot.region_prefetch import RegionSpec, prefetch_doc
+
+from test_region_prefetch import MemfdPrefetch, spec
 
 
 class FakeGpuKeeper(Keeper):

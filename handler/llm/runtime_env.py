@@ -17,7 +17,7 @@ from pathlib import Path
 COMPILE_CACHES = {
     "triton": "TRITON_CACHE_DIR",
     "inductor": "TORCHINDUCTOR_CACHE_DIR",
-    "flashinfer": "FLASHINFER_WORKSPACE_BASE",
+    "flashinfer": "FLASHINFER_WORKSPACE_BASE",  # JIT into <it>/.cache/flashinfer (jit/env.py)
     "deepgemm": "DG_JIT_CACHE_DIR",
 }
 

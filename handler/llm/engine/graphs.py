@@ -45,6 +45,7 @@ class DecodeGraphs:
         self.stats = GraphStats(buckets=self.buckets)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._batches: dict[int, ForwardBatch] = {}  # each bucket's, over the static buffers
         self._alloc_static(max(self.buckets), model.device)
 
     def _alloc_static(self, n: int, device: torch.device) -> None:
@@ -91,7 +92,8 @@ class DecodeGraphs:
 
         start = time.perf_counter()
         for n in sorted(self.buckets, reverse=True):
-            batch = self._static_batch(n)
+            batch = self._batches[n] = self._static_batch(n)
+            self.model.backend.begin_forward(batch, graph=True)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -121,6 +123,9 @@ class DecodeGraphs:
         self.page_table[:b, :w].copy_(batch.page_table)
         self.page_table[:b, w:] = self.kv.scratch_page
         self._reset_padding(b)
+        # NOTE: after the inputs are in the static buffers and before the replay: the backend
+        # plans from them (flashinfer's page metadata), which a graph cannot do
+        self.model.backend.begin_forward(self._batches[n], graph=True)
         self._graphs[n].replay()
         self.stats.replays += 1
         return self._outputs[n][:b]

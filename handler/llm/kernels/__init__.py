@@ -3,7 +3,8 @@
 `get_backend("auto", device)` picks the backend for the device: today the torch reference
 everywhere. "triton" (our own Triton kernels over the torch reference) is chosen by name
 (`SNAPFN_BACKEND=triton`) until its GPU tests have passed on a GPU; then "auto" takes it on
-CUDA when triton is installed (`AUTO_TRITON`). Other GPU backends come with issue 6.
+CUDA when triton is installed (`AUTO_TRITON`). "flashinfer" (FlashInfer's paged attention over
+the torch reference, CUDA only) is chosen by name only. Other GPU backends come with issue 6.
 """
 
 from __future__ import annotations
@@ -36,8 +37,16 @@ def _triton_factory() -> Backend:
     return TritonBackend()
 
 
+def _flashinfer_factory() -> Backend:
+    # imports flashinfer (InitFailed, saying how to install it, where it cannot)
+    from .flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend()
+
+
 register_backend("torch", _torch_factory)
 register_backend("triton", _triton_factory)
+register_backend("flashinfer", _flashinfer_factory)
 # NOTE: off until tests/test_triton_kernels.py's GPU cases have passed on a GPU (never yet):
 # correctness before speed, and an unverified kernel must not become every CUDA run's default.
 AUTO_TRITON = False

@@ -40,6 +40,16 @@ class Backend:
 
     name = "abstract"
 
+    def begin_forward(self, batch: ForwardBatch, graph: bool = False) -> None:
+        """Announce a forward over `batch`, outside any CUDA graph capture, so that a backend
+        whose kernels need host-side planning plans once for all layers. `graph=True`: the
+        forward is a decode CUDA graph over exactly this batch's rows and page-table width,
+        captured next or replayed now, so what its kernels read must be planned into buffers
+        fixed for that graph. `DecodeGraphs` calls this before each capture and each replay;
+        eager forwards are not announced (warmup and the memory profile run the model
+        directly), so a backend plans those at its first call with a new batch. Default: no
+        planning."""
+
     def linear(
         self,
         x: torch.Tensor,

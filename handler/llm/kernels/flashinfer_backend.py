@@ -1,0 +1,230 @@
+"""FlashInfer backend: the torch reference with FlashInfer's paged attention (llama family).
+
+- `paged_attention` for decode batches (one new token per request):
+  `flashinfer.BatchDecodeWithPagedKVCacheWrapper`, eagerly or, inside decode CUDA graphs, in
+  its CUDA-graph mode (page metadata in buffers fixed per graph);
+- `paged_attention` for prefill and mixed batches: `BatchPrefillWithPagedKVCacheWrapper`,
+  causal over each request's cached prefix.
+
+Both read the pool's separate K and V caches (`[num_pages, page_size, Hkv, D]` each, flashinfer's
+"NHD" layout, passed as a `(k, v)` tuple) through the batch's pages in flashinfer's CSR form
+(`paged_kv_metadata`). float16 / bfloat16 only, CUDA only, `D == Dv`. Everything else (linear,
+RMSNorm, MoE, MLA) is inherited from `TorchBackend`, which stays the oracle (docs/kernels.md).
+
+Planning: flashinfer splits attention into `plan()` (host work: the page metadata and the
+split-KV schedule, copied to the GPU; it syncs with the host, so it never runs inside CUDA
+graph capture) and `run()` (kernels only). Every layer of a forward runs the same plan:
+- a forward announced by `begin_forward` (decode graphs, before capture and before each
+  replay) is planned there, into that graph's own wrapper and buffers;
+- any other forward is planned by its first `paged_attention` call; the later layers' calls
+  see the same batch object and reuse the plan.
+A plan also depends on the attention's shape (heads, head dim, dtype, scale), which only the
+first `paged_attention` call shows; until then `begin_forward` defers to that call, which for
+a graph is the warm-up run before its capture.
+
+Not GPU-tested yet: `tests/test_flashinfer.py -m gpu` (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.batch import ForwardBatch
+from ..errors import InitFailed
+from .torch_ref import TorchBackend
+
+FLASHINFER_VERSION = "0.6.9"  # the release this backend is written and checked against
+WORKSPACE_BYTES = 128 << 20  # split-KV partial results; flashinfer's recommended size
+DTYPES = (torch.float16, torch.bfloat16)
+KV_LAYOUT = "NHD"  # a page is [page_size, Hkv, D]: the KV pool's layout
+
+
+def import_flashinfer() -> ModuleType:
+    """The flashinfer module, or InitFailed saying how to install it.
+
+    NOTE: imported when the backend is built, never at module import: importing flashinfer
+    initialises CUDA (it names its JIT cache after each GPU's compute capability) and reads
+    FLASHINFER_WORKSPACE_BASE, which the runtime_env stage sets first.
+    """
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise InitFailed(
+            f"backend 'flashinfer' needs the flashinfer-python package, which does not import "
+            f"here ({exc}); on a CUDA machine: pip install flashinfer-python=={FLASHINFER_VERSION}"
+        ) from exc
+    return flashinfer
+
+
+@dataclass(frozen=True)
+class PagedKVMetadata:
+    """A batch's tokens and pages in flashinfer's CSR form (request `b` of `B`)."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32: b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: torch.Tensor  # [B+1] int32: b's pages are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 page ids, in token order
+    kv_last_page_len: torch.Tensor  # [B] int32 tokens in b's last page: 1..page_size, 0 if none
+
+
+def paged_kv_metadata(batch: ForwardBatch) -> PagedKVMetadata:
+    """The batch's page metadata, on the host: request `b` holds `seq_lens[b]` tokens in the
+    first `ceil(seq_lens[b] / page_size)` pages of its page-table row (the rest is padding)."""
+    cu_q_lens, seq_lens, page_table = (
+        t.cpu() for t in (batch.cu_q_lens, batch.seq_lens, batch.page_table)
+    )
+    seq_lens = seq_lens.long()
+    num_pages = (seq_lens + batch.page_size - 1) // batch.page_size  # [B]
+    width = page_table.shape[1]
+    if bool((num_pages > width).any()):
+        raise ValueError(
+            f"a request needs {int(num_pages.max())} pages, its page-table row has {width}"
+        )
+    used = torch.arange(width)[None, :] < num_pages[:, None]  # [B, W]
+    last_page_len = seq_lens - (num_pages - 1).clamp(min=0) * batch.page_size
+    return PagedKVMetadata(
+        qo_indptr=cu_q_lens.to(torch.int32),
+        kv_indptr=F.pad(num_pages.cumsum(0), (1, 0)).to(torch.int32),
+        kv_indices=page_table[used].to(torch.int32),  # row-major: request by request, in order
+        kv_last_page_len=last_page_len.to(torch.int32),
+    )
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a flashinfer plan is specialised for; every layer of a llama model has the same."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype  # of q and of the caches
+    scale: float
+
+    @classmethod
+    def of(cls, q, k_cache, v_cache, scale: float) -> AttentionShape:
+        if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(
+                f"the flashinfer backend runs float16 / bfloat16 attention; got q {q.dtype}, "
+                f"KV cache {k_cache.dtype} (run the model with dtype bfloat16)"
+            )
+        if v_cache.shape[-1] != q.shape[-1]:
+            raise ValueError(f"head dims differ: q/k {q.shape[-1]}, v {v_cache.shape[-1]}")
+        _, page_size, num_kv_heads, _ = k_cache.shape
+        return cls(q.shape[1], num_kv_heads, q.shape[2], page_size, q.dtype, scale)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class FlashInferBackend(TorchBackend):
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        self._flashinfer = import_flashinfer()
+        self._workspace: torch.Tensor | None = None  # shared by all wrappers: one runs at a time
+        self._eager: dict[str, Any] = {}  # "decode" / "prefill" -> wrapper
+        self._graphed: dict[tuple[int, int], Any] = {}  # (rows, page-table width) -> wrapper
+        # the forward in progress: its batch (announced or planned; held, so that `is` never
+        # matches a new batch at a freed one's address), whether it is a graph's, the shape
+        # seen last, and the wrapper planned for both (None: not planned yet)
+        self._batch: ForwardBatch | None = None
+        self._graph = False
+        self._shape: AttentionShape | None = None
+        self._planned: Any = None
+
+    def begin_forward(self, batch, graph=False):
+        self._batch, self._graph, self._planned = batch, graph, None
+        if self._shape is not None:
+            self._planned = self._plan(batch, graph, self._shape)
+
+    def paged_attention(self, q, k_cache, v_cache, batch, scale):
+        shape = AttentionShape.of(q, k_cache, v_cache, scale)
+        if batch is not self._batch or shape != self._shape or self._planned is None:
+            self._plan_first_use(batch, shape)
+        return self._planned.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
+
+    def _plan_first_use(self, batch: ForwardBatch, shape: AttentionShape) -> None:
+        if _capturing(batch.seq_lens.device):
+            raise RuntimeError(
+                "flashinfer: no plan for this batch inside CUDA graph capture; "
+                "call backend.begin_forward(batch, graph=True) and run it once before capturing"
+            )
+        graph = self._graph and batch is self._batch
+        self._batch, self._graph, self._shape = batch, graph, shape
+        self._planned = self._plan(batch, graph, shape)
+
+    def _plan(self, batch: ForwardBatch, graph: bool, shape: AttentionShape) -> Any:
+        """Plan `batch` on its wrapper; returns the wrapper, ready to `run` every layer."""
+        if batch.page_size != shape.page_size:
+            raise ValueError(f"batch page size {batch.page_size}, cache's {shape.page_size}")
+        if graph and not batch.is_decode:
+            raise ValueError("only decode batches run in CUDA graphs")
+        # NOTE: paged_kv_metadata copies the batch's tensors to the host, which waits for the
+        # stream: so the last plan's copy out of flashinfer's pinned buffer has completed
+        # before plan() overwrites that buffer.
+        meta = paged_kv_metadata(batch)
+        wrapper = self._wrapper(batch, graph)
+        common = dict(
+            num_qo_heads=shape.num_qo_heads,
+            num_kv_heads=shape.num_kv_heads,
+            page_size=shape.page_size,
+            sm_scale=shape.scale,
+            q_data_type=shape.dtype,
+            kv_data_type=shape.dtype,
+        )
+        if batch.is_decode:
+            wrapper.plan(
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                head_dim=shape.head_dim,
+                **common,
+            )
+        else:
+            wrapper.plan(
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                head_dim_qk=shape.head_dim,
+                causal=True,
+                **common,
+            )
+        return wrapper
+
+    def _wrapper(self, batch: ForwardBatch, graph: bool) -> Any:
+        device = batch.seq_lens.device
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        fi = self._flashinfer
+        if graph:
+            rows, width = batch.page_table.shape
+            if (rows, width) not in self._graphed:
+                self._graphed[rows, width] = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace,
+                    KV_LAYOUT,
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                    paged_kv_indices_buffer=torch.zeros(
+                        rows * width, dtype=torch.int32, device=device
+                    ),
+                    paged_kv_last_page_len_buffer=torch.zeros(
+                        rows, dtype=torch.int32, device=device
+                    ),
+                )
+            return self._graphed[rows, width]
+        kind = "decode" if batch.is_decode else "prefill"
+        if kind not in self._eager:
+            cls = (
+                fi.BatchDecodeWithPagedKVCacheWrapper
+                if batch.is_decode
+                else fi.BatchPrefillWithPagedKVCacheWrapper
+            )
+            self._eager[kind] = cls(self._workspace, KV_LAYOUT)
+        return self._eager[kind]
