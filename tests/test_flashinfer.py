@@ -111,9 +111,12 @@ def test_registry_lists_flashinfer_and_says_how_to_install_it(monkeypatch):
         get_backend("flashinfer", "cuda")
 
 
-def test_auto_never_picks_flashinfer():
+def test_auto_picks_flashinfer_on_cuda_where_it_is_installed(fake_flashinfer, monkeypatch):
+    from snapfn.handler.llm import kernels
+
+    monkeypatch.setattr(kernels, "_installed", lambda name: True)
+    assert get_backend("auto", "cuda").name == "flashinfer"
     assert get_backend("auto", "cpu").name == "torch"
-    assert get_backend("auto", "cuda").name == "torch"
 
 
 def test_importing_the_package_does_not_import_flashinfer():
@@ -250,6 +253,8 @@ def fake_flashinfer(monkeypatch):
     fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
     fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    # the fake takes any head dim: the tiny models' 16 too, which the real one is not built for
+    monkeypatch.setattr(flashinfer_backend, "HEAD_DIMS", (*flashinfer_backend.HEAD_DIMS, 16))
     return fake
 
 
@@ -327,13 +332,20 @@ def test_no_planning_inside_graph_capture(fake_flashinfer, monkeypatch):
         backend.paged_attention(q, k_cache, v_cache, batch, 0.25)
 
 
-def test_float32_is_refused_with_a_reason(fake_flashinfer):
-    q, k_cache, v_cache = (
-        t.float() for t in _attention_inputs(1, torch.Generator().manual_seed(3))
-    )
+def test_what_flashinfer_does_not_cover_runs_the_reference_unplanned(fake_flashinfer):
+    half = _attention_inputs(1, torch.Generator().manual_seed(3))
     batch = ForwardBatch.build([[1]], [3], [[4]], 4, "cpu")
-    with pytest.raises(ValueError, match="float16 / bfloat16"):
-        get_backend("flashinfer").paged_attention(q, k_cache, v_cache, batch, 0.25)
+    group_of_8 = (half[0].repeat(1, 4, 1), *half[1:])  # 16 query heads over 2 KV heads: fine
+    odd_dim = tuple(t[..., :12] for t in half)  # head dim 12: no template
+    for inputs in ((t.float() for t in half), odd_dim):  # float32; head dim 12
+        q, k_cache, v_cache = inputs
+        backend = get_backend("flashinfer")
+        got = backend.paged_attention(q, k_cache, v_cache, batch, 0.25)
+        want = get_backend("torch").paged_attention(q, k_cache, v_cache, batch, 0.25)
+        assert torch.equal(got, want) and _planned(backend) == []
+    backend = get_backend("flashinfer")
+    backend.paged_attention(*group_of_8, batch, 0.25)
+    assert _planned(backend) == [("decode", 1)]
 
 
 def test_whole_model_greedy_over_fake_flashinfer_equals_torch(fake_flashinfer, tmp_path):

@@ -70,15 +70,24 @@ def test_auto_is_torch_on_cpu():
     assert get_backend("auto", "cpu").name == "torch"
 
 
-def test_auto_is_triton_on_cuda_only_when_enabled_and_installed(monkeypatch):
+def test_auto_on_cuda_takes_the_first_installed_backend_that_builds(monkeypatch):
     # get_backend does not touch the device: this runs on CPU-only machines too
     from snapfn.handler.llm import kernels
+    from snapfn.handler.llm.errors import InitFailed
 
-    assert get_backend("auto", "cuda").name == "torch"  # until the GPU tests have passed
-    monkeypatch.setattr(kernels, "AUTO_TRITON", True)
+    monkeypatch.setattr(kernels, "_installed", lambda name: name == "triton" and HAS_TRITON)
     want = "triton" if HAS_TRITON else "torch"
     assert get_backend("auto", "cuda").name == want
     assert get_backend("auto", "cuda:0").name == want
+    monkeypatch.setattr(kernels, "_installed", lambda name: True)  # flashinfer "installed"…
+
+    def broken():
+        raise InitFailed("flashinfer: its dependencies do not import here")
+
+    monkeypatch.setitem(kernels._FACTORIES, "flashinfer", broken)  # …but not building
+    assert get_backend("auto", "cuda").name == want
+    monkeypatch.setattr(kernels, "AUTO_CUDA", ())
+    assert get_backend("auto", "cuda").name == "torch"
 
 
 def test_triton_backend_inherits_non_fp8_linear():

@@ -149,6 +149,7 @@ class LLMFunction:
         kv = allocate_kv(self.model, pages, page_size, alloc)
         self.engine = Engine(self.model, kv, self.config.engine_options().scheduler)
         figures.update(pages=kv.num_pages, bytes=kv.num_bytes, capacity_tokens=kv.capacity_tokens)
+        figures["backend"] = self.model.backend.name  # the kernels the engine runs (auto's pick)
 
     def buckets(self) -> list[int]:
         from .engine.graphs import default_buckets

@@ -1,10 +1,10 @@
 """Backend registry: attention / GEMM / MoE implementations chosen by name.
 
-`get_backend("auto", device)` picks the backend for the device: today the torch reference
-everywhere. "triton" (our own Triton kernels over the torch reference) is chosen by name
-(`SNAPFN_BACKEND=triton`) until its GPU tests have passed on a GPU; then "auto" takes it on
-CUDA when triton is installed (`AUTO_TRITON`). "flashinfer" (FlashInfer's paged attention over
-the torch reference, CUDA only) is chosen by name only. Other GPU backends come with issue 6.
+`get_backend("auto", device)` picks the backend for the device: on CUDA the first of
+`AUTO_CUDA` that is installed and builds here — "flashinfer" (FlashInfer's paged attention over
+the torch reference), then "triton" (our own Triton kernels over the torch reference) — else,
+and on CPU always, the torch reference. A backend enters `AUTO_CUDA` only once its GPU checks
+passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks one by name.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import InitFailed
 from .base import Backend, ExpertWeights
 
 __all__ = ["Backend", "ExpertWeights", "available_backends", "get_backend", "register_backend"]
@@ -47,14 +48,15 @@ def _flashinfer_factory() -> Backend:
 register_backend("torch", _torch_factory)
 register_backend("triton", _triton_factory)
 register_backend("flashinfer", _flashinfer_factory)
-# NOTE: off until tests/test_triton_kernels.py's GPU cases have passed on a GPU (never yet):
-# correctness before speed, and an unverified kernel must not become every CUDA run's default.
-AUTO_TRITON = False
+# NOTE: correctness before speed: an unverified kernel must not become every CUDA run's
+# default. triton: tests/test_triton_kernels.py's GPU cases passed on the H200 (session 5, run
+# 2); flashinfer: tests/test_flashinfer.py's (session 5, run 3).
+AUTO_CUDA = ("flashinfer", "triton")
 
 
-def _triton_installed() -> bool:
-    # NOTE: find_spec only: importing triton takes seconds and may touch CUDA.
-    return importlib.util.find_spec("triton") is not None
+def _installed(name: str) -> bool:
+    # NOTE: find_spec only: importing triton or flashinfer takes seconds and touches CUDA.
+    return importlib.util.find_spec(name) is not None
 
 
 def available_backends() -> list[str]:
@@ -64,8 +66,15 @@ def available_backends() -> list[str]:
 def get_backend(name: str = "auto", device: str = "cpu") -> Backend:
     """Instantiate backend `name`; "auto" picks the best registered one for `device`."""
     if name == "auto":
-        cuda = torch.device(device).type == "cuda"
-        name = "triton" if AUTO_TRITON and cuda and _triton_installed() else "torch"
+        if torch.device(device).type == "cuda":
+            for candidate in AUTO_CUDA:
+                if not _installed(candidate):
+                    continue
+                try:
+                    return _FACTORIES[candidate]()
+                except (InitFailed, ImportError):  # e.g. flashinfer without its dependencies
+                    continue
+        name = "torch"
     if name not in _FACTORIES:
         raise ValueError(f"unknown backend {name!r} (available: {', '.join(available_backends())})")
     return _FACTORIES[name]()

@@ -41,6 +41,8 @@ from .torch_ref import TorchBackend
 FLASHINFER_VERSION = "0.6.9"  # the release this backend is written and checked against
 WORKSPACE_BYTES = 128 << 20  # split-KV partial results; flashinfer's recommended size
 DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)  # what flashinfer's decode and prefill templates are built for
+GROUP_SIZES = (1, 2, 3, 4, 8)  # query heads per KV head its CUDA-core decode dispatches
 KV_LAYOUT = "NHD"  # a page is [page_size, Hkv, D]: the KV pool's layout
 
 
@@ -106,16 +108,21 @@ class AttentionShape:
     scale: float
 
     @classmethod
-    def of(cls, q, k_cache, v_cache, scale: float) -> AttentionShape:
-        if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise ValueError(
-                f"the flashinfer backend runs float16 / bfloat16 attention; got q {q.dtype}, "
-                f"KV cache {k_cache.dtype} (run the model with dtype bfloat16)"
-            )
-        if v_cache.shape[-1] != q.shape[-1]:
-            raise ValueError(f"head dims differ: q/k {q.shape[-1]}, v {v_cache.shape[-1]}")
+    def of(cls, q, k_cache, v_cache, scale: float) -> AttentionShape | None:
+        """The shape, or None where flashinfer's kernels do not apply (the torch reference
+        runs that attention instead): not float16 / bfloat16, K and V head dims that differ,
+        a head dim or a query-per-KV-head group size its prebuilt choices do not cover."""
         _, page_size, num_kv_heads, _ = k_cache.shape
-        return cls(q.shape[1], num_kv_heads, q.shape[2], page_size, q.dtype, scale)
+        shape = cls(q.shape[1], num_kv_heads, q.shape[2], page_size, q.dtype, scale)
+        supported = (
+            q.dtype in DTYPES
+            and k_cache.dtype == v_cache.dtype == q.dtype
+            and v_cache.shape[-1] == q.shape[-1]
+            and shape.head_dim in HEAD_DIMS
+            and shape.num_qo_heads % num_kv_heads == 0
+            and shape.num_qo_heads // num_kv_heads in GROUP_SIZES
+        )
+        return shape if supported else None
 
 
 def _capturing(device: torch.device) -> bool:
@@ -145,6 +152,8 @@ class FlashInferBackend(TorchBackend):
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)
+        if shape is None:  # e.g. a float32 model: the reference, as under the torch backend
+            return super().paged_attention(q, k_cache, v_cache, batch, scale)
         if batch is not self._batch or shape != self._shape or self._planned is None:
             self._plan_first_use(batch, shape)
         return self._planned.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
