@@ -263,14 +263,14 @@ class KeeperPrefetch:
 
 # ---- snapfn keeper / snapfn pin ------------------------------------------------------------------
 def add_keeper_arguments(parser) -> None:
-    _add_arguments(parser, snapshot_required=False)
+    _add_arguments(parser, snapshot_required=False, hold="page-cache")
 
 
 def add_pin_arguments(parser) -> None:
-    _add_arguments(parser, snapshot_required=True)
+    _add_arguments(parser, snapshot_required=True, hold="copy")
 
 
-def _add_arguments(parser, snapshot_required: bool) -> None:
+def _add_arguments(parser, snapshot_required: bool, hold: str) -> None:
     import argparse
 
     parser.add_argument(
@@ -296,11 +296,11 @@ def _add_arguments(parser, snapshot_required: bool) -> None:
     parser.add_argument(
         "--hold",
         choices=("copy", "page-cache"),
-        default="copy",
-        help="copy: the weights copied into pinned CUDA host memory (RAM for a second copy;"
-        " prefetch helpers can use it too); page-cache: the files' page-cache pages pinned in"
-        " place (no second copy; the keeper's own restores only). Both copy to the GPU at the"
-        " PCIe rate (default: copy)",
+        default=hold,
+        help="page-cache: the files' page-cache pages pinned in place (no second copy in RAM;"
+        " the keeper's own restores only); copy: the weights copied into pinned CUDA host"
+        " memory (RAM for a second copy; prefetch helpers can use it too). Both copy to the"
+        f" GPU at the PCIe rate (default: {hold})",
     )
     parser.add_argument(
         "--backend",
