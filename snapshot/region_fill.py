@@ -380,7 +380,7 @@ def _registered_reader(cu, ctx, mapping: FileMapping, size, va, next_unit, error
 
 
 def prefetch_from_doc(doc: dict[str, Any], local: PinnedCache | None = None) -> RegionPrefetch:
-    """The RegionPrefetch that `PrefetchHelper.spawn`'s argument describes (listening)."""
+    """The RegionPrefetch a `prefetch_doc` describes (listening at its address)."""
     return RegionPrefetch(
         [RegionSpec.from_json(s) for s in doc["specs"]],
         Path(doc["snapshot_dir"]),

@@ -6,7 +6,7 @@ remap 0.23 s + stream 0.86 s after criu and the CUDA restore, session-3 device r
 restorer — the process that runs `criu restore` — has nothing to do meanwhile, so it does that
 work first, in a CUDA context of its own, and hands the memory over:
 
-    helper = PrefetchHelper.spawn(specs, snapshot_dir)     beside criu restore: a child process
+    helper = PrefetchHelper(prefetch_doc(specs, dir))      beside criu restore: a child process
                                                            (`python -m snapfn.snapshot.region_fill`)
                                                            that makes and fills them, so the
                                                            restorer itself never holds a CUDA
@@ -17,6 +17,9 @@ work first, in a CUDA context of its own, and hands the memory over:
                 weights on the GPU against the layout's sum64 table → ack()
     the helper exits: its mappings, handles and context go; the worker's imports keep the memory
     helper.close()                                         kills it if it is still there
+
+With a keeper on the machine (snapshot/keeper.py) the same RegionPrefetch runs in the keeper,
+whose driver and context are already up: `KeeperPrefetch(address, doc)` takes the helper's place.
 
 A spec (recorded by the worker at checkpoint, in the process manifest's "regions") is
 {"name", "address", "nbytes", "device", "fill"}: "fill" is "file" (the region is an image of the
@@ -141,7 +144,8 @@ def prefetch_doc(
 
 
 class PrefetchHelper:
-    """The child process that runs a RegionPrefetch for one restore."""
+    """The child process that runs a RegionPrefetch for one restore: `PrefetchHelper(doc)`
+    with a `prefetch_doc`, spawned on a side thread."""
 
     def __init__(self, doc: Mapping[str, Any]) -> None:
         self.address = str(doc["address"])
@@ -159,18 +163,6 @@ class PrefetchHelper:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:  # the worker times out connecting and streams itself
             self.spawn_error = exc
-
-    @classmethod
-    def spawn(
-        cls,
-        specs: Sequence[RegionSpec],
-        snapshot_dir: Path,
-        timeout_s: float,
-        num_threads: int = 8,
-        read: str = "pread",
-        pinned: str = "",
-    ) -> PrefetchHelper:
-        return cls(prefetch_doc(specs, snapshot_dir, timeout_s, num_threads, read, pinned))
 
     def wait(self, timeout_s: float | None = None) -> int | None:
         """The helper's exit status (None: it never started)."""

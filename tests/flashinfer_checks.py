@@ -24,7 +24,7 @@ from snapfn.handler.llm.engine.request import GenerationResult, SamplingParams
 from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.make_model import make_model
 
-from triton_checks import _check_close
+from triton_checks import _check_close, assert_same_greedy
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 SCALE = HEAD_DIM**-0.5
@@ -176,21 +176,6 @@ def greedy_results(
             stats = engine.graphs.stats
             assert stats.replays > 0 and stats.eager_fallbacks == 0, f"graphs not used: {stats}"
     return results
-
-
-def assert_same_greedy(
-    got: list[GenerationResult], want: list[GenerationResult], logprob_atol: float
-) -> float:
-    """Equal tokens and logprobs within `logprob_atol`; returns the largest logprob error."""
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids, f"greedy tokens differ: {a.token_ids} != {b.token_ids}"
-    diffs = [
-        abs(x - y)
-        for a, b in zip(got, want, strict=True)
-        for x, y in zip(a.logprobs, b.logprobs, strict=True)
-    ]
-    assert max(diffs) < logprob_atol, f"logprobs differ by {max(diffs)}"
-    return max(diffs)
 
 
 def _check_engine_greedy(run: str, device: str) -> dict:

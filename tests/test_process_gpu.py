@@ -67,29 +67,51 @@ def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_path):
-    from snapfn.snapshot import region_prefetch
-    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+def weights_file_and_region(tmp_path):
+    """A 6 MiB + 123 B weights file, and a released 8 MiB CUDA region (filled with 7s before
+    its release) that a prefetch fills from it: (payload, region, spec)."""
+    from snapfn.snapshot.region_prefetch import RegionSpec
     from snapfn.snapshot.vmm import CudaRegion
 
     payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
     (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
     weights = CudaRegion(8 << 20, torch.device("cuda", 0))
+    weights.base.fill_(7)
+    weights.release()
+    spec = RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin")
+    return payload, weights, spec
+
+
+def take_regions(address: str, *regions) -> dict:
+    """The worker's side of a hand-over: receive, adopt each region's fd, ack; the message."""
+    from snapfn.snapshot import region_prefetch
+
+    message, fds, sock = region_prefetch.receive(address, timeout_s=60)
+    assert message["ok"], message["error"]
+    for region in regions:
+        region.adopt(fds[region.address])
+    region_prefetch.ack(sock)
+    return message
+
+
+def assert_copied_from_the_hold(message: dict, payload, weights) -> None:
+    figures = message["figures"]
+    assert figures["pinned_bytes"] == payload.numel() and "pinned_miss" not in figures, figures
+    assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
+
+
+def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_path):
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
+    from snapfn.snapshot.vmm import CudaRegion
+
+    payload, weights, weights_spec = weights_file_and_region(tmp_path)
     kv = CudaRegion(4 << 20, torch.device("cuda", 0))
-    for region in (weights, kv):
-        region.base.fill_(7)
-        region.release()
-    specs = [
-        RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin"),
-        RegionSpec("kv", kv.address, kv.nbytes, 0, "zero"),
-    ]
-    helper = PrefetchHelper.spawn(specs, tmp_path, timeout_s=60)
+    kv.base.fill_(7)
+    kv.release()
+    specs = [weights_spec, RegionSpec("kv", kv.address, kv.nbytes, 0, "zero")]
+    helper = PrefetchHelper(prefetch_doc(specs, tmp_path, timeout_s=60))
     try:
-        message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
-        assert message["ok"], message["error"]
-        weights.adopt(fds[weights.address])
-        kv.adopt(fds[kv.address])
-        region_prefetch.ack(sock)
+        message = take_regions(helper.address, weights, kv)
         assert helper.wait(30) == 0  # it let go; our imports keep the memory
     finally:
         helper.close()
@@ -102,30 +124,20 @@ def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_p
 def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
     import threading
 
-    from snapfn.snapshot import region_prefetch
     from snapfn.snapshot.keeper import Keeper
     from snapfn.snapshot.pinned_cache import PinnedCache
-    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
-    from snapfn.snapshot.vmm import CudaRegion
+    from snapfn.snapshot.region_prefetch import PrefetchHelper, prefetch_doc
 
-    payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
-    (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
+    payload, weights, spec = weights_file_and_region(tmp_path)
     cache = PinnedCache("cuda")
     cache.add(tmp_path / "weights.bin")
     address, stop = str(tmp_path / "pinned.sock"), threading.Event()
     keeper = threading.Thread(target=Keeper(cache).serve, args=(address, stop), daemon=True)
     keeper.start()
-    weights = CudaRegion(8 << 20, torch.device("cuda", 0))
-    weights.base.fill_(7)
-    weights.release()
-    spec = RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin")
     try:
-        helper = PrefetchHelper.spawn([spec], tmp_path, timeout_s=60, pinned=address)
+        helper = PrefetchHelper(prefetch_doc([spec], tmp_path, timeout_s=60, pinned=address))
         try:
-            message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
-            assert message["ok"], message["error"]
-            weights.adopt(fds[weights.address])
-            region_prefetch.ack(sock)
+            message = take_regions(helper.address, weights)
             assert helper.wait(30) == 0
         finally:
             helper.close()
@@ -133,46 +145,31 @@ def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
         stop.set()
         keeper.join(5)
         cache.close()
-    figures = message["figures"]
-    assert figures["pinned_bytes"] == payload.numel() and "pinned_miss" not in figures, figures
-    assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
+    assert_copied_from_the_hold(message, payload, weights)
 
 
 @pytest.mark.parametrize("hold", ["cuda", "page-cache"])
 def test_a_keepers_own_prefetch_copies_from_what_it_holds(tmp_path, hold):
     import threading
 
-    from snapfn.snapshot import region_prefetch
     from snapfn.snapshot.pinned_cache import PinnedCache
     from snapfn.snapshot.region_fill import RegionPrefetch
-    from snapfn.snapshot.region_prefetch import RegionSpec
-    from snapfn.snapshot.vmm import CudaRegion
 
-    payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
-    (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
+    payload, weights, spec = weights_file_and_region(tmp_path)
     cache = PinnedCache(hold)
     cache.add(tmp_path / "weights.bin")
-    weights = CudaRegion(8 << 20, torch.device("cuda", 0))
-    weights.base.fill_(7)
-    weights.release()
-    spec = RegionSpec("weights", weights.address, weights.nbytes, 0, "file", "weights.bin")
     address = str(tmp_path / "regions.sock")
     prefetch = RegionPrefetch([spec], tmp_path, address, timeout_s=60, local=cache)
     running = threading.Thread(target=prefetch.run, daemon=True)
     running.start()
     try:
-        message, fds, sock = region_prefetch.receive(address, timeout_s=60)
-        assert message["ok"], message["error"]
-        weights.adopt(fds[weights.address])
-        region_prefetch.ack(sock)
+        message = take_regions(address, weights)
         running.join(30)
     finally:
         prefetch.cancel()
         running.join(30)
         cache.close()
-    figures = message["figures"]
-    assert figures["pinned_bytes"] == payload.numel() and "pinned_miss" not in figures, figures
-    assert torch.equal(weights.base[: payload.numel()].cpu(), payload)
+    assert_copied_from_the_hold(message, payload, weights)
 
 
 def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:

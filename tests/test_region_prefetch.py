@@ -11,7 +11,7 @@ import pytest
 
 from snapfn.snapshot import region_prefetch
 from snapfn.snapshot.region_fill import RegionPrefetch, _Made
-from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec
+from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
 
 MiB = 1 << 20
 
@@ -112,7 +112,7 @@ def test_receive_waits_for_a_late_listener_then_times_out_without_one(tmp_path):
 
 
 def test_helper_process_without_a_gpu_reports_why_and_exits(tmp_path):
-    helper = PrefetchHelper.spawn([RegionSpec.from_json(spec())], tmp_path, timeout_s=30)
+    helper = PrefetchHelper(prefetch_doc([RegionSpec.from_json(spec())], tmp_path, timeout_s=30))
     try:
         message, fds, sock = region_prefetch.receive(helper.address, timeout_s=60)
         region_prefetch.ack(sock)

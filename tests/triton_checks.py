@@ -222,6 +222,20 @@ def _check_backend_decode(dtype: torch.dtype, device: str) -> dict:
     return _check_close("backend_decode", got.float().cpu(), want, DECODE_TOL[dtype])
 
 
+def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy tokens") -> float:
+    """Equal tokens and logprobs within `logprob_atol` (lists of GenerationResult); returns the
+    largest logprob error."""
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids, f"{what} differ: {a.token_ids} != {b.token_ids}"
+    diffs = [
+        abs(x - y)
+        for a, b in zip(got, want, strict=True)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True)
+    ]
+    assert max(diffs) < logprob_atol, f"{what}: logprobs differ by {max(diffs)}"
+    return max(diffs)
+
+
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
@@ -250,16 +264,9 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
             params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
             prompts = [[5, 17, 3, 9, 12, 40, 7], [2, 8], [30, 1, 4, 4, 11, 6, 19, 23, 2, 9, 10]]
             results[backend] = engine.generate(prompts, params)
-    got, want = results["triton"], results["torch"]
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids, f"{preset}: {a.token_ids} != {b.token_ids}"
-    diffs = [
-        abs(x - y)
-        for a, b in zip(got, want, strict=True)
-        for x, y in zip(a.logprobs, b.logprobs, strict=True)
-    ]
-    assert max(diffs) < 1e-3, f"{preset}: logprobs differ by {max(diffs)}"
-    return {"max_abs_err": max(diffs), "tokens": sum(len(r.token_ids) for r in got)}
+    got = results["triton"]
+    err = assert_same_greedy(got, results["torch"], 1e-3, what=preset)
+    return {"max_abs_err": err, "tokens": sum(len(r.token_ids) for r in got)}
 
 
 def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
