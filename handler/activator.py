@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from .activator_instance import Instance
+from .activator_keepers import Keepers
 from .activator_metrics import ActivatorMetrics
 from .activator_plan import ActivatorPlan
 from .activator_pool import InstancePool, Unavailable
@@ -60,23 +61,30 @@ def run_activator(args: Namespace, config: ServeConfig, environ: Mapping[str, st
 
 async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
     metrics = ActivatorMetrics()
-    async with _instance_session() as session:
-        pool = InstancePool(plan, config, metrics, _launcher(plan, config, session))
-        metrics.watch(pool)
-        app = create_activator_app(pool, plan, config, metrics, session)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
-        pool.start()
-        _announce(runner, plan, config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("stopping: %d instance(s) to stop", sum(pool.count_by_state().values()))
-        await pool.close()
-        await runner.cleanup()
+    keepers = Keepers(plan)
+    keepers.start()  # NOTE: before the pool: the first instance's restore can use them
+    try:
+        async with _instance_session() as session:
+            pool = InstancePool(plan, config, metrics, _launcher(plan, config, session))
+            metrics.watch(pool)
+            app = create_activator_app(pool, plan, config, metrics, session, keepers)
+            runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
+            pool.start()
+            _announce(runner, plan, config)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+            log.info("stopping: %d instance(s) to stop", sum(pool.count_by_state().values()))
+            await pool.close()
+            await runner.cleanup()
+    finally:
+        for gpu, code in keepers.exited().items():
+            log.warning("keeper for GPU %s had exited (%s) before the stop", gpu, code)
+        keepers.stop()  # NOTE: after the instances: none is restoring through them any more
     return 0
 
 
@@ -120,6 +128,7 @@ def create_activator_app(
     config: ServeConfig,
     metrics: ActivatorMetrics,
     session: aiohttp.ClientSession,
+    keepers: Keepers | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes, middlewares=[_json_errors, _auth(config)]
@@ -131,7 +140,13 @@ def create_activator_app(
         return web.json_response(body, status=503 if pool.closing else 200)
 
     async def startup(request: web.Request) -> web.Response:
-        return web.json_response({"activator": _settings(plan, config), **pool.describe()})
+        settings = _settings(plan, config)
+        if keepers is not None and plan.keeper_dir:
+            gone = keepers.exited()
+            settings["keepers"] = {
+                gpu: "running" if gpu not in gone else f"exited {gone[gpu]}" for gpu in plan.gpu_ids
+            }
+        return web.json_response({"activator": settings, **pool.describe()})
 
     async def metrics_text(request: web.Request) -> web.Response:
         body, content_type = metrics.render()

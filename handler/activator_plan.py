@@ -39,6 +39,7 @@ FORWARDED_FLAGS = (
     + ("startup_queue_size", "startup_wait_s")
 )
 ACTIVATOR_FLAGS = ("host", "port", "api_key", "idle_timeout", "max_instances", "target_concurrency")
+ACTIVATOR_FLAGS += ("keeper",)
 ACTIVATOR_VARIABLES = (
     "SNAPFN_IDLE_TIMEOUT_S",
     "SNAPFN_MAX_INSTANCES",
@@ -47,6 +48,7 @@ ACTIVATOR_VARIABLES = (
     "SNAPFN_HOST",
     "SNAPFN_PORT",
     "SNAPFN_API_KEY",
+    "SNAPFN_KEEPER",
     PARENT_PID_VARIABLE,
 )
 NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -62,6 +64,10 @@ class ActivatorPlan:
     instance_argv: tuple[str, ...]
     base_env: tuple[tuple[str, str], ...]  # the activator's environment less its own settings
     api_key: str | None
+    # with --keeper on: where each GPU's keeper serves is `<keeper_dir>/gpu<id>.sock` ("": off),
+    # and the snapshot it holds (a local process snapshot, else None: it only keeps CUDA warm)
+    keeper_dir: str = ""
+    keeper_snapshot: str | None = None
 
     @classmethod
     def build(
@@ -87,13 +93,34 @@ class ActivatorPlan:
                 "use --device cuda"
             )
         env = {k: v for k, v in environ.items() if k not in ACTIVATOR_VARIABLES}
+        keeper_dir, keeper_snapshot = "", None
+        if config.keeper == "on":
+            if not gpus:
+                raise BadRequest("--keeper on needs a GPU: none is visible here")
+            base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
+            keeper_dir = str(Path(base) / f"snapfn-keepers-{os.getpid()}")
+            keeper_snapshot = _local_process_snapshot(args.snapshot)
         return cls(
             gpu_ids=gpus,
             max_instances=max_instances,
             instance_argv=tuple(instance_argv(args)),
             base_env=tuple(sorted(env.items())),
             api_key=config.api_key,
+            keeper_dir=keeper_dir,
+            keeper_snapshot=keeper_snapshot,
         )
+
+    def keeper_socket(self, gpu: str) -> str:
+        return str(Path(self.keeper_dir) / f"gpu{gpu}.sock")
+
+    def keeper_argv(self, gpu: str) -> list[str]:
+        """`snapfn keeper` for GPU `gpu` (seen as device 0 through CUDA_VISIBLE_DEVICES)."""
+        argv = [sys.executable, "-m", "snapfn.handler.cli", "keeper", "--device", "0"]
+        argv += ["--socket", self.keeper_socket(gpu)]
+        return argv + (["--snapshot", self.keeper_snapshot] if self.keeper_snapshot else [])
+
+    def keeper_env(self, gpu: str) -> dict[str, str]:
+        return {**dict(self.base_env), "CUDA_VISIBLE_DEVICES": gpu}
 
     def instance_env(self, gpu: str | None, parent_pid: int) -> dict[str, str]:
         env = dict(self.base_env)
@@ -102,7 +129,19 @@ class ActivatorPlan:
             env["SNAPFN_API_KEY"] = self.api_key
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
+            if self.keeper_dir:
+                env["SNAPFN_PINNED_SOCKET"] = self.keeper_socket(gpu)
         return env
+
+
+def _local_process_snapshot(snapshot: str | None) -> str | None:
+    """`snapshot` when it is a local process snapshot (what a keeper can hold), else None."""
+    from snapfn.snapshot.process_snapshot import has_process_image
+
+    if not snapshot or "://" in str(snapshot):  # s3:// is pulled per instance: nothing to hold
+        return None
+    path = Path(snapshot)
+    return str(path.resolve()) if path.is_dir() and has_process_image(path) else None
 
 
 def instance_argv(args: argparse.Namespace) -> list[str]:

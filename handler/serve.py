@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-instances", type=int, help="instances at most (default: one per GPU, 1 on CPU)"
     )
     scale.add_argument(
+        "--keeper",
+        choices=("on", "off"),
+        help="on: run a `snapfn keeper` per GPU beside the instances, so that their tier-1"
+        " restores start no CUDA driver and copy the weights at the PCIe rate (default off;"
+        " docs/activator.md)",
+    )
+    scale.add_argument(
         "--target-concurrency",
         type=int,
         help=f"requests in flight per instance before another starts (default "
@@ -116,7 +123,7 @@ def serve_config(args: argparse.Namespace, environ) -> ServeConfig:
         name: getattr(args, name)
         for name in ("host", "port", "workers", "threads", "api_key", "model_name")
         + ("max_body_bytes", "startup_queue_size", "startup_wait_s")
-        + ("max_instances", "target_concurrency")
+        + ("max_instances", "target_concurrency", "keeper")
     }
     overrides["idle_timeout_s"] = args.idle_timeout
     return ServeConfig.from_env(environ, **overrides)

@@ -39,6 +39,9 @@ class ServeConfig:
     max_instances: int | None = None  # None: one per GPU (1 on a machine without GPUs)
     target_concurrency: int = 8  # requests in flight per instance before another one starts
     instance_start_timeout_s: float = 600.0  # an instance not up by then is killed
+    # "on": the activator runs a `snapfn keeper` per GPU (snapshot/keeper.py) for its
+    # instances' tier-1 restores; "off": none (an instance restores without one)
+    keeper: str = "off"
 
     def __post_init__(self) -> None:
         positive = ("workers", "threads", "worker_timeout_s", "max_body_bytes", "max_choices")
@@ -62,6 +65,10 @@ class ServeConfig:
             raise BadRequest(
                 "max_instances needs idle_timeout_s (the activator): add --idle-timeout"
             )
+        if self.keeper not in ("on", "off"):
+            raise BadRequest(f"keeper must be on or off, got {self.keeper!r}")
+        if self.keeper == "on" and self.idle_timeout_s is None:
+            raise BadRequest("keeper needs idle_timeout_s (the activator): add --idle-timeout")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> ServeConfig:
