@@ -6,8 +6,8 @@ driver checkpoint API, page-cache drop, disk free — ending with a verdict on p
 (tier 1). `ok=False` means something here stops a feature from working; facts that stop
 nothing (no GPU on a CPU machine) are `ok=True` with the fact in `detail`. Nothing is imported
 or initialised that a plain look can avoid: torch's version comes from package metadata,
-CUDA is initialised only with `cuda=True` (`--cuda`), and `cuCheckpointProcessLock` is only
-looked up, never called. `run(args)` prints `format_findings` and exits 0 when every finding
+CUDA is initialised only with `cuda=True` (`--cuda`), `cuCheckpointProcessLock` is only
+looked up, never called, and a keeper is only connected to, never asked anything. `run(args)` prints `format_findings` and exits 0 when every finding
 is ok, else 1.
 """
 
@@ -60,6 +60,7 @@ def diagnose(
         _checkpoint_api_finding(driver),
         _page_cache_drop_finding(),
         _disk_free_finding(Path(snapshot_dir), min_free_gib),
+        _keeper_finding(driver, os.environ),
     ]
     return findings + [_tier1_finding(findings, driver)]
 
@@ -160,6 +161,27 @@ def _disk_free_finding(path: Path, min_free_gib: float) -> Finding:
     if usage.free < min_free_gib * _GIB:
         return Finding("disk free", False, f"{detail}: want >= {min_free_gib:g} GiB for snapshots")
     return Finding("disk free", True, detail)
+
+
+def _keeper_finding(driver: str | None, environ) -> Finding:
+    """Whether a `snapfn keeper` answers where this machine's tier-1 restores look (a fact:
+    without one they still work, slower)."""
+    from snapfn.snapshot.keeper import answers
+    from snapfn.snapshot.pinned_cache import default_socket
+
+    if driver is None:
+        return Finding("keeper", True, "not needed: no NVIDIA driver here")
+    address = environ.get("SNAPFN_PINNED_SOCKET", default_socket(environ))
+    if not address:
+        return Finding("keeper", True, "off (SNAPFN_PINNED_SOCKET is empty)")
+    if answers(address):
+        return Finding("keeper", True, f"answering at {address}")
+    return Finding(
+        "keeper",
+        True,
+        f"none at {address}: tier-1 restores start their own CUDA driver (~0.2-0.4 s more on"
+        " the H200); `snapfn keeper --snapshot DIR` or `snapfn serve … --keeper on`",
+    )
 
 
 def _tier1_finding(findings: list[Finding], driver: str | None) -> Finding:

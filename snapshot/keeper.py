@@ -87,7 +87,7 @@ class Keeper:
     def serve(self, address: str, stop: threading.Event | None = None) -> None:
         """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when a
         keeper already answers there (a stale socket file is replaced)."""
-        if _answers(address):
+        if answers(address):
             raise RestoreFailed(f"another keeper already serves on {address}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address)
@@ -183,7 +183,7 @@ def _send(conn: socket.socket, reply: Mapping[str, Any]) -> None:
         conn.send(json.dumps(reply).encode())
 
 
-def _answers(address: str) -> bool:
+def answers(address: str) -> bool:
     """Whether something accepts connections on the unix socket `address`."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(1.0)

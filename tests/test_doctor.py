@@ -48,3 +48,33 @@ def test_doctor_run_exits_1_when_something_fails(tmp_path, monkeypatch, capsys):
     args = parser.parse_args(["--json", "--snapshot-dir", str(tmp_path), "--min-free-gib", "0"])
     assert doctor.run(args) == 1
     assert '"name": "criu"' in capsys.readouterr().out
+
+
+def test_doctor_says_whether_a_keeper_answers(tmp_path, monkeypatch):
+    import threading
+
+    from snapfn.snapshot import doctor
+    from snapfn.snapshot.keeper import Keeper
+    from snapfn.snapshot.pinned_cache import PinnedCache
+
+    assert doctor._keeper_finding(None, {}).detail == "not needed: no NVIDIA driver here"
+    address = str(tmp_path / "keeper.sock")
+    environ = {"SNAPFN_PINNED_SOCKET": address}
+    found = doctor._keeper_finding("580.159.04", environ)
+    assert found.ok and found.detail.startswith(f"none at {address}")  # a fact, not a failure
+    stop = threading.Event()
+    serving = threading.Thread(
+        target=Keeper(PinnedCache("memfd"), cuda=False).serve, args=(address, stop), daemon=True
+    )
+    serving.start()
+    try:
+        deadline = threading.Event()
+        for _ in range(500):
+            if doctor._keeper_finding("580.159.04", environ).detail == f"answering at {address}":
+                break
+            deadline.wait(0.01)
+        assert doctor._keeper_finding("580.159.04", environ).detail == f"answering at {address}"
+    finally:
+        stop.set()
+        serving.join(5)
+    assert doctor._keeper_finding("580", {"SNAPFN_PINNED_SOCKET": ""}).detail.startswith("off")
