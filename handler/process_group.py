@@ -17,6 +17,8 @@ import os
 import signal
 from pathlib import Path
 
+from snapfn.snapshot.proc_stat import GONE_STATES, stat_fields
+
 PROC = Path("/proc")
 CLEAR_POLL_S = 0.01
 
@@ -36,13 +38,10 @@ def live_members(pgid: int, proc: Path = PROC) -> list[int]:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited while we looked
+        fields = stat_fields(entry / "stat")
+        if fields is None:  # exited while we looked
             continue
-        # pid (comm) state ppid pgrp …; comm may hold spaces and parentheses
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        if int(fields[2]) == pgid and fields[0] not in GONE_STATES:
             members.append(int(entry.name))
     return members
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.proc_stat import GONE_STATES, stat_fields
 
 MIN_MAJOR_VERSION = 4
 DEFAULT_PREFIX = "/opt/snapfn-criu"
@@ -403,8 +404,5 @@ def _is_executable(path: Path) -> bool:
 
 def is_running(pid: int) -> bool:
     """Whether `pid` names a live process: neither gone nor a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return fields is not None and fields[0] not in GONE_STATES
