@@ -49,3 +49,20 @@ def test_a_group_that_is_gone_is_not_an_error():
     gone.wait()  # exited and reaped: no process has its group id now
     assert signal_group(gone.pid, signal.SIGTERM) is False
     assert live_members(gone.pid) == [] and asyncio.run(clear_group(gone.pid)) == []
+
+
+def test_stat_fields_survive_a_command_name_with_spaces_and_parentheses(tmp_path):
+    from snapfn.handler.process_group import live_members
+    from snapfn.snapshot.proc_stat import stat_fields
+
+    for pid, comm, state, pgrp in [
+        (11, "a) (b", "S", 77),
+        (12, "zombie", "Z", 77),
+        (13, "x", "R", 5),
+    ]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} 1 {pgrp} 77 0 -1\n")
+    (tmp_path / "self").mkdir()  # not a pid: skipped
+    assert stat_fields(tmp_path / "11" / "stat")[:3] == ["S", "1", "77"]
+    assert stat_fields(tmp_path / "99" / "stat") is None  # gone
+    assert live_members(77, tmp_path) == [11]  # the zombie has exited; 13 is another group
