@@ -16,7 +16,7 @@ that does not find it, or whose request fails, does that work itself as before.
 Protocol (SOCK_SEQPACKET, one JSON request per connection, "op" names it; the socket is 0600:
 the keeper serves its own user's restores only):
 
-    file          {dev, ino, size, mtime_ns}   → a pinned copy's fd (pinned_cache.request)
+    file          {dev, ino, size, mtime_ns}   → a pinned copy's fd (`request`)
     device        {index}                      → {"fields"}: the compat key's GPU fields
     cuda_restore  {pid}                        → {"restore_s", "unlock_s"}
     prefetch      {doc}                        → {"ok"} once a RegionPrefetch of `doc` (the
@@ -45,6 +45,8 @@ from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.pinned_cache import (
     MAX_MESSAGE,
     FileIdentity,
+    Lease,
+    Miss,
     PinnedCache,
     default_socket,
     files_to_pin,
@@ -208,11 +210,11 @@ def _connect(address: str, timeout_s: float) -> socket.socket:
     return sock
 
 
-def _exchange(sock: socket.socket, address: str, request: Mapping[str, Any]) -> dict[str, Any]:
-    """Send `request`, return the answer; KeeperUnavailable when the keeper does not answer,
+def _exchange(sock: socket.socket, address: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """Send `message`, return the answer; KeeperUnavailable when the keeper does not answer,
     RestoreFailed with its reason when it refuses."""
     try:
-        sock.send(json.dumps(request).encode())
+        sock.send(json.dumps(message).encode())
         reply = json.loads(sock.recv(MAX_MESSAGE) or b"null")
     except (OSError, ValueError) as exc:
         raise KeeperUnavailable(one_line(f"keeper at {address}: {exc}")) from None
@@ -223,9 +225,35 @@ def _exchange(sock: socket.socket, address: str, request: Mapping[str, Any]) -> 
     return reply
 
 
-def call(address: str, request: Mapping[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict:
+def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | Miss:
+    """Ask the keeper at `address` for `path`'s pinned copy (the "file" op, for a helper
+    process); never raises: a Miss says why not."""
+    try:
+        with _connect(address, timeout_s) as sock:
+            sock.send(json.dumps(FileIdentity.of(path).to_json()).encode())
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    except KeeperUnavailable as exc:
+        return Miss(str(exc))
+    except (OSError, ValueError) as exc:
+        return Miss(one_line(f"keeper at {address}: {exc}"))
+    try:
+        reply = json.loads(data)
+        if not reply.get("ok"):
+            return Miss(str(reply.get("reason", "refused")))
+        if len(fds) != 1:
+            raise ValueError(f"{len(fds)} fds with the reply")
+        size, alloc_bytes = int(reply["size"]), int(reply["alloc_bytes"])
+        return Lease(fds.pop(), size, alloc_bytes, str(reply["location"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return Miss(one_line(f"keeper at {address} answered badly: {exc}"))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def call(address: str, message: Mapping[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict:
     with _connect(address, timeout_s) as sock:
-        return _exchange(sock, address, request)
+        return _exchange(sock, address, message)
 
 
 def device_fields(address: str, index: int) -> dict[str, Any]:

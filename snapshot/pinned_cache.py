@@ -3,7 +3,7 @@
     snapfn pin --snapshot DIR [--socket PATH]     the keeper (snapshot/keeper.py) holds the
                                                   files the process image's regions are filled
                                                   from in pinned host memory (PinnedCache)
-    lease = request(address, path)                a prefetch helper: an fd of the pinned copy,
+    lease = keeper.request(address, path)         a prefetch helper: an fd of the pinned copy,
                                                   or a Miss saying why (no keeper, not pinned,
                                                   the file changed since); the keeper's own
                                                   prefetches copy from its mapping (`mapped`)
@@ -29,9 +29,7 @@ without a GPU, for tests and for CPU machines, where nothing reads it).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -280,34 +278,6 @@ def _fill_from_file(path: Path, address: int, size: int) -> None:
     os.close(fd)
     if errors:
         raise errors[0]
-
-
-def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | Miss:
-    """Ask the keeper at `address` for `path`'s pinned copy; never raises."""
-    if not address or not os.path.exists(address):
-        return Miss(f"no keeper at {address or '(none configured)'}")
-    try:
-        identity = FileIdentity.of(path)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(address)
-            sock.send(json.dumps(identity.to_json()).encode())
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
-    except (OSError, ValueError) as exc:
-        return Miss(one_line(f"keeper at {address}: {exc}"))
-    try:
-        reply = json.loads(data)
-        if not reply.get("ok"):
-            return Miss(str(reply.get("reason", "refused")))
-        if len(fds) != 1:
-            raise ValueError(f"{len(fds)} fds with the reply")
-        size, alloc_bytes = int(reply["size"]), int(reply["alloc_bytes"])
-        return Lease(fds.pop(), size, alloc_bytes, str(reply["location"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        return Miss(one_line(f"keeper at {address} answered badly: {exc}"))
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def _numa_node(cu, device: int) -> int:

@@ -219,7 +219,7 @@ class RegionPrefetch:
     def _copy_pinned(self, made: _Made, stream: Any) -> int | None:
         """Copy `made`'s file from the keeper's pinned copy (PCIe rate, no CPU copy); None,
         with the reason in the figures, when the keeper has none."""
-        from snapfn.snapshot import pinned_cache
+        from snapfn.snapshot import keeper, pinned_cache
 
         path = self.snapshot_dir / made.spec.path
         if self.local is not None:
@@ -232,7 +232,7 @@ class RegionPrefetch:
                 raise RestoreFailed(f"pinned {made.spec.path}: {size} bytes do not fit its region")
             _ok(self._cu.cuMemcpyAsync(made.va, va, size, stream), "cuMemcpyAsync(pinned)")
             return size
-        lease = pinned_cache.request(self.pinned, path)
+        lease = keeper.request(self.pinned, path)
         if isinstance(lease, pinned_cache.Miss):
             self.figures["pinned_miss"] = lease.reason
             return None

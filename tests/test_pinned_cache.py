@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from snapfn.snapshot import pinned_cache
-from snapfn.snapshot.keeper import Keeper
-from snapfn.snapshot.pinned_cache import Lease, Miss, PinnedCache, request
+from snapfn.snapshot.keeper import Keeper, request
+from snapfn.snapshot.pinned_cache import Lease, Miss, PinnedCache
 
 
 @pytest.fixture
