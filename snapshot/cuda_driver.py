@@ -46,6 +46,15 @@ def ok(result: Any, what: str) -> Any:
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
+def use_primary_context(cu: Any, index: int) -> tuple[Any, Any]:
+    """Retain device `index`'s primary context and make it this thread's current one:
+    (device, context). The caller releases it with cuDevicePrimaryCtxRelease(device)."""
+    device = ok(cu.cuDeviceGet(index), "cuDeviceGet")
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return device, ctx
+
+
 # ---- VMM pieces shared by the regions, the prefetch helper and the pinned copies ----------------
 def fd_handle_type(cu: Any) -> Any:
     """The shareable-handle type snapfn exports and imports VMM memory as: a POSIX fd."""

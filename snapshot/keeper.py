@@ -79,12 +79,9 @@ class Keeper:
     def warm(self) -> None:
         """The driver initialised and the device's primary context made, now, not in a restore."""
         if self.cuda:
-            from snapfn.snapshot.cuda_driver import driver, ok
+            from snapfn.snapshot.cuda_driver import driver, use_primary_context
 
-            cu = driver()
-            device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
-            ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-            ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            use_primary_context(driver(), self.device)  # held for the keeper's life
 
     def serve(self, address: str, stop: threading.Event | None = None) -> None:
         """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when a

@@ -106,6 +106,7 @@ class PinnedCache:
         self.backend, self.device, self._log = backend, device, log
         self._files: dict[FileIdentity, _Pinned] = {}
         self._cu: Any = None
+        self._ctx: Any = None
 
     def add(self, path: Path | str) -> FileIdentity:
         """Copy `path` into a pinned allocation of its own; returns the identity it is served by."""
@@ -162,21 +163,29 @@ class PinnedCache:
     def pinned_bytes(self) -> int:
         return sum(i.size for i in self._files)
 
+    def _driver(self) -> Any:
+        """The driver, with the device's primary context retained (once) and current in the
+        calling thread."""
+        from snapfn.snapshot.cuda_driver import driver, ok, use_primary_context
+
+        if self._cu is None:
+            cu = driver()
+            self._ctx = use_primary_context(cu, self.device)[1]
+            self._cu = cu
+        ok(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        return self._cu
+
     def _make_cuda(self, path: Path, identity: FileIdentity) -> _Pinned:
         from snapfn.snapshot.cuda_driver import (
             access_desc,
             allocation_prop,
-            driver,
             fd_handle_type,
             map_handle,
             ok,
             unmap,
         )
 
-        cu = self._cu = self._cu or driver()
-        device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
-        ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-        ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cu = self._driver()
         node = _numa_node(cu, self.device)
         prop = allocation_prop(cu, "HOST_NUMA", node)
         grain = int(ok(cu.cuMemGetAllocationGranularity(prop, 0), "granularity"))
@@ -207,13 +216,10 @@ class PinnedCache:
         """The file's own page-cache pages, mapped and pinned in place (cuMemHostRegister,
         read-only): no second copy in RAM, copied to the GPU at the PCIe rate like a pinned
         copy, but only by this process (nothing to export)."""
-        from snapfn.snapshot.cuda_driver import driver, ok
+        from snapfn.snapshot.cuda_driver import ok
         from snapfn.snapshot.file_mapping import FileMapping
 
-        cu = self._cu = self._cu or driver()
-        device = ok(cu.cuDeviceGet(self.device), "cuDeviceGet")
-        ctx = ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-        ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cu = self._driver()
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             mapping = FileMapping(fd, identity.size)

@@ -34,6 +34,7 @@ from snapfn.snapshot.cuda_driver import (
     fd_handle_type,
     map_handle,
     unmap,
+    use_primary_context,
 )
 from snapfn.snapshot.cuda_driver import ok as _ok
 from snapfn.snapshot.errors import RestoreFailed, one_line
@@ -164,10 +165,7 @@ class RegionPrefetch:
         devices = {s.device for s in self.specs}
         if len(devices) != 1:
             raise RestoreFailed(f"regions on devices {sorted(devices)}: one device expected")
-        device = _ok(cu.cuDeviceGet(devices.pop()), "cuDeviceGet")
-        ctx = _ok(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-        self._ctx_device = device
-        _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._ctx_device, ctx = use_primary_context(cu, devices.pop())
         self.figures["context_s"] = round(time.perf_counter() - start, 4)
         prop = allocation_prop(cu, "DEVICE", self.specs[0].device)
         ordered = sorted(self.specs, key=lambda s: s.fill != "file")

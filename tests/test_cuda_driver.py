@@ -84,3 +84,21 @@ def test_a_failed_map_gives_the_address_space_back(failing):
     with pytest.raises(RestoreFailed, match="cuMem"):
         cuda_driver.map_handle(cu, "handle", 1 << 21, [])
     assert [c[0] for c in cu.calls][-2:] == ["unmap", "free"]
+
+
+def test_use_primary_context_retains_it_and_makes_it_current():
+    class Driver(FakeDriver):
+        def cuDeviceGet(self, *args):  # noqa: N802
+            return self._call("device", *args, value="dev1")
+
+        def cuDevicePrimaryCtxRetain(self, *args):  # noqa: N802
+            return self._call("retain", *args, value="ctx1")
+
+        def cuCtxSetCurrent(self, *args):  # noqa: N802
+            return self._call("current", *args)
+
+    cu = Driver()
+    assert cuda_driver.use_primary_context(cu, 1) == ("dev1", "ctx1")
+    assert cu.calls == [("device", 1), ("retain", "dev1"), ("current", "ctx1")]
+    with pytest.raises(RestoreFailed, match="cuDevicePrimaryCtxRetain failed"):
+        cuda_driver.use_primary_context(Driver(fail="retain"), 0)
