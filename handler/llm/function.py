@@ -127,18 +127,17 @@ class LLMFunction:
         from .memory import profile_memory
 
         c = self.config
-        before = runtime_env.count_cache_files(c.cache_dir)
-        self.plan = profile_memory(
-            self.model,
-            c.page_size,
-            c.max_num_batched_tokens,
-            c.mem_fraction_static,
-            c.kv_cache_bytes_cpu,
-        )
+        # NOTE: the profile's forward is the first of a cold init: most kernels JIT-compile
+        # here (flashinfer's prefill: 104 s of the 8B's cold init on the H200, session 5 run 3)
+        with runtime_env.compiles_counted(c.cache_dir, figures):
+            self.plan = profile_memory(
+                self.model,
+                c.page_size,
+                c.max_num_batched_tokens,
+                c.mem_fraction_static,
+                c.kv_cache_bytes_cpu,
+            )
         figures.update(self.plan.to_json())
-        # the profile's forward is the first of a cold init: most kernels JIT-compile here
-        # (flashinfer's prefill: 104 s of the 8B's cold init on the H200, session 5 run 3)
-        figures["compiled_files"] = runtime_env.count_cache_files(c.cache_dir) - before
 
     def stage_kv_pool(self, figures: Figures) -> None:
         from .build import allocate_kv
@@ -166,7 +165,6 @@ class LLMFunction:
     def stage_warmup(self, figures: Figures) -> None:
         from .warmup import warmup
 
-        before = runtime_env.count_cache_files(self.config.cache_dir)
         if self.device.startswith("cuda"):
             # NOTE: graph capture runs every decode bucket twice before capturing it; warming
             # the decode shapes here as well would only repeat that work.
@@ -174,20 +172,18 @@ class LLMFunction:
             chunks = self.config.chunk_sizes
         else:  # the CPU path compiles nothing: touch each code path once, cheaply
             decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
-        figures.update(warmup(self.model, self.engine.kv, decode, chunks))
-        figures["compiled_files"] = runtime_env.count_cache_files(self.config.cache_dir) - before
+        with runtime_env.compiles_counted(self.config.cache_dir, figures):
+            figures.update(warmup(self.model, self.engine.kv, decode, chunks))
 
     def stage_capture_graphs(self, figures: Figures) -> None:
         if self.uses_graphs():
             pool = self.memory.graph_pool() if self.memory is not None else None
-            before = runtime_env.count_cache_files(self.config.cache_dir)
-            stats = self.engine.capture_graphs(self.buckets(), self.config.graph_max_seq_len, pool)
+            # decode kernels JIT-compile in the run before each capture: a restore must add none
+            with runtime_env.compiles_counted(self.config.cache_dir, figures):
+                max_seq_len = self.config.graph_max_seq_len
+                stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
-            # decode kernels JIT-compile in the run before each capture: a restore must add none
-            figures["compiled_files"] = (
-                runtime_env.count_cache_files(self.config.cache_dir) - before
-            )
         elif self.device.startswith("cuda"):
             figures["skipped"] = (
                 f"{self._model_config.arch}: decode runs eagerly (MoE routing syncs the host)"

@@ -11,6 +11,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # cache name → environment variable that points the library at it
@@ -52,6 +54,15 @@ def count_cache_files(cache_dir: Path) -> int:
         for d in cache_dirs(cache_dir).values()
         if d.is_dir()
     )
+
+
+@contextmanager
+def compiles_counted(cache_dir: Path, figures: dict) -> Iterator[None]:
+    """Around a stage's work: `figures["compiled_files"]`, the compile-cache files it added
+    (what it JIT-compiled; a restore must add none)."""
+    before = count_cache_files(cache_dir)
+    yield
+    figures["compiled_files"] = count_cache_files(cache_dir) - before
 
 
 def save_caches(cache_dir: Path, dest: Path) -> dict[str, int]:
