@@ -115,12 +115,16 @@ def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
     service.generate(PROMPT_IDS, params)
     again_s = time.perf_counter() - again
     decode = {}
-    if args.decode_batches:  # as _decode_figures: the one-token request's time taken off
-        n = max(2, args.decode_tokens)
-        t0 = time.perf_counter()
-        service.generate(PROMPT_IDS, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        seconds = time.perf_counter() - t0 - again_s
-        decode["batch1_ms_per_step"] = round(max(seconds, 0.0) / (n - 1) * 1e3, 3)
+    if args.decode_batches:
+
+        def timed(tokens: int) -> float:
+            if tokens == 1:
+                return again_s  # the one-token request, timed just above
+            t0 = time.perf_counter()
+            service.generate(PROMPT_IDS, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+            return time.perf_counter() - t0
+
+        decode["batch1_ms_per_step"] = _ms_per_step(timed, args.decode_tokens)
     service.close()
     return {
         "ready_s": ready,
@@ -231,12 +235,20 @@ def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
         return time.perf_counter() - t0
 
     figures = {}
-    steps = max(2, args.decode_tokens)
     for b in [int(x) for x in args.decode_batches.split(",") if x]:
         timed(b, 2)  # warm-up
-        seconds = timed(b, steps) - timed(b, 1)
-        figures[f"batch{b}_ms_per_step"] = round(max(seconds, 0.0) / (steps - 1) * 1e3, 3)
+        figures[f"batch{b}_ms_per_step"] = _ms_per_step(
+            lambda n, b=b: timed(b, n), args.decode_tokens
+        )
     return figures
+
+
+def _ms_per_step(timed, tokens: int) -> float:
+    """Decode ms per step from `timed(n)`, the seconds of an n-token generation: `tokens`
+    tokens less one, over the steps between, so that the prefill (in both) is not decode."""
+    steps = max(2, tokens)
+    seconds = timed(steps) - timed(1)
+    return round(max(seconds, 0.0) / (steps - 1) * 1e3, 3)
 
 
 def _sync(device: str) -> None:
