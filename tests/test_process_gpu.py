@@ -172,6 +172,13 @@ def test_a_keepers_own_prefetch_copies_from_what_it_holds(tmp_path, hold):
     assert_copied_from_the_hold(message, payload, weights)
 
 
+def assert_serves(service, prompts, params, want) -> None:
+    """The restored service generates what the cold init did: the same tokens, logprobs."""
+    got = [service.generate(p, params) for p in prompts]
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
 def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
     import os
     import time
@@ -207,9 +214,7 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
     service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)
     try:
         assert fn is None and restored.tier == "process", restored.fallbacks
-        got = [service.generate(p, params) for p in prompts]
-        for g, w in zip(got, want, strict=True):
-            assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+        assert_serves(service, prompts, params, want)
         assert restored.stage("cuda_restore").ok
         adopt = restored.stage("worker.adopt")  # the restorer made and filled the regions
         assert adopt is not None and "fallback" not in adopt.figures, adopt
@@ -243,9 +248,7 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
         service, restored, fn = restore_llm(Path(tmp_path / "snap"), config, None, log=print)
         try:
             assert fn is None and restored.tier == "process", restored.fallbacks
-            got = [service.generate(p, params) for p in prompts]
-            for g, w in zip(got, want, strict=True):
-                assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+            assert_serves(service, prompts, params, want)
             assert restored.stage("prefetch").figures.get("by") == "keeper", restored.stages
             assert restored.stage("cuda_restore").figures.get("by") == "keeper", restored.stages
             figures = restored.stage("worker.adopt").figures
@@ -265,8 +268,6 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
     try:
         assert fn is None and restored.tier == "process", restored.fallbacks
         assert restored.stage("worker.adopt") is None and restored.stage("worker.stream_weights")
-        got = [service.generate(p, params) for p in prompts]
-        for g, w in zip(got, want, strict=True):
-            assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+        assert_serves(service, prompts, params, want)
     finally:
         service.close()
