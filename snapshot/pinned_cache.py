@@ -100,10 +100,10 @@ class _Pinned:
 class PinnedCache:
     """The keeper's files, each copied into a pinned allocation of its own (served by keeper.py)."""
 
-    def __init__(self, backend: str = "cuda", device: int = 0, log=None) -> None:
+    def __init__(self, backend: str = "cuda", device: int = 0) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-        self.backend, self.device, self._log = backend, device, log
+        self.backend, self.device = backend, device
         self._files: dict[FileIdentity, _Pinned] = {}
         self._cu: Any = None
         self._ctx: Any = None

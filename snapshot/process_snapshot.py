@@ -166,14 +166,17 @@ def restore_process_snapshot(
     `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
     another function) raises there. `aside()` is called once criu has restored the worker, to
     start the caller's own work beside the CUDA restore and the worker's resume (after criu,
-    because Python work started earlier holds the GIL while the restore is being launched). Validation runs beside the criu restore (it took 0.1 s of
-    an 8B restore on the H200) once the image files have their recorded sizes (else criu waits
-    for it); the restored worker resumes only once it passed (stage "gate"), and a failure is
-    reported as the validate step's even when criu failed too."""
+    because Python work started earlier holds the GIL while the restore is being launched).
+    Validation runs beside the criu restore (it took 0.1 s of an 8B restore on the H200) once
+    the image files have their recorded sizes (else criu waits for it); the restored worker
+    resumes only once it passed (stage "gate"), and a failure is reported as the validate
+    step's even when criu failed too. With a keeper (snapshot/keeper.py) answering, the compat
+    key's GPU fields, the regions and the CUDA restore are the keeper's."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
-    # NOTE: the compat key needs cuInit (~0.3 s on the H200), which the CUDA checkpoint calls
-    # need anyway: it runs beside the criu restore, and the worker resumes only if it matches.
+    # NOTE: without a keeper the compat key needs cuInit (~0.3 s on the H200), which the CUDA
+    # checkpoint calls need anyway: it runs beside the criu restore, and the worker resumes
+    # only if it matches.
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
     validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept))
