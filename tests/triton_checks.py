@@ -63,6 +63,19 @@ MOE_SHAPES = {
 }
 MOE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 0.0)}  # bf16: x max|out|
 
+# RoPE + cache write: (tokens, q heads, kv heads, head dim, pages, page size, interleaved); q, k
+# and v are views of one fused projection's output, as the llama model passes them
+ROPE_SHAPES = {
+    "llama8b": (5, 32, 8, 128, 4, 16, False),
+    "tiny": (7, 4, 2, 16, 3, 4, False),
+    "odd": (3, 6, 2, 48, 2, 8, False),  # head dim 48: half 24, masked lanes
+    "interleaved": (4, 4, 1, 64, 2, 4, True),  # MLA's layout
+}
+# (atol, rtol): the reference rounds each product and the sum to the dtype, the kernel once
+ROPE_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 3 * BF16_ULP)}
+SILU_SHAPES = {"decode": (1, 14336), "odd": (5, 100), "tiny": (9, 64)}  # (rows, intermediate)
+SILU_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 3 * BF16_ULP)}
+
 # DSA indexer decode: (requests, indexer heads, head dim, page size, row width, seq lens, topk)
 INDEXER_SHAPES = {
     "glm": (3, 4, 32, 16, 5, (70, 9, 33), 16),  # fewer keys than topk in one request
@@ -73,6 +86,8 @@ INDEXER_SHAPES = {
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
+    + [f"rope_store-{s}-{d}" for s in ROPE_SHAPES for d in DTYPES]
+    + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
@@ -147,6 +162,40 @@ def _reference_dequant(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dt
     if interpreted():
         return _round(dequantize_fp8_block(q, scale_inv, torch.float32), dtype)
     return dequantize_fp8_block(q, scale_inv, dtype)
+
+
+def _check_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.engine.batch import ForwardBatch
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+
+    tokens, hq, hkv, dim, pages, page_size, interleaved = shape
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=g).to(dtype).to(device)
+    q, k, v = (t.unflatten(-1, (-1, dim)) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], -1))
+    angles = torch.rand(tokens, dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens].to(device)
+    batch = ForwardBatch(*(slots,) * 8, page_size=page_size)  # the ops read slot_mapping only
+    caches = [torch.zeros(pages, page_size, hkv, dim, dtype=dtype, device=device) for _ in "kv"]
+    want_caches = [c.clone() for c in caches]
+    want = TorchBackend().rope_store_kv(q, k, v, cos, sin, interleaved, *want_caches, batch)
+    got = tk.rope_store_kv(q, k, v, cos, sin, interleaved, *caches, slots)
+    tol = ROPE_TOL[dtype]
+    _check_close("rope_store k_cache", caches[0], want_caches[0], tol)
+    _check_close("rope_store v_cache", caches[1], want_caches[1], EXACT)  # copied
+    return _check_close("rope_store q", got, want, tol)
+
+
+def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+
+    rows, inter = shape
+    g = torch.Generator().manual_seed(4)
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=g)).to(dtype).to(device)
+    want = TorchBackend().silu_mul(gate_up)
+    return _check_close("silu_mul", tk.silu_mul(gate_up), want, SILU_TOL[dtype])
 
 
 def _check_dequant(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict:
@@ -349,6 +398,10 @@ def run_case(case: str, device: str) -> dict:
     dtype = DTYPES[rest[-1]]
     if kind in ("rms_norm", "add_rms_norm"):
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")
+    if kind == "rope_store":
+        return _check_rope_store(ROPE_SHAPES[rest[0]], dtype, device)
+    if kind == "silu_mul":
+        return _check_silu_mul(SILU_SHAPES[rest[0]], dtype, device)
     if kind == "dequant_fp8":
         return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
     if kind == "linear_fp8":

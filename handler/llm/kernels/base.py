@@ -65,6 +65,33 @@ class Backend:
         cast back to `x`'s dtype, then times the weight)."""
         raise NotImplementedError
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's step: `h = x + residual` (in `x`'s dtype), then
+        `(rms_norm(h), h)`."""
+        raise NotImplementedError
+
+    def rope_store_kv(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], may be a strided view (of a fused qkv projection)
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
+        interleaved: bool,
+        k_cache: torch.Tensor,  # [P, S, Hkv, D]
+        v_cache: torch.Tensor,  # [P, S, Hkv, Dv]
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, Hq, D], q rotated
+        """Rotate `q` and `k` by RoPE (`apply_rotary`), write the rotated `k` and `v` into the
+        caches at `batch.slot_mapping` and return the rotated `q`."""
+        raise NotImplementedError
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation: `silu(gate) * up` for `gate_up [T, 2I]` = `gate | up`."""
+        raise NotImplementedError
+
     def store_kv(self, cache: torch.Tensor, values: torch.Tensor, batch: ForwardBatch) -> None:
         """Write `values [T, *token_shape]` into `cache` at `batch.slot_mapping`."""
         raise NotImplementedError

@@ -26,6 +26,19 @@ class TorchBackend(Backend):
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x, residual, weight, eps):
+        total = x + residual
+        return rms_norm(total, weight, eps), total
+
+    def rope_store_kv(self, q, k, v, cos, sin, interleaved, k_cache, v_cache, batch):
+        self.store_kv(k_cache, apply_rotary(k, cos, sin, interleaved), batch)
+        self.store_kv(v_cache, v, batch)
+        return apply_rotary(q, cos, sin, interleaved)
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def store_kv(self, cache, values, batch):
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, batch.slot_mapping, values.to(cache.dtype))
@@ -118,6 +131,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate `x [T, H, dim]` by per-token `cos/sin [T, dim/2]`: pairs `(x[i], x[i + dim/2])`
+    (half-split, Llama) or `(x[2i], x[2i + 1])` (interleaved, written back half-split as
+    DeepSeek's MLA expects)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:

@@ -4,6 +4,9 @@
   kernel, then multiplied by `F.linear` like the reference does (GPU-tested on the H200);
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
+- `add_rms_norm`, `rope_store_kv`, `silu_mul`: the decode step's elementwise work, one launch
+  each where the reference launches five to fifteen small kernels (the residual add and the
+  norm; RoPE of q and k and both cache writes; SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts (checked under triton's
   interpreter only);
@@ -14,50 +17,81 @@
   not yet run on a GPU).
 
 Everything else is inherited from `TorchBackend`, which stays the oracle (docs/kernels.md).
+Tensors off the GPU run the reference too, unless `TRITON_INTERPRET=1` (set before triton is
+imported) runs the kernels on the CPU, as the CPU tests do: triton compiles for GPUs only.
 """
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
+import torch
 import torch.nn.functional as F
 
 from .torch_ref import TorchBackend
+
+
+def _kernels(x: torch.Tensor, module: str = "triton_kernels") -> ModuleType | None:
+    """Our kernel module `module` for tensors like `x`, or None where they are on the CPU and
+    triton does not interpret (then the caller runs the reference)."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    # lazy: importing triton takes seconds and the package must import without it
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{module}")
 
 
 class TritonBackend(TorchBackend):
     name = "triton"
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
-        if weight_scale_inv is None:
-            return super().linear(x, weight, bias)
-        # lazy: importing triton takes seconds and the package must import without it
-        from .triton_kernels import dequantize_fp8_block
-
-        return F.linear(x, dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+        tk = _kernels(x)
+        if weight_scale_inv is None or tk is None:
+            return super().linear(x, weight, bias, weight_scale_inv)
+        return F.linear(x, tk.dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
 
     def moe(self, x, experts, topk_ids, topk_weights):
-        from .triton_moe import fused_moe
-
-        return fused_moe(x, experts, topk_ids, topk_weights)
+        tm = _kernels(x, "triton_moe")
+        if tm is None:
+            return super().moe(x, experts, topk_ids, topk_weights)
+        return tm.fused_moe(x, experts, topk_ids, topk_weights)
 
     def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
-        if not batch.is_decode:
+        ti = _kernels(q, "triton_indexer")
+        if not batch.is_decode or ti is None:
             return super().dsa_topk(q, weights, k_cache, batch, topk, scale)
-        from .triton_indexer import indexer_topk_decode
-
-        return indexer_topk_decode(
+        return ti.indexer_topk_decode(
             q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale
         )
 
     def rms_norm(self, x, weight, eps):
-        from .triton_kernels import rms_norm
+        tk = _kernels(x)
+        return super().rms_norm(x, weight, eps) if tk is None else tk.rms_norm(x, weight, eps)
 
-        return rms_norm(x, weight, eps)
+    def add_rms_norm(self, x, residual, weight, eps):
+        tk = _kernels(x)
+        if tk is None:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return tk.add_rms_norm(x, residual, weight, eps)
+
+    def rope_store_kv(self, q, k, v, cos, sin, interleaved, k_cache, v_cache, batch):
+        tk = _kernels(q)
+        if tk is None:
+            return super().rope_store_kv(q, k, v, cos, sin, interleaved, k_cache, v_cache, batch)
+        return tk.rope_store_kv(
+            q, k, v, cos, sin, interleaved, k_cache, v_cache, batch.slot_mapping
+        )
+
+    def silu_mul(self, gate_up):
+        tk = _kernels(gate_up)
+        return super().silu_mul(gate_up) if tk is None else tk.silu_mul(gate_up)
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
-        if not batch.is_decode:
+        ta = _kernels(q, "triton_attention")
+        if not batch.is_decode or ta is None:
             return super().paged_attention(q, k_cache, v_cache, batch, scale)
-        from .triton_attention import paged_decode_attention
-
-        return paged_decode_attention(
+        return ta.paged_decode_attention(
             q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale
         ).to(q.dtype)

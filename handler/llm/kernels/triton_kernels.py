@@ -5,6 +5,8 @@
 | `rms_norm` | `models.layers.RMSNorm.forward`: float32 statistics, cast back, then times weight |
 | `add_rms_norm` | `h = x + residual` (in the input dtype), then `rms_norm(h)`; returns both |
 | `dequantize_fp8_block` | `quant.dequantize_fp8_block`: `q.float() * scale_inv[n//128, k//128]` in `dtype` |
+| `rope_store_kv` | `torch_ref.apply_rotary` of q and k, then `store_kv` of k and v: one launch |
+| `silu_mul` | `F.silu(gate) * up` of a fused `gate | up` projection |
 
 NOTE: this module imports triton at import time; only `triton_backend` imports it, lazily,
 because `import triton` takes seconds and the package must stay importable without it.
@@ -149,6 +151,170 @@ def dequantize_fp8_block(
         grid = (matrices.shape[0], nb, kb)
         _dequant_fp8_block_kernel[grid](matrices, scales, out, n, k, nb, kb, BLOCK=block)
     return out.view(q.shape)
+
+
+@triton.jit
+def _rotate_row(src, dst, cos, sin, i, mask, half, INTERLEAVED: tl.constexpr):
+    """One head's row: pairs (i, i + half) or (2i, 2i + 1) rotated, written half-split."""
+    if INTERLEAVED:
+        x1 = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    k_slot_stride,
+    k_head_stride,
+    v_slot_stride,
+    v_head_stride,
+    num_q_heads,
+    half,
+    v_dim,
+    INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # one program per (token, head): q heads first, then kv heads (k rotated into the cache,
+    # v copied beside it)
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    mask = i < half
+    cos = tl.load(cos_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    if head < num_q_heads:
+        src = q_ptr + t * q_stride_t + head * q_stride_h
+        dst = q_out_ptr + (t * num_q_heads + head) * 2 * half
+        _rotate_row(src, dst, cos, sin, i, mask, half, INTERLEAVED)
+    else:
+        kv_head = head - num_q_heads
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        src = k_ptr + t * k_stride_t + kv_head * k_stride_h
+        dst = k_cache_ptr + slot * k_slot_stride + kv_head * k_head_stride
+        _rotate_row(src, dst, cos, sin, i, mask, half, INTERLEAVED)
+        j = tl.arange(0, BLOCK_V)
+        v_mask = j < v_dim
+        value = tl.load(v_ptr + t * v_stride_t + kv_head * v_stride_h + j, mask=v_mask)
+        dst_v = v_cache_ptr + slot * v_slot_stride + kv_head * v_head_stride + j
+        tl.store(dst_v, value.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
+    """A `[P, S, H, D]` cache's stride per slot (page * S + offset) and per head."""
+    if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+        raise ValueError(f"{name} must have contiguous pages and head rows, got {cache.stride()}")
+    return cache.stride(1), cache.stride(2)
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate `q [T, Hq, D]` and `k [T, Hkv, D]` by `cos/sin [T, D/2]` (as
+    `torch_ref.apply_rotary`), store the rotated k and `v [T, Hkv, Dv]` into the caches at
+    `slot_mapping [T]`, and return the rotated q: one launch for all of it."""
+    _check_device(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, v_dim = v.shape[1], v.shape[2]
+    half = head_dim // 2
+    if head_dim % 2 or k.shape != (tokens, num_kv_heads, head_dim) or v.shape[0] != tokens:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if cos.shape != (tokens, half) or sin.shape != (tokens, half):
+        raise ValueError(f"cos/sin must be [{tokens}, {half}], got {tuple(cos.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}'s head rows must be contiguous, got strides {t.stride()}")
+    k_slot, k_head = _slot_strides(k_cache, "k_cache")
+    v_slot, v_head = _slot_strides(v_cache, "v_cache")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens:
+        _rope_store_kernel[(tokens, num_q_heads + num_kv_heads)](
+            q,
+            k,
+            v,
+            cos.contiguous(),
+            sin.contiguous(),
+            slot_mapping,
+            q_out,
+            k_cache,
+            v_cache,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_slot,
+            k_head,
+            v_slot,
+            v_head,
+            num_q_heads,
+            half,
+            v_dim,
+            INTERLEAVED=interleaved,
+            BLOCK=triton.next_power_of_2(half),
+            BLOCK_V=triton.next_power_of_2(v_dim),
+        )
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, row_stride, BLOCK: tl.constexpr):
+    # one program per (row, block of the intermediate dim)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gate_up_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * row_stride + inter + cols, mask=mask, other=0.0)
+    # rounded where torch rounds: silu's output to the dtype, then the product
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = act * up.to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up [..., 2I]` = `gate | up`: `[..., I]`, one launch."""
+    _check_device(gate_up)
+    inter = gate_up.shape[-1] // 2
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even (gate | up), got {gate_up.shape[-1]}")
+    rows = gate_up.reshape(-1, 2 * inter)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(max(inter, 1)))
+    if out.numel():
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+            rows, out, inter, rows.stride(0), BLOCK=block
+        )
+    return out.view(*gate_up.shape[:-1], inter)
 
 
 def _check_device(*tensors: torch.Tensor | None) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import QuantConfig, RopeConfig
 from ..kernels import Backend
-from ..kernels.torch_ref import rms_norm
+from ..kernels.torch_ref import apply_rotary, rms_norm
 from ..quant import FP8_DTYPE, scale_shape
 
 
@@ -166,10 +166,5 @@ class Rotary(nn.Module):
         return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x [T, H, dim]` by per-token `cos/sin [T, dim/2]`."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """Rotate `x [T, H, dim]` by per-token `cos/sin [T, dim/2]` (`apply_rotary`)."""
+        return apply_rotary(x, cos, sin, self.interleaved)
