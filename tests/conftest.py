@@ -53,7 +53,7 @@ TINY = dict(
 def save_tiny(tmp_path_factory, name: str, seed: int, config_cls, model_cls, **config):
     """Write a random tiny checkpoint with `save_pretrained` and return its folder."""
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY, **config)).eval()
+    model = model_cls(config_cls(**(TINY | config))).eval()
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path, safe_serialization=True)
     return path

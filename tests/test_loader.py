@@ -8,6 +8,7 @@ import torch
 from snapfn.handler.llm.errors import CheckpointError
 
 from ckpt_edit import copy_with, fp8_quantize_checkpoint
+from conftest import save_tiny
 from parity import hf_logits, hf_model, our_engine, our_prefill_logits, random_prompts
 
 
@@ -42,9 +43,53 @@ def test_fp8_matches_dequantized_reference(fp8_pair):
     fp8_dir, deq_dir = fp8_pair
     (ids,) = random_prompts(256, [19], seed=4)
     engine = our_engine(fp8_dir)
-    assert engine.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj  # tiny heads: FP8 parts kept apart
+    assert qkv.parts["q_proj"].weight.dtype == torch.float8_e4m3fn
     ours = our_prefill_logits(engine, ids, 6)
     torch.testing.assert_close(ours, hf_logits(hf_model(deq_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def fp8_aligned_pair(tmp_path_factory):
+    """A llama whose q, k, v, gate and up rows are whole 128-row blocks: fused FP8 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = save_tiny(
+        tmp_path_factory,
+        "llama128",
+        5,
+        LlamaConfig,
+        LlamaForCausalLM,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    )
+    return fp8_quantize_checkpoint(src, tmp_path_factory.mktemp("fp8-128"))
+
+
+def test_fp8_fused_projections_match_dequantized_reference(fp8_aligned_pair):
+    fp8_dir, deq_dir = fp8_aligned_pair
+    (ids,) = random_prompts(256, [19], seed=5)
+    engine = our_engine(fp8_dir)
+    layer = engine.model.model.layers[1]
+    for fused, rows in ((layer.self_attn.qkv_proj, 384), (layer.mlp.gate_up_proj, 512)):
+        assert fused.weight.dtype == torch.float8_e4m3fn and fused.weight.shape[0] == rows
+        assert fused.weight_scale_inv.shape[0] == rows // 128
+    ours = our_prefill_logits(engine, ids, 6)
+    torch.testing.assert_close(ours, hf_logits(hf_model(deq_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_missing_fused_part_is_named_as_in_the_checkpoint(fp8_aligned_pair, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+    bad = copy_with(fp8_aligned_pair[0], tmp_path / "m", drop=[name])
+    with pytest.raises(CheckpointError, match="without weight_scale_inv"):
+        our_engine(bad)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    bad = copy_with(fp8_aligned_pair[1], tmp_path / "d", drop=[name])
+    with pytest.raises(CheckpointError, match=f"not filled by the checkpoint: {name}"):
+        our_engine(bad)
 
 
 def test_missing_scale_is_named(fp8_pair, tmp_path):

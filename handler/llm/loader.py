@@ -4,7 +4,8 @@ The coverage check makes "runs on wrong or missing weights" impossible:
 - every tensor in the checkpoint is consumed by the model or matches its `not_loaded` list;
 - every FP8 weight has its `weight_scale_inv` and every scale has its FP8 weight;
 - every tensor's dtype class (fp8 or not) and shape match the parameter it fills;
-- every parameter (every expert row of stacked experts) was filled exactly once.
+- every parameter (every expert row of stacked experts, every part of a fused projection) was
+  filled exactly once.
 Any violation raises `CheckpointError` naming the tensors.
 """
 
@@ -79,8 +80,11 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, batch_bytes: int = 1 << 30) 
     start = time.perf_counter()
     check_fp8_pairs(ckpt)
     targets, skipped = plan_targets(model, ckpt)
+    absent = [name for name in model.fused_parts() if name not in targets]
+    if absent:  # named as the checkpoint names them, not as the fused parameter's rows
+        raise CheckpointError(f"model parameters not filled by the checkpoint: {_names(absent)}")
     report = LoadReport(not_loaded=skipped)
-    filled: set[tuple[str, int | None]] = set()
+    filled: set[tuple[str, int | None, tuple[int, int] | None]] = set()
     params = dict(model.named_parameters())
     for names in _batches(targets, ckpt, batch_bytes):
         for name, tensor in ckpt.read(names).items():
@@ -118,11 +122,11 @@ def _fill(model, params, name, tensor, target, filled, report) -> None:
         raise CheckpointError(
             f"{name}: maps to parameter {target.param}, which the model does not have"
         )
-    dest = param.data if target.index is None else param.data[target.index]
+    dest = target.dest(param.data)
     _check_compatible(name, local, dest)
-    key = (target.param, target.index)
+    key = (target.param, target.index, target.rows)
     if key in filled:
-        raise CheckpointError(f"{name}: parameter {target.param}[{target.index}] filled twice")
+        raise CheckpointError(f"{name}: parameter {_part(key)} filled twice")
     dest.copy_(local)
     filled.add(key)
     report.num_tensors += 1
@@ -143,19 +147,35 @@ def _check_compatible(name: str, src: torch.Tensor, dest: torch.Tensor) -> None:
         )
 
 
+def _part(key: tuple[str, int | None, tuple[int, int] | None]) -> str:
+    param, index, rows = key
+    return (
+        param
+        + ("" if index is None else f"[{index}]")
+        + ("" if rows is None else f"[{rows[0]}:{rows[1]}]")
+    )
+
+
 def _check_all_filled(
-    params: dict[str, torch.nn.Parameter], filled: set[tuple[str, int | None]]
+    params: dict[str, torch.nn.Parameter],
+    filled: set[tuple[str, int | None, tuple[int, int] | None]],
 ) -> None:
-    whole = {p for p, i in filled if i is None}
-    rows: dict[str, set[int]] = {}
-    for p, i in filled:
+    whole = {p for p, i, r in filled if i is None and r is None}
+    experts: dict[str, set[int]] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p, i, r in filled:
         if i is not None:
-            rows.setdefault(p, set()).add(i)
+            experts.setdefault(p, set()).add(i)
+        elif r is not None:
+            spans.setdefault(p, []).append(r)
     missing = []
     for pname, param in params.items():
         if pname in whole:
             continue
-        got = rows.get(pname, set())
+        if pname in spans:
+            missing += [f"{pname}[{a}:{b}]" for a, b in _gaps(spans[pname], param.shape[0])]
+            continue
+        got = experts.get(pname, set())
         missing += (
             [pname] if not got else [f"{pname}[{i}]" for i in range(param.shape[0]) if i not in got]
         )
@@ -163,3 +183,13 @@ def _check_all_filled(
         raise CheckpointError(
             f"model parameters not filled by the checkpoint: {_names(sorted(missing))}"
         )
+
+
+def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The row ranges of `[0, length)` that no span covers."""
+    gaps, covered = [], 0
+    for a, b in sorted(spans):
+        if a > covered:
+            gaps.append((covered, a))
+        covered = max(covered, b)
+    return gaps + ([(covered, length)] if covered < length else [])

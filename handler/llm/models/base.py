@@ -9,6 +9,7 @@ listed in `not_loaded` (regexes) so the coverage check can tell them from mistak
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,16 +20,25 @@ from ..config import ModelConfig
 from ..engine.batch import ForwardBatch
 from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..kernels import Backend
+from ..quant import FP8_BLOCK
 from ..sharding import ParallelConfig
 from .layers import Linear, RMSNorm, is_quantized
 
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where a checkpoint tensor goes: a parameter, and a row of it for stacked experts."""
+    """Where a checkpoint tensor goes: a parameter, a row of it for stacked experts, and a
+    range of rows for a fused projection (q|k|v, gate|up), whose parts the checkpoint holds
+    as separate tensors."""
 
     param: str
     index: int | None = None
+    rows: tuple[int, int] | None = None
+
+    def dest(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` (the parameter's data) this tensor fills."""
+        dest = param if self.index is None else param[self.index]
+        return dest if self.rows is None else dest[self.rows[0] : self.rows[1]]
 
 
 class CausalLM(nn.Module):
@@ -51,6 +61,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.parallel = parallel or ParallelConfig()
+        self._fused_targets: dict[str, WeightTarget] = {}  # checkpoint name -> fused rows
 
     def linear(
         self,
@@ -71,6 +82,59 @@ class CausalLM(nn.Module):
             device=self.device,
         )
 
+    def fused_linear(
+        self,
+        prefix: str,
+        name: str,
+        parts: Sequence[tuple[str, int]],
+        in_features: int,
+        bias: bool = False,
+    ) -> Linear:
+        """One Linear `{prefix}.{name}` for checkpoint projections that read the same input
+        (`parts`: each one's name under `prefix` and this rank's output rows), stacked in that
+        order: one GEMM per step where the checkpoint has several. Each part's tensors
+        (weight, bias, FP8 scales) fill its rows (`map_weight`)."""
+        quantized = {is_quantized(f"{prefix}.{part}", self.config.quant) for part, _ in parts}
+        fp8 = quantized.pop()
+        if quantized or (fp8 and any(rows % FP8_BLOCK for _, rows in parts)):
+            # NOTE: FP8 parts that end inside a 128-row scale block (tiny test models) or a mix
+            # of FP8 and dense parts cannot share one block-scaled weight: kept apart
+            return self._concat_linear(prefix, name, parts, in_features, bias)
+        start = 0
+        for part, rows in parts:
+            spans = {"weight": (start, start + rows)}
+            if bias:
+                spans["bias"] = spans["weight"]
+            if fp8:
+                spans["weight_scale_inv"] = (start // FP8_BLOCK, (start + rows) // FP8_BLOCK)
+            for suffix, span in spans.items():
+                self._fused_targets[f"{prefix}.{part}.{suffix}"] = WeightTarget(
+                    f"{prefix}.{name}.{suffix}", rows=span
+                )
+            start += rows
+        return Linear(
+            in_features,
+            start,
+            self.backend,
+            bias=bias,
+            fp8=fp8,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _concat_linear(self, prefix, name, parts, in_features, bias) -> ConcatLinear:
+        linears = {}
+        for part, rows in parts:
+            linears[part] = self.linear(f"{prefix}.{part}", in_features, rows, bias)
+            for suffix, _ in linears[part].named_parameters():
+                target = WeightTarget(f"{prefix}.{name}.parts.{part}.{suffix}")
+                self._fused_targets[f"{prefix}.{part}.{suffix}"] = target
+        return ConcatLinear(linears)
+
+    def fused_parts(self) -> list[str]:
+        """The checkpoint tensors that fill fused projections: each must be in the checkpoint."""
+        return sorted(self._fused_targets)
+
     def norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device, self.backend)
 
@@ -89,9 +153,16 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = self.linear("lm_head", cfg.hidden_size, cfg.vocab_size)
 
-    def final_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final norm, keep the rows logits are wanted for, project to the vocabulary (fp32)."""
-        h = self.model.norm(h)
+    def final_logits(
+        self, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final norm (of `h + residual` when the last layer left its residual apart), keep the
+        rows logits are wanted for, project to the vocabulary (fp32)."""
+        if residual is None:
+            h = self.model.norm(h)
+        else:
+            norm = self.model.norm
+            h, _ = self.backend.add_rms_norm(h, residual, norm.weight, norm.eps)
         if not batch.all_logits:
             h = h[batch.logits_indices]
         if self.config.tie_word_embeddings:
@@ -105,7 +176,10 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def map_weight(self, name: str) -> WeightTarget | None:
-        """Default: a checkpoint tensor fills the parameter of the same name, if there is one."""
+        """Default: a part of a fused projection fills its rows (`fused_linear`); any other
+        checkpoint tensor fills the parameter of the same name, if there is one."""
+        if name in self._fused_targets:
+            return self._fused_targets[name]
         return WeightTarget(name) if name in self._param_names() else None
 
     def is_not_loaded(self, name: str) -> bool:
@@ -115,3 +189,15 @@ class CausalLM(nn.Module):
         if not hasattr(self, "_names_cache"):
             self._names_cache = {n for n, _ in self.named_parameters()}
         return self._names_cache
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection whose parts cannot share one weight (`CausalLM.fused_linear`): the
+    parts' outputs side by side, one GEMM each."""
+
+    def __init__(self, parts: dict[str, Linear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts.values()], dim=-1)

@@ -1,6 +1,11 @@
 """Llama family: Llama 3, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm); GQA, RoPE, SwiGLU.
 
-Parameter names equal the Hugging Face checkpoint names (`model.layers.{i}.self_attn.q_proj…`).
+Parameter names equal the Hugging Face checkpoint names (`model.layers.{i}.self_attn.o_proj…`),
+except two fused projections, each filled from the checkpoint's parts (`CausalLM.fused_linear`):
+`self_attn.qkv_proj` (q_proj | k_proj | v_proj) and `mlp.gate_up_proj` (gate_proj | up_proj): one
+GEMM each where a decode step would run three and two small ones. The residual stream is kept
+apart from the layers' outputs so that each residual add runs inside the next norm
+(`Backend.add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.backend = model.backend
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = model.linear(f"{prefix}.q_proj", cfg.hidden_size, self.num_heads * hd, bias)
-        self.k_proj = model.linear(
-            f"{prefix}.k_proj", cfg.hidden_size, self.num_kv_heads * hd, bias
-        )
-        self.v_proj = model.linear(
-            f"{prefix}.v_proj", cfg.hidden_size, self.num_kv_heads * hd, bias
-        )
+        self.rows = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
+        parts = list(zip(("q_proj", "k_proj", "v_proj"), self.rows, strict=True))
+        self.qkv_proj = model.fused_linear(prefix, "qkv_proj", parts, cfg.hidden_size, bias)
         self.o_proj = model.linear(f"{prefix}.o_proj", self.num_heads * hd, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = model.norm(hd)
@@ -44,15 +45,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.rows, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
         k_cache, v_cache = kv.layer("k", self.layer_id), kv.layer("v", self.layer_id)
-        self.backend.store_kv(k_cache, k, batch)
-        self.backend.store_kv(v_cache, v, batch)
+        q = self.backend.rope_store_kv(
+            q, k, v, cos, sin, rotary.interleaved, k_cache, v_cache, batch
+        )
         out = self.backend.paged_attention(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
@@ -62,12 +64,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         cfg, tp = model.config, model.parallel.tp_size
         inter = cfg.intermediate_size // tp
-        self.gate_proj = model.linear(f"{prefix}.gate_proj", cfg.hidden_size, inter)
-        self.up_proj = model.linear(f"{prefix}.up_proj", cfg.hidden_size, inter)
+        parts = [("gate_proj", inter), ("up_proj", inter)]
+        self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, cfg.hidden_size)
         self.down_proj = model.linear(f"{prefix}.down_proj", inter, cfg.hidden_size)
+        self.backend = model.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,9 +82,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = model.norm(model.config.hidden_size)
         self.mlp = LlamaMLP(model, f"{prefix}.mlp")
 
-    def forward(self, h, cos, sin, rotary, batch, kv):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, rotary, batch, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, rotary, batch, kv):
+        """`h`: the last layer's output, not yet added to `residual` (None before the first
+        layer, where `h` is the embedding). Returns this layer's output and the residual."""
+        x, residual = self._norm(self.input_layernorm, h, residual)
+        h = self.self_attn(x, cos, sin, rotary, batch, kv)
+        x, residual = self._norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(x), residual
+
+    @staticmethod
+    def _norm(norm, h, residual):
+        if residual is None:
+            return norm(h), h
+        return norm.backend.add_rms_norm(h, residual, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -110,6 +123,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, self.rotary, batch, kv)
-        return self.final_logits(h, batch)
+            h, residual = layer(h, residual, cos, sin, self.rotary, batch, kv)
+        return self.final_logits(h, batch, residual)
