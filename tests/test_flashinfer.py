@@ -9,6 +9,7 @@ CSR arrays, read as flashinfer documents them. On CUDA with flashinfer installed
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_metadata_of_page_multiples_and_a_request_without_tokens():
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         page_table=torch.tensor([[8, 0, 0, 0], [4, 5, 6, 7], [3, 0, 0, 0], [0, 0, 0, 0]]),
         page_size=4,
+        page_table_cpu=None,  # read from the tensors
     )
     meta = paged_kv_metadata(batch)
     assert _ints(meta.kv_indptr) == [0, 1, 5, 6, 6]
@@ -82,12 +84,16 @@ def test_metadata_of_a_decode_graph_with_padded_rows():
     assert _ints(meta.kv_indices) == [scratch] * 4
     assert _ints(meta.kv_last_page_len) == [1, 1, 1, 1]
 
-    graphs.seq_lens[:2] = torch.tensor([9, 4], dtype=torch.int32)
-    graphs.page_table[:2] = torch.tensor([[2, 5, 7], [1, scratch, scratch]], dtype=torch.int32)
-    meta = paged_kv_metadata(graphs._static_batch(4))
-    assert _ints(meta.kv_indptr) == [0, 3, 4, 5, 6]
-    assert _ints(meta.kv_indices) == [2, 5, 7, 1, scratch, scratch]
-    assert _ints(meta.kv_last_page_len) == [1, 4, 1, 1]
+    graphs._host_seq_lens[:2] = torch.tensor([9, 4], dtype=torch.int32)
+    graphs._host_table[:2] = torch.tensor([[2, 5, 7], [1, scratch, scratch]], dtype=torch.int32)
+    graphs._upload()
+    on_host = graphs._static_batch(4)
+    on_device = dataclasses.replace(on_host, page_table_cpu=None)  # read from the buffers
+    for batch in (on_host, on_device):
+        meta = paged_kv_metadata(batch)
+        assert _ints(meta.kv_indptr) == [0, 3, 4, 5, 6]
+        assert _ints(meta.kv_indices) == [2, 5, 7, 1, scratch, scratch]
+        assert _ints(meta.kv_last_page_len) == [1, 4, 1, 1]
 
 
 def test_metadata_refuses_a_page_row_too_short():
@@ -96,6 +102,7 @@ def test_metadata_refuses_a_page_row_too_short():
         seq_lens=torch.tensor([9], dtype=torch.int32),
         page_table=torch.tensor([[3, 4]]),
         page_size=4,
+        page_table_cpu=None,
     )
     with pytest.raises(ValueError, match="needs 3 pages, its page-table row has 2"):
         paged_kv_metadata(batch)

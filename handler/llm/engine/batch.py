@@ -29,6 +29,11 @@ class ForwardBatch:
     # host copies for the reference path, which loops over requests
     seq_lens_cpu: tuple[int, ...] = ()
     q_lens_cpu: tuple[int, ...] = ()
+    # the page table on the host (planning reads it there without waiting for the GPU)
+    page_table_cpu: torch.Tensor | None = None
+    # the int64 and int32 fields above, each group one tensor that they are views of: one copy
+    # per group moves a batch to the GPU
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -63,22 +68,59 @@ class ForwardBatch:
         for q in q_lens:
             cu.append(cu[-1] + q)
         max_pages = max(len(t) for t in page_tables)
-        table = [t + [0] * (max_pages - len(t)) for t in page_tables]
+        table = [p for t in page_tables for p in t + [0] * (max_pages - len(t))]
+        ids = [t for ids in token_ids for t in ids]
+        packed = (
+            torch.tensor(ids + positions + slots + [c - 1 for c in cu[1:]], dtype=torch.int64),
+            torch.tensor(seq_lens + q_lens + cu + table, dtype=torch.int32),
+        )
+        host = cls._unpack(packed, len(ids), len(q_lens), max_pages, page_size, all_logits)
+        host.seq_lens_cpu, host.q_lens_cpu = tuple(seq_lens), tuple(q_lens)
+        host.page_table_cpu = host.page_table
+        return host.to(device)
 
-        def as_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with its tensors on `device`: two copies (see `packed`)."""
+        if self.packed is None:
+            raise ValueError("only a batch made by ForwardBatch.build can be moved")
+        if self.packed[0].device == torch.device(device):
+            return self
+        packed = tuple(t.to(device, non_blocking=True) for t in self.packed)
+        moved = self._unpack(
+            packed,
+            self.input_ids.shape[0],
+            self.num_seqs,
+            self.page_table.shape[1],
+            self.page_size,
+            self.all_logits,
+        )
+        moved.seq_lens_cpu, moved.q_lens_cpu = self.seq_lens_cpu, self.q_lens_cpu
+        moved.page_table_cpu = self.page_table_cpu
+        return moved
 
+    @classmethod
+    def _unpack(
+        cls,
+        packed: tuple[torch.Tensor, torch.Tensor],
+        tokens: int,
+        seqs: int,
+        max_pages: int,
+        page_size: int,
+        all_logits: bool,
+    ) -> ForwardBatch:
+        longs, ints = packed
+        input_ids, positions, slots, logits = longs.split([tokens, tokens, tokens, seqs])
+        seq_lens, q_lens, cu, table = ints.split([seqs, seqs, seqs + 1, seqs * max_pages])
         return cls(
-            input_ids=as_tensor([t for ids in token_ids for t in ids], torch.int64),
-            positions=as_tensor(positions, torch.int64),
-            seq_lens=as_tensor(seq_lens, torch.int32),
-            q_lens=as_tensor(q_lens, torch.int32),
-            cu_q_lens=as_tensor(cu, torch.int32),
-            page_table=as_tensor(table, torch.int32),
-            slot_mapping=as_tensor(slots, torch.int64),
-            logits_indices=as_tensor([c - 1 for c in cu[1:]], torch.int64),
+            input_ids=input_ids,
+            positions=positions,
+            seq_lens=seq_lens,
+            q_lens=q_lens,
+            cu_q_lens=cu,
+            page_table=table.view(seqs, max_pages),
+            slot_mapping=slots,
+            logits_indices=logits,
             page_size=page_size,
             all_logits=all_logits,
-            seq_lens_cpu=tuple(seq_lens),
-            q_lens_cpu=tuple(q_lens),
+            packed=packed,
         )

@@ -69,12 +69,14 @@ class Engine:
         return graphs.stats
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run `batch` (built on the host): a decode graph's replay copies it into the graph's
+        inputs itself; anything else moves it to the model's device first."""
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.replay(batch, bucket)
         if self.graphs is not None and batch.is_decode:
             self.graphs.stats.eager_fallbacks += 1
-        return self.model(batch, self.kv)
+        return self.model(batch.to(self.model.device), self.kv)
 
     def attach_tokenizer(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
         """Set the tokenizer (for text, streaming and stop strings) and the eos ids."""
@@ -148,7 +150,7 @@ class Engine:
                 scheduled.start_positions,
                 [r.pages for r in scheduled.requests],
                 self.kv.page_size,
-                self.model.device,
+                "cpu",
             )
             logits = self._forward(batch)
             return self._advance(scheduled.requests, [len(t) for t in scheduled.token_ids], logits)

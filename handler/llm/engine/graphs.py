@@ -49,25 +49,42 @@ class DecodeGraphs:
         self._alloc_static(max(self.buckets), model.device)
 
     def _alloc_static(self, n: int, device: torch.device) -> None:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(n, dtype=torch.int64)
-        self.positions = zeros(n, dtype=torch.int64)
-        self.slot_mapping = zeros(n, dtype=torch.int64)
-        self.seq_lens = zeros(n, dtype=torch.int32)
-        self.page_table = zeros(n, self.width, dtype=torch.int32)
+        """The graphs' inputs, fixed in memory: int64 `input_ids | positions | slot_mapping`
+        and int32 `seq_lens | page_table`, each group one device tensor filled by one copy
+        per replay from a host mirror (pinned on CUDA) that the next batch is written into."""
+        w = self.width
+        pinned = device.type == "cuda"
+        self._long = torch.zeros(3 * n, dtype=torch.int64, device=device)
+        self._int = torch.zeros(n + n * w, dtype=torch.int32, device=device)
+        self._host_long = torch.zeros(3 * n, dtype=torch.int64, pin_memory=pinned)
+        self._host_int = torch.zeros(n + n * w, dtype=torch.int32, pin_memory=pinned)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the host mirror
+        self.input_ids, self.positions, self.slot_mapping = self._long.split(n)
+        self.seq_lens, table = self._int.split([n, n * w])
+        self.page_table = table.view(n, w)
+        self._host_ids, self._host_positions, self._host_slots = self._host_long.split(n)
+        host_seq_lens, host_table = self._host_int.split([n, n * w])
+        self._host_seq_lens, self._host_table = host_seq_lens, host_table.view(n, w)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self._reset_padding(0)
+        self._upload()
 
     def _reset_padding(self, start: int) -> None:
-        """Rows from `start` on become padding: one token at slot 0 of the scratch page."""
+        """Rows from `start` on become padding (in the host mirror): one token at slot 0 of the
+        scratch page."""
         scratch = self.kv.scratch_page
-        self.input_ids[start:] = 0
-        self.positions[start:] = 0
-        self.slot_mapping[start:] = scratch * self.kv.page_size
-        self.seq_lens[start:] = 1
-        self.page_table[start:] = scratch
+        self._host_ids[start:] = 0
+        self._host_positions[start:] = 0
+        self._host_slots[start:] = scratch * self.kv.page_size
+        self._host_seq_lens[start:] = 1
+        self._host_table[start:] = scratch
+
+    def _upload(self) -> None:
+        self._long.copy_(self._host_long, non_blocking=True)
+        self._int.copy_(self._host_int, non_blocking=True)
+        if self._long.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _static_batch(self, n: int) -> ForwardBatch:
         ones = torch.ones(n, dtype=torch.int32, device=self.input_ids.device)
@@ -81,8 +98,9 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:n],
             logits_indices=self.logits_indices[:n],
             page_size=self.kv.page_size,
-            seq_lens_cpu=(1,) * n,
+            seq_lens_cpu=tuple(self._host_seq_lens[:n].tolist()),
             q_lens_cpu=(1,) * n,
+            page_table_cpu=self._host_table[:n],
         )
 
     def capture(self, pool=None) -> None:
@@ -115,17 +133,25 @@ class DecodeGraphs:
         return next((n for n in self.buckets if n >= batch.num_seqs), None)
 
     def replay(self, batch: ForwardBatch, n: int) -> torch.Tensor:
+        """Run decode `batch` (on the host or the device) through bucket `n`'s graph."""
         b, w = batch.num_seqs, batch.page_table.shape[1]
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.slot_mapping[:b].copy_(batch.slot_mapping)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.page_table[:b, :w].copy_(batch.page_table)
-        self.page_table[:b, w:] = self.kv.scratch_page
+        if self._copied is not None:  # the mirror's last copy must be done before it changes
+            self._copied.synchronize()
+        self._host_ids[:b] = batch.input_ids
+        self._host_positions[:b] = batch.positions
+        self._host_slots[:b] = batch.slot_mapping
+        self._host_seq_lens[:b] = batch.seq_lens
+        table = batch.page_table_cpu if batch.page_table_cpu is not None else batch.page_table
+        self._host_table[:b, :w] = table
+        self._host_table[:b, w:] = self.kv.scratch_page
         self._reset_padding(b)
+        self._upload()
+        static = self._batches[n]
+        static.seq_lens_cpu = (*batch.seq_lens_cpu, *(1,) * (n - b))
         # NOTE: after the inputs are in the static buffers and before the replay: the backend
-        # plans from them (flashinfer's page metadata), which a graph cannot do
-        self.model.backend.begin_forward(self._batches[n], graph=True)
+        # plans from them (flashinfer's page metadata, from the host mirror), which a graph
+        # cannot do
+        self.model.backend.begin_forward(static, graph=True)
         self._graphs[n].replay()
         self.stats.replays += 1
         return self._outputs[n][:b]

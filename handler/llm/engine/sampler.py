@@ -14,11 +14,18 @@ from .request import Request
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
     """Pick one token per row of `logits [B, V]` (float32) for each request."""
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1, keepdim=True)
+    if all(req.params.greedy for req in requests):
+        # NOTE: one copy to the host for the tokens and their logprobs together: each copy
+        # waits for the GPU, and a decode step's host time adds to its latency
+        picked = torch.cat([greedy.double(), logprobs_all.gather(1, greedy).double()], dim=1)
+        rows = picked.tolist()  # float64 holds every token id exactly
+        return [int(t) for t, _ in rows], [lp for _, lp in rows]
     tokens = []
+    greedy_host = greedy[:, 0].tolist()
     for row, req in enumerate(requests):
         if req.params.greedy:
-            tokens.append(int(greedy[row]))
+            tokens.append(greedy_host[row])
         else:
             tokens.append(_sample_row(logits[row], req))
     index = torch.tensor(tokens, device=logits.device)

@@ -1,4 +1,4 @@
-"""FlashInfer backend: the torch reference with FlashInfer's paged attention (llama family).
+"""FlashInfer backend: the Triton backend with FlashInfer's paged attention (llama family).
 
 - `paged_attention` for decode batches (one new token per request):
   `flashinfer.BatchDecodeWithPagedKVCacheWrapper`, eagerly or, inside decode CUDA graphs, in
@@ -8,8 +8,10 @@
 
 Both read the pool's separate K and V caches (`[num_pages, page_size, Hkv, D]` each, flashinfer's
 "NHD" layout, passed as a `(k, v)` tuple) through the batch's pages in flashinfer's CSR form
-(`paged_kv_metadata`). float16 / bfloat16 only, CUDA only, `D == Dv`. Everything else (linear,
-RMSNorm, MoE, MLA) is inherited from `TorchBackend`, which stays the oracle (docs/kernels.md).
+(`paged_kv_metadata`). float16 / bfloat16 only, CUDA only, `D == Dv`. Everything else (the
+fused norms, RoPE and SwiGLU, FP8 linear, MoE, the DSA indexer) is inherited from
+`TritonBackend` (triton ships with torch's CUDA wheels; flashinfer needs it too), whose own
+fallbacks are the torch reference, the oracle (docs/kernels.md).
 
 Planning: flashinfer splits attention into `plan()` (host work: the page metadata and the
 split-KV schedule, copied to the GPU; it syncs with the host, so it never runs inside CUDA
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from ..engine.batch import ForwardBatch
 from ..errors import InitFailed
-from .torch_ref import TorchBackend
+from .triton_backend import TritonBackend
 
 FLASHINFER_VERSION = "0.6.9"  # the release this backend is written and checked against
 WORKSPACE_BYTES = 128 << 20  # split-KV partial results; flashinfer's recommended size
@@ -75,10 +77,16 @@ class PagedKVMetadata:
 
 def paged_kv_metadata(batch: ForwardBatch) -> PagedKVMetadata:
     """The batch's page metadata, on the host: request `b` holds `seq_lens[b]` tokens in the
-    first `ceil(seq_lens[b] / page_size)` pages of its page-table row (the rest is padding)."""
-    cu_q_lens, seq_lens, page_table = (
-        t.cpu() for t in (batch.cu_q_lens, batch.seq_lens, batch.page_table)
-    )
+    first `ceil(seq_lens[b] / page_size)` pages of its page-table row (the rest is padding).
+    Read from the batch's host copies where it has them (no wait for the GPU)."""
+    if batch.page_table_cpu is not None and batch.seq_lens_cpu:
+        seq_lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
+        cu_q_lens = F.pad(torch.tensor(batch.q_lens_cpu, dtype=torch.int64).cumsum(0), (1, 0))
+        page_table = batch.page_table_cpu
+    else:
+        cu_q_lens, seq_lens, page_table = (
+            t.cpu() for t in (batch.cu_q_lens, batch.seq_lens, batch.page_table)
+        )
     seq_lens = seq_lens.long()
     num_pages = (seq_lens + batch.page_size - 1) // batch.page_size  # [B]
     width = page_table.shape[1]
@@ -129,7 +137,7 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-class FlashInferBackend(TorchBackend):
+class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
     def __init__(self) -> None:
@@ -144,6 +152,7 @@ class FlashInferBackend(TorchBackend):
         self._graph = False
         self._shape: AttentionShape | None = None
         self._planned: Any = None
+        self._planned_copy: torch.cuda.Event | None = None  # recorded after the last plan
 
     def begin_forward(self, batch, graph=False):
         self._batch, self._graph, self._planned = batch, graph, None
@@ -174,11 +183,12 @@ class FlashInferBackend(TorchBackend):
             raise ValueError(f"batch page size {batch.page_size}, cache's {shape.page_size}")
         if graph and not batch.is_decode:
             raise ValueError("only decode batches run in CUDA graphs")
-        # NOTE: paged_kv_metadata copies the batch's tensors to the host, which waits for the
-        # stream: so the last plan's copy out of flashinfer's pinned buffer has completed
-        # before plan() overwrites that buffer.
         meta = paged_kv_metadata(batch)
         wrapper = self._wrapper(batch, graph)
+        # NOTE: plan() writes the page metadata into a pinned host buffer and copies it to the
+        # GPU without waiting: the last plan's copy out of that buffer must be done first
+        if self._planned_copy is not None:
+            self._planned_copy.synchronize()
         common = dict(
             num_qo_heads=shape.num_qo_heads,
             num_kv_heads=shape.num_kv_heads,
@@ -205,6 +215,9 @@ class FlashInferBackend(TorchBackend):
                 causal=True,
                 **common,
             )
+        if batch.seq_lens.is_cuda:
+            self._planned_copy = torch.cuda.Event()
+            self._planned_copy.record()
         return wrapper
 
     def _wrapper(self, batch: ForwardBatch, graph: bool) -> Any:
