@@ -2,12 +2,15 @@
 kernel, for one backend — what to fuse or replace to approach the roofline.
 
 python3 bench/probes/decode_profile.py MODEL_DIR [--backend torch|triton] [--batch 1]
-    [--steps 16] [--device cuda]
+    [--steps 16] [--device cuda] [--graphs]
 
 Prints one JSON object: the backend, the batch, device time per decode step, and the top
 kernels by their own device time per step (name, calls per step, microseconds per step).
 Eager, not graph-replayed: the kernels are the same as in the captured graphs, launch overhead
-is not in the device times.
+is not in the device times. `--graphs` adds, with the batch's decode graph captured: the graph's
+replay alone back to back (`graph_replay_ms`: the GPU's time per step) and whole engine steps
+(`graph_step_ms`: the same plus what the host adds between replays — batch building, input
+copies, planning, sampling).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--graphs", action="store_true")
     args = parser.parse_args()
     opts = EngineOptions(
         device=args.device,
@@ -65,9 +69,13 @@ def main() -> None:
             rows.append((own_us, event.count, event.key))
     rows.sort(reverse=True)
     steps = args.steps  # the prefill of the profiled run is in these totals too (see prefill_ms)
+    graph_figures = {}
+    if args.graphs:
+        graph_figures = _graph_times(engine, prompts, one, many, steps, args.batch)
     print(
         json.dumps(
             {
+                **graph_figures,
                 "backend": args.backend,
                 "batch": args.batch,
                 "device": args.device,
@@ -85,6 +93,70 @@ def main() -> None:
             }
         )
     )
+
+
+def _graph_times(engine, prompts, one, many, steps: int, batch: int) -> dict:
+    engine.capture_graphs([batch], max_seq_len=512)
+    engine.generate(prompts, many)  # warm through the graph
+    torch.cuda.synchronize()
+    graph = engine.graphs._graphs[batch]
+    t0 = time.perf_counter()
+    for _ in range(100):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - t0) / 100 * 1e3
+    timings = []
+    for params in (one, many):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - t0)
+    host_ms = _host_split(engine, prompts, many, steps)
+    return {
+        "graph_replay_ms": round(replay_ms, 3),
+        "graph_step_ms": round((timings[1] - timings[0]) / steps * 1e3, 3),
+        "host_ms_per_step": host_ms,
+        "graph_replays": engine.graphs.stats.replays,
+        "graph_eager_fallbacks": engine.graphs.stats.eager_fallbacks,
+    }
+
+
+def _host_split(engine, prompts, many, steps: int) -> dict:
+    """Host time per step in each part of an engine step (the sampler's includes its wait for
+    the GPU), by wrapping them for one more generation."""
+    from snapfn.handler.llm.engine import engine as engine_mod
+
+    totals: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    patches = [
+        (engine.scheduler, "schedule"),
+        (engine_mod.ForwardBatch, "build"),
+        (engine.graphs, "replay"),
+        (engine.graphs._graphs[next(iter(engine.graphs._graphs))], "replay"),
+        (engine_mod, "sample"),
+        (engine, "step"),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    for obj, name, fn in saved:
+        label = "cuda_graph_launch" if isinstance(obj, torch.cuda.CUDAGraph) else name
+        setattr(obj, name, timed(label, fn))
+    try:
+        engine.generate(prompts, many)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return {k: round(v / (steps + 1) * 1e3, 3) for k, v in totals.items()}
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ def mode_safetensors(args: argparse.Namespace) -> dict[str, Any]:
         for name, tensor in load_file(path, device=args.device).items():
             target = model.map_weight(name)
             if target is not None:
-                dest = params[target.param].data
-                (dest if target.index is None else dest[target.index]).copy_(tensor)
+                target.dest(params[target.param].data).copy_(tensor)
     engine = Engine(model, allocate_kv(model, plan_num_pages(model, opts), 16), opts.scheduler)
     return {"ready_s": since(args.t0), **_first_token(engine, args)}
 
@@ -158,10 +157,14 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     params = dict(model.named_parameters())
     weight_bytes = weights_bytes(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    matmul_weights = sum(p.numel() for n, p in params.items() if tied or "embed_tokens" not in n)
+    # NOTE: a decode step reads every weight but the embedding table (one row per token), unless
+    # the table is also the lm_head (tied): the roofline counts those bytes, not all of them
+    read = {n: p for n, p in params.items() if tied or "embed_tokens" not in n}
+    matmul_weights = sum(p.numel() for p in read.values())
+    read_bytes = sum(p.numel() * p.element_size() for p in read.values())
     gbps = measure_memory_gbps(args.device)
     tflops = measure_matmul_tflops(args.device, model.dtype)
-    roof_ms = weight_bytes / (gbps * 1e9) * 1e3
+    roof_ms = read_bytes / (gbps * 1e9) * 1e3
     decode = {}
     for key, ms in _decode_figures(engine, args).items():
         batch = key.removesuffix("_ms_per_step")
@@ -178,6 +181,7 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     roof_tps = tflops * 1e12 / (2 * matmul_weights)
     return {
         "weight_bytes": weight_bytes,
+        "decode_read_bytes": read_bytes,
         "memory_gbps": round(gbps, 1),
         "matmul_tflops": round(tflops, 2),
         "decode": decode,
