@@ -166,7 +166,10 @@ class Engine:
         if not ready:
             return []
         ready_reqs = [requests[r] for r in ready]
-        tokens, logprobs = sample(logits[ready], ready_reqs)
+        # NOTE: a decode step's rows are all ready: indexing with a host list would copy it to
+        # the GPU, which waits for the step's kernels before the sampler's own copy does
+        rows = logits if len(ready) == len(requests) else logits[ready]
+        tokens, logprobs = sample(rows, ready_reqs)
         return [
             self._append(req, t, lp)
             for req, t, lp in zip(ready_reqs, tokens, logprobs, strict=True)

@@ -65,6 +65,15 @@ class DecodeGraphs:
         self._host_ids, self._host_positions, self._host_slots = self._host_long.split(n)
         host_seq_lens, host_table = self._host_int.split([n, n * w])
         self._host_seq_lens, self._host_table = host_seq_lens, host_table.view(n, w)
+        # NOTE: written through numpy views: a numpy slice assignment costs about a microsecond
+        # of host time, a torch one several, and a decode step's host time adds to its latency
+        self._host_views = {
+            "ids": self._host_ids.numpy(),
+            "positions": self._host_positions.numpy(),
+            "slots": self._host_slots.numpy(),
+            "seq_lens": self._host_seq_lens.numpy(),
+            "table": self._host_table.numpy(),
+        }
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self._reset_padding(0)
         self._upload()
@@ -72,12 +81,12 @@ class DecodeGraphs:
     def _reset_padding(self, start: int) -> None:
         """Rows from `start` on become padding (in the host mirror): one token at slot 0 of the
         scratch page."""
-        scratch = self.kv.scratch_page
-        self._host_ids[start:] = 0
-        self._host_positions[start:] = 0
-        self._host_slots[start:] = scratch * self.kv.page_size
-        self._host_seq_lens[start:] = 1
-        self._host_table[start:] = scratch
+        scratch, host = self.kv.scratch_page, self._host_views
+        host["ids"][start:] = 0
+        host["positions"][start:] = 0
+        host["slots"][start:] = scratch * self.kv.page_size
+        host["seq_lens"][start:] = 1
+        host["table"][start:] = scratch
 
     def _upload(self) -> None:
         self._long.copy_(self._host_long, non_blocking=True)
@@ -137,13 +146,14 @@ class DecodeGraphs:
         b, w = batch.num_seqs, batch.page_table.shape[1]
         if self._copied is not None:  # the mirror's last copy must be done before it changes
             self._copied.synchronize()
-        self._host_ids[:b] = batch.input_ids
-        self._host_positions[:b] = batch.positions
-        self._host_slots[:b] = batch.slot_mapping
-        self._host_seq_lens[:b] = batch.seq_lens
+        host = self._host_views
+        host["ids"][:b] = _numpy(batch.input_ids)
+        host["positions"][:b] = _numpy(batch.positions)
+        host["slots"][:b] = _numpy(batch.slot_mapping)
+        host["seq_lens"][:b] = _numpy(batch.seq_lens)
         table = batch.page_table_cpu if batch.page_table_cpu is not None else batch.page_table
-        self._host_table[:b, :w] = table
-        self._host_table[:b, w:] = self.kv.scratch_page
+        host["table"][:b, :w] = _numpy(table)
+        host["table"][:b, w:] = self.kv.scratch_page
         self._reset_padding(b)
         self._upload()
         static = self._batches[n]
@@ -155,3 +165,7 @@ class DecodeGraphs:
         self._graphs[n].replay()
         self.stats.replays += 1
         return self._outputs[n][:b]
+
+
+def _numpy(t: torch.Tensor):
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
