@@ -1,6 +1,6 @@
-"""Expert parallel on CPU: two ranks (torch.distributed over gloo), each holding half of the
-routed experts, generate the same greedy tokens as one rank holding them all. On CUDA the same
-all-reduce runs over NCCL (not yet run on a GPU)."""
+"""Expert parallel: two ranks, each holding half of the routed experts, generate the same greedy
+tokens as one rank holding them all — on CPU over gloo, and on two GPUs over NCCL (the path used
+where DeepEP is not installed; skipped on machines with fewer than two GPUs)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from snapfn.handler.llm.build import EngineOptions, build_engine
@@ -28,8 +29,9 @@ def glm_dir(tmp_path_factory):
     return make_model("glm-tiny", tmp_path_factory.mktemp("ep") / "glm", dtype="bf16", seed=11)
 
 
-def generate(model_dir: Path, parallel: ParallelConfig) -> list[dict]:
+def generate(model_dir: Path, parallel: ParallelConfig, device: str = "cpu") -> list[dict]:
     opts = EngineOptions(
+        device=device,
         dtype="float32",
         num_pages=64,
         parallel=parallel,
@@ -41,11 +43,15 @@ def generate(model_dir: Path, parallel: ParallelConfig) -> list[dict]:
     return [{"tokens": list(r.token_ids), "logprobs": list(r.logprobs)} for r in results]
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, cuda: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)  # NCCL runs on each rank's current device
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
-        result = generate(Path(model_dir), ParallelConfig(ep_size=world, ep_rank=rank))
+        parallel = ParallelConfig(ep_size=world, ep_rank=rank)
+        result = generate(Path(model_dir), parallel, device)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -58,11 +64,21 @@ def _free_port() -> int:
 
 
 def test_two_expert_parallel_ranks_generate_what_one_rank_does(glm_dir, tmp_path):
-    want = generate(glm_dir, ParallelConfig())
+    _check_two_ranks(glm_dir, tmp_path, cuda=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL between them)")
+def test_two_ranks_on_two_gpus_over_nccl_generate_what_one_gpu_does(glm_dir, tmp_path):
+    _check_two_ranks(glm_dir, tmp_path, cuda=True)
+
+
+def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool) -> None:
+    want = generate(glm_dir, ParallelConfig(), "cuda:0" if cuda else "cpu")
     context = multiprocessing.get_context("spawn")
     port = _free_port()
     ranks = [
-        context.Process(target=_rank, args=(r, 2, port, str(glm_dir), str(tmp_path)))
+        context.Process(target=_rank, args=(r, 2, port, str(glm_dir), str(tmp_path), cuda))
         for r in range(2)
     ]
     for process in ranks:
