@@ -38,6 +38,11 @@ RMS_SHAPES = {"tiny": (5, 64), "heads": (3, 4, 128), "latent": (7, 512), "odd": 
 # [N, K] and stacked experts [E, N, K]; partial edge blocks included
 FP8_SHAPES = {"square": (256, 128), "edges": (300, 200), "experts": (3, 136, 260)}
 
+# fused FP8 GEMM: (rows of x, N, K): decode rows, partial blocks both ways, a prefill-sized tile
+FP8_GEMM_SHAPES = {"decode": (1, 384, 256), "edges": (5, 200, 136), "rows": (70, 256, 384)}
+# (atol, rtol) against F.linear over the same dequantized weight: float32 sums in another order
+FP8_GEMM_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+
 # paged decode: (requests, q heads, kv heads, head dim, page size, page-row width, seq lens)
 DECODE_SHAPES = {
     "gqa": (3, 8, 2, 64, 16, 6, (1, 40, 96)),  # a one-token request, a partial last page
@@ -90,6 +95,7 @@ CASES = (
     + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
+    + [f"fp8_gemm-{s}-{d}" for s in FP8_GEMM_SHAPES for d in DTYPES]
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
@@ -209,17 +215,35 @@ def _check_dequant(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> d
 
 def _check_linear(dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels import get_backend
+    from snapfn.handler.llm.kernels.triton_backend import FP8_FUSED_MAX_ROWS
 
     q, scale_inv = _random_fp8((200, 136), device)
-    x = torch.randn(9, 136, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     bias = torch.randn(200).to(dtype).to(device)
-    got = get_backend("triton").linear(x, q, bias, scale_inv)
-    if interpreted():
-        want = torch.nn.functional.linear(x, _reference_dequant(q, scale_inv, dtype), bias)
-    else:
-        want = get_backend("torch").linear(x, q, bias, scale_inv)
-    # the same dequantized weight through the same F.linear: exact
-    return _check_close("linear_fp8", got, want, EXACT)
+    errors = []
+    for rows in (9, FP8_FUSED_MAX_ROWS + 1):  # the fused kernel; dequantize + F.linear
+        x = torch.randn(rows, 136, generator=torch.Generator().manual_seed(1)).to(dtype)
+        x = x.to(device)
+        got = get_backend("triton").linear(x, q, bias, scale_inv)
+        if interpreted():
+            want = torch.nn.functional.linear(x, _reference_dequant(q, scale_inv, dtype), bias)
+        else:
+            want = get_backend("torch").linear(x, q, bias, scale_inv)
+        # the same dequantized weight through the same F.linear: exact; fused: sums reordered
+        tol = FP8_GEMM_TOL[dtype] if rows <= FP8_FUSED_MAX_ROWS else EXACT
+        errors.append(_check_close(f"linear_fp8 {rows} rows", got, want, tol)["max_abs_err"])
+    return {"max_abs_err": max(errors)}
+
+
+def _check_fp8_gemm(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+
+    rows, n, k = shape
+    q, scale_inv = _random_fp8((n, k), device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    got = tk.fp8_block_linear(x, q, scale_inv)
+    weight = _reference_dequant(q, scale_inv, dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
+    return _check_close("fp8_gemm", got, want, FP8_GEMM_TOL[dtype])
 
 
 def _check_decode(shape: tuple, dtype: torch.dtype, device: str, splits: int | None) -> dict:
@@ -300,8 +324,10 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     preset = preset.removesuffix("-bf16ckpt")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(preset, Path(tmp) / preset, dtype=checkpoint, seed=3)
-        results = {}
-        for backend in ("torch", "triton"):
+        results, graphs = {}, None
+        runs = ("torch", "triton") + (("triton-graphs",) if device.startswith("cuda") else ())
+        for run in runs:
+            backend = run.removesuffix("-graphs")
             opts = EngineOptions(
                 dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 num_pages=64,
@@ -310,11 +336,16 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
                 scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
             )
             engine = build_engine(model, opts).engine
+            if run.endswith("-graphs"):  # decode replays captured graphs (MoE and DSA too)
+                graphs = engine.capture_graphs([1, 2, 4], max_seq_len=64)
             params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
             prompts = [[5, 17, 3, 9, 12, 40, 7], [2, 8], [30, 1, 4, 4, 11, 6, 19, 23, 2, 9, 10]]
-            results[backend] = engine.generate(prompts, params)
+            results[run] = engine.generate(prompts, params)
     got = results["triton"]
     err = assert_same_greedy(got, results["torch"], 1e-3, what=preset)
+    if graphs is not None:
+        assert graphs.replays > 0 and graphs.eager_fallbacks == 0, graphs
+        err = max(err, assert_same_greedy(results["triton-graphs"], results["torch"], 1e-3))
     return {"max_abs_err": err, "tokens": sum(len(r.token_ids) for r in got)}
 
 
@@ -404,6 +435,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_silu_mul(SILU_SHAPES[rest[0]], dtype, device)
     if kind == "dequant_fp8":
         return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
+    if kind == "fp8_gemm":
+        return _check_fp8_gemm(FP8_GEMM_SHAPES[rest[0]], dtype, device)
     if kind == "linear_fp8":
         return _check_linear(dtype, device)
     if kind == "engine_greedy":

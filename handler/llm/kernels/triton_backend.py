@@ -1,7 +1,9 @@
 """Triton backend: the torch reference with our own Triton kernels where they cover an op.
 
-- `linear` with an FP8 weight: the 128x128 block-scaled weight is dequantized by a Triton
-  kernel, then multiplied by `F.linear` like the reference does (GPU-tested on the H200);
+- `linear` with an FP8 weight: up to `FP8_FUSED_MAX_ROWS` input rows (decode steps) by
+  `fp8_block_linear`, which dequantizes the 128x128 block-scaled weight tile by tile in
+  registers (a step reads each weight byte once); more rows (prefill, compute-bound) dequantize
+  the weight by a Triton kernel, then multiply by `F.linear` like the reference does;
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
 - `add_rms_norm`, `rope_store_kv`, `silu_mul`: the decode step's elementwise work, one launch
@@ -43,14 +45,29 @@ def _kernels(x: torch.Tensor, module: str = "triton_kernels") -> ModuleType | No
     return importlib.import_module(f"{__package__}.{module}")
 
 
+# NOTE: above this many rows a GEMM is compute-bound and cuBLAS on the dequantized weight wins;
+# at or below it, the weight's bytes are the cost and the fused kernel reads a fifth of them
+FP8_FUSED_MAX_ROWS = 64
+
+
 class TritonBackend(TorchBackend):
     name = "triton"
+    capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
         tk = _kernels(x)
         if weight_scale_inv is None or tk is None:
             return super().linear(x, weight, bias, weight_scale_inv)
+        if x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2:
+            out = tk.fp8_block_linear(x, weight, weight_scale_inv)
+            return out if bias is None else out + bias
         return F.linear(x, tk.dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+
+    def _dense_weight(self, weight, scale_inv, dtype):
+        tk = _kernels(weight)
+        if scale_inv is None or tk is None:
+            return super()._dense_weight(weight, scale_inv, dtype)
+        return tk.dequantize_fp8_block(weight, scale_inv, dtype)
 
     def moe(self, x, experts, topk_ids, topk_weights):
         tm = _kernels(x, "triton_moe")

@@ -5,6 +5,7 @@
 | `rms_norm` | `models.layers.RMSNorm.forward`: float32 statistics, cast back, then times weight |
 | `add_rms_norm` | `h = x + residual` (in the input dtype), then `rms_norm(h)`; returns both |
 | `dequantize_fp8_block` | `quant.dequantize_fp8_block`: `q.float() * scale_inv[n//128, k//128]` in `dtype` |
+| `fp8_block_linear` | `F.linear(x, dequantize_fp8_block(w, s, x.dtype))`: the weight dequantized in registers, tile by tile, never written out |
 | `rope_store_kv` | `torch_ref.apply_rotary` of q and k, then `store_kv` of k and v: one launch |
 | `silu_mul` | `F.silu(gate) * up` of a fused `gate | up` projection |
 
@@ -127,6 +128,98 @@ def _dequant_fp8_block_kernel(
     scale = tl.load(scale_ptr + (matrix * num_n_blocks + n_block) * num_k_blocks + k_block)
     out = q.to(tl.float32) * scale.to(tl.float32)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_block_linear_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    x_stride,
+    out_stride,
+    num_k_blocks,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one program per [BLOCK_M, BLOCK_N] output tile; K walked one 128-wide scale block at a time
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scale_rows = scale_ptr + (cols // BLOCK_K).to(tl.int64) * num_k_blocks
+    for kb in range(0, num_k_blocks):
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < k
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        scale = tl.load(scale_rows + kb, mask=col_mask, other=0.0)
+        # dequantized as the reference does (float32 product, rounded to x's dtype), then
+        # multiplied with float32 accumulation: on tensor cores in x's dtype like cuBLAS, or
+        # in float32 (float32 models, and triton's interpreter, which has no bf16 dot)
+        w = (w.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fp8_block_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK
+) -> torch.Tensor:
+    """`x [..., K] @ dequant(q [N, K], scale_inv).T` in `x`'s dtype, without writing the
+    dequantized weight: a decode step then reads one byte per weight instead of five (the
+    fp8 weight, the bf16 copy written and read back)."""
+    _check_device(x, q, scale_inv)
+    if q.dtype != FP8_DTYPE or q.dim() != 2:
+        raise ValueError(f"expected a 2-D {FP8_DTYPE} weight, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if x.shape[-1] != k or tuple(scale_inv.shape) != scale_shape((n, k), block):
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(q.shape)} and scales {tuple(scale_inv.shape)} "
+            f"do not match (scales: [ceil(N/{block}), ceil(K/{block})])"
+        )
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
+    if out.numel():
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _fp8_block_linear_kernel[grid](
+            rows,
+            q.contiguous(),
+            scale_inv.contiguous(),
+            out,
+            m,
+            n,
+            k,
+            rows.stride(0),
+            out.stride(0),
+            triton.cdiv(k, block),
+            DOT_FP32=x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block,
+        )
+    return out.view(*x.shape[:-1], n)
 
 
 def dequantize_fp8_block(
