@@ -15,6 +15,7 @@ from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.errors import CheckpointError
 from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.kernels.torch_ref import causal_attention, topk_mask
 from snapfn.handler.llm.loader import load_weights
 from snapfn.handler.llm.sharding import ParallelConfig
 
@@ -126,6 +127,32 @@ def test_dsa_topk_pads_short_rows_and_keeps_earliest_ties():
     decode = ForwardBatch.build([[0], [0]], [7, 1], [[1, 0], [1]], 4, "cpu")
     got = backend.dsa_topk(q[:2], w[:2], cache, decode, topk=3, scale=1.0)
     assert _as_sets(got) == [one[0], short[1]]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_absorbed_mla_decode_equals_attention_over_expanded_latents(sparse):
+    """The decode path folds kv_b into the query and the output; the prefill path expands every
+    latent to per-head keys and values. One request's decode query must get the same output
+    either way (dense, and restricted to a top-k selection)."""
+    g = torch.Generator().manual_seed(8)
+    heads, nope, rope, v_dim, rank, page = 3, 8, 4, 6, 16, 4
+    seq_lens, width = [11, 5], 3  # tokens cached per request; page-table width
+    cache = torch.randn(7, page, rank + rope, generator=g)
+    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=g) / rank**0.5
+    q = torch.randn(2, heads, nope + rope, generator=g)
+    pages = [[4, 1, 6], [2, 5]]
+    batch = ForwardBatch.build([[0], [0]], [s - 1 for s in seq_lens], pages, page, "cpu")
+    topk = torch.tensor([[0, 3, 10, 7], [4, 1, -1, -1]], dtype=torch.int32) if sparse else None
+    backend = get_backend("torch")
+    got = backend.mla_attention(q, cache, kv_b, None, batch, 0.3, topk)
+    prefill_math = get_backend("torch")
+    for b, seq_len in enumerate(seq_lens):
+        latent = prefill_math.gather_seq(cache, batch, b)  # [L, R + Dr]
+        k, v = prefill_math._expand_latent(latent, kv_b, None, q.shape)
+        mask = None if topk is None else topk_mask(topk[b : b + 1], seq_len)
+        want = causal_attention(q[b : b + 1], k, v, seq_len - 1, 0.3, mask)
+        torch.testing.assert_close(got[b : b + 1], want, atol=1e-5, rtol=1e-5)
+    assert batch.page_table.shape[1] == width
 
 
 def test_fp8_checkpoint_matches_dequantized_weights(glm_dir, tmp_path):

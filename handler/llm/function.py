@@ -160,7 +160,11 @@ class LLMFunction:
         return default_buckets(min(self.config.graph_max_batch, self.config.max_running_requests))
 
     def uses_graphs(self) -> bool:
-        return self.device.startswith("cuda") and self._model_config.arch == "llama"
+        """Decode runs in CUDA graphs: on CUDA, for dense models, and for MoE models where the
+        backend's MoE and DSA indexer are sync-free (triton, flashinfer; not the reference)."""
+        if not self.device.startswith("cuda"):
+            return False
+        return self._model_config.arch == "llama" or self.model.backend.capturable_moe
 
     def stage_warmup(self, figures: Figures) -> None:
         from .warmup import warmup
@@ -186,7 +190,8 @@ class LLMFunction:
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
         elif self.device.startswith("cuda"):
             figures["skipped"] = (
-                f"{self._model_config.arch}: decode runs eagerly (MoE routing syncs the host)"
+                f"{self._model_config.arch}: decode runs eagerly (backend "
+                f"{self.model.backend.name}'s MoE syncs the host)"
             )
         else:
             figures["skipped"] = "no CUDA device: decode runs eagerly"

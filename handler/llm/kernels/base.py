@@ -39,6 +39,9 @@ class Backend:
     """Interface and registry entry. Subclasses implement every method below."""
 
     name = "abstract"
+    # whether `moe` and `dsa_topk` run without host syncs (decode CUDA graphs of MoE models need
+    # it; the reference's MoE loops over the experts hit, on the host)
+    capturable_moe = False
 
     def begin_forward(self, batch: ForwardBatch, graph: bool = False) -> None:
         """Announce a forward over `batch`, outside any CUDA graph capture, so that a backend

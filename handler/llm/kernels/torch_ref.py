@@ -98,8 +98,8 @@ class TorchBackend(Backend):
     ):
         if batch.is_decode:
             latent = latent_cache[batch.page_table.long()].flatten(1, 2)  # [B, W*S, R + Dr]
-            k, v = self._expand_latent(latent, kv_b_weight, kv_b_scale_inv, q.shape)
-            return mla_decode_attention(q, k, v, batch.seq_lens, scale, topk_indices)
+            w = self._dense_weight(kv_b_weight, kv_b_scale_inv, q.dtype)
+            return mla_decode_absorbed(q, latent, w, batch.seq_lens, scale, topk_indices)
         outs, start = [], 0
         for b, (q_len, seq_len) in enumerate(
             zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
@@ -111,6 +111,12 @@ class TorchBackend(Backend):
             outs.append(causal_attention(q[rows], k, v, seq_len - q_len, scale, mask))
             start += q_len
         return torch.cat(outs)
+
+    def _dense_weight(self, weight, scale_inv, dtype):
+        """`weight` in `dtype`, dequantized when it is FP8 (`scale_inv` given)."""
+        if scale_inv is not None:
+            return dequantize_fp8_block(weight, scale_inv, dtype)
+        return weight.to(dtype)
 
     def _expand_latent(self, latent, kv_b_weight, kv_b_scale_inv, q_shape):
         """`latent [..., L, R + Dr]` -> per-head `k [..., L, H, Dn + Dr]`, `v [..., L, H, Dv]`."""
@@ -243,19 +249,32 @@ def select_topk(index_scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -
     return picked.masked_fill(picked >= seq_lens[:, None].long(), -1).to(torch.int32)
 
 
-def mla_decode_attention(
+def mla_decode_absorbed(
     q: torch.Tensor,  # [B, H, Dn + Dr], one new token per request
-    k: torch.Tensor,  # [B, L, H, Dn + Dr], the expanded latents of each request's page row
-    v: torch.Tensor,  # [B, L, H, Dv]
+    latent: torch.Tensor,  # [B, L, R + Dr] each request's page row: latents | rotated k_rope
+    kv_b: torch.Tensor,  # [H * (Dn + Dv), R] dense
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     topk_indices: torch.Tensor | None = None,  # [B, topk] int32, -1 = none
 ) -> torch.Tensor:  # [B, H, Dv]
-    """Vectorised MLA decode with fixed shapes (no host syncs): CUDA-graph capturable."""
-    scores = torch.einsum("bhd,blhd->bhl", q, k).float() * scale  # [B, H, L]
-    allowed = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
+    """MLA decode with `kv_b` absorbed into the query and the output (as FlashMLA does): the
+    scores `q_nope . (W_k c) = (W_k^T q_nope) . c` and the output `W_v (sum p c)` read each
+    cached latent `c` once, where expanding every latent to per-head keys and values
+    costs `L * R * H * (Dn + Dv)` multiply-adds per request and layer.
+    The same sums, in float32 (no host syncs: CUDA-graph capturable)."""
+    heads, rank = q.shape[1], kv_b.shape[1]
+    rope = latent.shape[-1] - rank
+    nope = q.shape[2] - rope
+    w = kv_b.float().view(heads, -1, rank)  # [H, Dn + Dv, R]
+    q_nope, q_rope = q.float().split([nope, rope], dim=-1)
+    c, k_rope = latent.float().split([rank, rope], dim=-1)  # [B, L, R], [B, L, Dr]
+    q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, :nope])  # [B, H, R]
+    scores = torch.einsum("bhr,blr->bhl", q_latent, c) + torch.einsum(
+        "bhd,bld->bhl", q_rope, k_rope
+    )
+    allowed = torch.arange(c.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
     if topk_indices is not None:
-        allowed = allowed & topk_mask(topk_indices, k.shape[1])
-    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.einsum("bhl,blhd->bhd", probs, v)
+        allowed = allowed & topk_mask(topk_indices, c.shape[1])
+    probs = torch.softmax((scores * scale).masked_fill(~allowed[:, None, :], float("-inf")), -1)
+    out_latent = torch.einsum("bhl,blr->bhr", probs, c)  # [B, H, R]
+    return torch.einsum("bhr,hvr->bhv", out_latent, w[:, nope:]).to(q.dtype)
