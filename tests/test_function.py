@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -209,3 +210,14 @@ def test_compiles_counted_says_what_a_stage_added_to_the_compile_caches(tmp_path
         (triton / "new.cubin").write_bytes(b"y")
         (triton / "new.json").write_text("{}")
     assert figures == {"compiled_files": 2}
+
+
+def test_graph_max_batch_zero_turns_decode_graphs_off_but_keeps_warm_shapes(tmp_path):
+    from snapfn.handler.llm.engine.graphs import default_buckets
+
+    fn = LLMFunction(dataclasses.replace(config(tmp_path), graph_max_batch=0), None)
+    assert fn.buckets() == default_buckets(fn.config.max_running_requests)  # warmed eagerly
+    fn.device = "cuda"  # the CUDA answer, without a GPU: decided before the model is looked at
+    assert not fn.uses_graphs()
+    fn = LLMFunction(dataclasses.replace(config(tmp_path), graph_max_batch=8), None)
+    assert fn.buckets() == [1, 2, 4, 8]

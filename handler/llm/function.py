@@ -157,12 +157,15 @@ class LLMFunction:
     def buckets(self) -> list[int]:
         from .engine.graphs import default_buckets
 
-        return default_buckets(min(self.config.graph_max_batch, self.config.max_running_requests))
+        most = self.config.max_running_requests
+        return default_buckets(
+            min(self.config.graph_max_batch, most) if self.config.graph_max_batch > 0 else most
+        )
 
     def uses_graphs(self) -> bool:
         """Decode runs in CUDA graphs: on CUDA, for dense models, and for MoE models where the
         backend's MoE and DSA indexer are sync-free (triton, flashinfer; not the reference)."""
-        if not self.device.startswith("cuda"):
+        if not self.device.startswith("cuda") or self.config.graph_max_batch < 1:
             return False
         return self._model_config.arch == "llama" or self.model.backend.capturable_moe
 
@@ -188,6 +191,8 @@ class LLMFunction:
                 stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+        elif self.device.startswith("cuda") and self.config.graph_max_batch < 1:
+            figures["skipped"] = "graph_max_batch=0: decode runs eagerly"
         elif self.device.startswith("cuda"):
             figures["skipped"] = (
                 f"{self._model_config.arch}: decode runs eagerly (backend "

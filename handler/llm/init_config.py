@@ -28,7 +28,7 @@ class InitConfig:
     max_model_len: int = 4096
     mem_fraction_static: float = 0.85  # share of GPU memory for weights + KV pool (SGLang's rule)
     kv_cache_bytes_cpu: int = 256 << 20  # on CPU there is nothing to profile: a fixed KV budget
-    graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this
+    graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this; 0: no graphs
     graph_max_seq_len: int = 4096
     prefill_chunk_sizes: tuple[
         int, ...
