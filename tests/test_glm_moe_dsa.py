@@ -184,6 +184,25 @@ def test_mtp_layer_is_loaded(glm_dir, tmp_path):
     torch.testing.assert_close(our_prefill_logits(engine, ids, 4), plain, atol=0, rtol=0)
 
 
+def test_step_weights_count_the_experts_a_step_routes_to_and_skip_mtp(glm_dir, tmp_path):
+    from snapfn.handler.llm.memory import step_weights
+
+    write_with_mtp(glm_dir, tmp_path / "mtp")
+    model = our_engine(tmp_path / "mtp", page_size=4).model
+    moe = model.config.moe
+    share = moe.num_experts_per_tok / moe.n_routed_experts
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    experts = sum(b for n, b in sizes.items() if ".mlp.experts." in n and n.startswith("model."))
+    dense = sum(
+        b for n, b in sizes.items() if n.startswith(("model.", "lm_head")) and "embed" not in n
+    ) - experts
+    assert any(n.startswith("mtp.") for n in sizes) and experts > 0
+    for batch in (1, 3, 1000):
+        read, _ = step_weights(model, batch)
+        assert abs(read - (dense + experts * (1 - (1 - share) ** batch))) <= 1
+    assert step_weights(model, 1000)[0] == dense + experts  # every expert, no MTP, no embedding
+
+
 def test_missing_mtp_tensor_fails_coverage(glm_dir, tmp_path):
     write_with_mtp(glm_dir, tmp_path / "mtp", drop=("model.layers.4.enorm.weight",))
     with pytest.raises(CheckpointError, match=r"not filled.*mtp\.0\.enorm\.weight"):

@@ -143,31 +143,26 @@ def mode_restore_process(args: argparse.Namespace) -> dict[str, Any]:
 def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     """(g) Steady state after a cold init: decode ms per step at each batch size and prefill
     tokens/s, each beside its roofline, measured in this process on the same device: a decode
-    step streams every weight once (weight bytes ÷ memory bandwidth, KV reads left out: short
-    prompts); prefill does 2 FLOPs per matmul weight and token (÷ the dense matmul rate)."""
+    step streams the weights it uses once (`memory.step_weights`'s bytes ÷ memory bandwidth,
+    KV reads left out: short prompts); prefill does 2 FLOPs per weight used and token (÷ the
+    dense matmul rate)."""
     from snapfn.snapshot.bandwidth import measure_matmul_tflops, measure_memory_gbps
     from snapfn.snapshot.runtime import cold_init
 
     from .engine.request import SamplingParams
-    from .memory import weights_bytes
+    from .memory import step_weights, weights_bytes
 
     fn = _function(args, Path(args.model))
     cold_init(fn, log=None)
     model, engine = fn.model, fn.engine
-    params = dict(model.named_parameters())
     weight_bytes = weights_bytes(model)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    # NOTE: a decode step reads every weight but the embedding table (one row per token), unless
-    # the table is also the lm_head (tied): the roofline counts those bytes, not all of them
-    read = {n: p for n, p in params.items() if tied or "embed_tokens" not in n}
-    matmul_weights = sum(p.numel() for p in read.values())
-    read_bytes = sum(p.numel() * p.element_size() for p in read.values())
     gbps = measure_memory_gbps(args.device)
     tflops = measure_matmul_tflops(args.device, model.dtype)
-    roof_ms = read_bytes / (gbps * 1e9) * 1e3
-    decode = {}
+    decode, read = {}, {}
     for key, ms in _decode_figures(engine, args).items():
         batch = key.removesuffix("_ms_per_step")
+        read[batch] = step_weights(model, int(batch.removeprefix("batch")))[0]
+        roof_ms = read[batch] / (gbps * 1e9) * 1e3
         decode[batch] = {"ms": ms, "roofline_ms": round(roof_ms, 3), "x": round(ms / roof_ms, 2)}
     n = min(args.prefill_tokens, engine.max_req_input_len)
     prompt = [(7919 * i + 11) % model.config.vocab_size for i in range(n)]
@@ -178,10 +173,10 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     engine.generate([prompt], one)
     _sync(args.device)
     tokens_per_s = n / (time.perf_counter() - t0)
-    roof_tps = tflops * 1e12 / (2 * matmul_weights)
+    roof_tps = tflops * 1e12 / (2 * step_weights(model, n)[1])
     return {
         "weight_bytes": weight_bytes,
-        "decode_read_bytes": read_bytes,
+        "decode_read_bytes": read,
         "memory_gbps": round(gbps, 1),
         "matmul_tflops": round(tflops, 2),
         "decode": decode,

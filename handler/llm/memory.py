@@ -48,6 +48,27 @@ def weights_bytes(model: CausalLM) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def step_weights(model: CausalLM, batch: int) -> tuple[int, float]:
+    """What one forward step over `batch` requests touches of the weights, for rooflines: the
+    bytes read and the parameters multiplied per token. Left out: an untied embedding table (a
+    row per token) and the MTP layers (not run by a step). Routed experts count by the share a
+    uniform router touches: `1 - (1 - k/E)^batch` of a layer's experts are read, and `k/E` of
+    them multiply each token."""
+    cfg = model.config
+    routed_read = routed_used = 1.0
+    if cfg.moe is not None:
+        share = cfg.moe.num_experts_per_tok / cfg.moe.n_routed_experts
+        routed_read, routed_used = 1 - (1 - share) ** batch, share
+    read, params = 0.0, 0.0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or ("embed_tokens" in name and not cfg.tie_word_embeddings):
+            continue
+        routed = ".mlp.experts." in f".{name}"
+        read += p.numel() * p.element_size() * (routed_read if routed else 1.0)
+        params += p.numel() * (routed_used if routed else 1.0)
+    return int(read), params
+
+
 def dummy_prefill(model: CausalLM, kv: KVPool, num_tokens: int, pages: list[int]) -> torch.Tensor:
     """One forward of `num_tokens` prompt tokens (id 0) cached in `pages`."""
     batch = ForwardBatch.build([[0] * num_tokens], [0], [pages], kv.page_size, model.device)
