@@ -14,7 +14,10 @@ because `import triton` takes seconds and the package must stay importable witho
 `TRITON_INTERPRET=1` must be set before this module is first imported for the kernels to run
 on CPU tensors (triton decides interpreted or compiled when `@triton.jit` runs).
 
-Nothing here is autotuned yet: launch parameters are fixed (see docs/kernels.md).
+`fp8_block_linear` is autotuned on GPUs (its output-tile width and pipeline depth per weight
+shape), with triton's results cache on: the timings land in `TRITON_CACHE_DIR`, which the init
+phase points into its cache and the snapshot saves, so a restore re-tunes nothing. The other
+kernels' launch parameters are fixed (see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -179,6 +182,19 @@ def _fp8_block_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+# NOTE: output-tile widths and pipeline depths; each is benchmarked once per (N, K, BLOCK_M,
+# dtype) the first time that shape runs, outside any CUDA graph capture (DecodeGraphs runs each
+# bucket once before capturing it)
+FP8_LINEAR_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=4, num_stages=stages)
+    for bn in (32, 64, 128)
+    for stages in (3, 4)
+]
+_fp8_block_linear_tuned = triton.autotune(
+    FP8_LINEAR_CONFIGS, key=["n", "k", "BLOCK_M"], cache_results=True
+)(_fp8_block_linear_kernel)
+
+
 def fp8_block_linear(
     x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK
 ) -> torch.Tensor:
@@ -200,10 +216,16 @@ def fp8_block_linear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    block_n = 64
+    # the interpreter cannot time configs: one fixed tile there
+    interpret = bool(triton.knobs.runtime.interpret)
+    kernel = _fp8_block_linear_kernel if interpret else _fp8_block_linear_tuned
+    fixed = {"BLOCK_N": 64} if interpret else {}
     if out.numel():
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _fp8_block_linear_kernel[grid](
+
+        def grid(meta):
+            return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]))
+
+        kernel[grid](
             rows,
             q.contiguous(),
             scale_inv.contiguous(),
@@ -214,10 +236,10 @@ def fp8_block_linear(
             rows.stride(0),
             out.stride(0),
             triton.cdiv(k, block),
-            DOT_FP32=x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
+            DOT_FP32=x.dtype == torch.float32 or interpret,
             BLOCK_M=block_m,
-            BLOCK_N=block_n,
             BLOCK_K=block,
+            **fixed,
         )
     return out.view(*x.shape[:-1], n)
 
