@@ -2,7 +2,7 @@
 
 `get_backend("auto", device)` picks the backend for the device: on CUDA the first of
 `AUTO_CUDA` that is installed and builds here — "flashinfer" (FlashInfer's paged attention over
-the torch reference), then "triton" (our own Triton kernels over the torch reference) — else,
+the triton backend), then "triton" (our own Triton kernels over the torch reference) — else,
 and on CPU always, the torch reference. A backend enters `AUTO_CUDA` only once its GPU checks
 passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks one by name.
 """

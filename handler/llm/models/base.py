@@ -89,7 +89,7 @@ class CausalLM(nn.Module):
         parts: Sequence[tuple[str, int]],
         in_features: int,
         bias: bool = False,
-    ) -> Linear:
+    ) -> Linear | ConcatLinear:
         """One Linear `{prefix}.{name}` for checkpoint projections that read the same input
         (`parts`: each one's name under `prefix` and this rank's output rows), stacked in that
         order: one GEMM per step where the checkpoint has several. Each part's tensors
