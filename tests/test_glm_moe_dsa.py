@@ -193,9 +193,10 @@ def test_step_weights_count_the_experts_a_step_routes_to_and_skip_mtp(glm_dir, t
     share = moe.num_experts_per_tok / moe.n_routed_experts
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     experts = sum(b for n, b in sizes.items() if ".mlp.experts." in n and n.startswith("model."))
-    dense = sum(
-        b for n, b in sizes.items() if n.startswith(("model.", "lm_head")) and "embed" not in n
-    ) - experts
+    dense = (
+        sum(b for n, b in sizes.items() if n.startswith(("model.", "lm_head")) and "embed" not in n)
+        - experts
+    )
     assert any(n.startswith("mtp.") for n in sizes) and experts > 0
     for batch in (1, 3, 1000):
         read, _ = step_weights(model, batch)
