@@ -49,6 +49,9 @@ ZYGOTE_PRELOAD = (
 )
 
 
+SHORT_PREFILLS = (8, 48)  # prompt lengths warmed besides the chunk sizes (CUDA only)
+
+
 class LLMFunction:
     """Holds the engine once up. Build with a model folder (init) and/or a snapshot (restore)."""
 
@@ -174,9 +177,11 @@ class LLMFunction:
 
         if self.device.startswith("cuda"):
             # NOTE: graph capture runs every decode bucket twice before capturing it; warming
-            # the decode shapes here as well would only repeat that work.
+            # the decode shapes here as well would only repeat that work. Short prefills run
+            # kernel variants no chunk-sized one does: the FP8 GEMM's two row tiles (up to 16
+            # and up to 64 rows) on weights only prefill multiplies (MLA's kv_b expansion).
             decode = [] if self.uses_graphs() else self.buckets()
-            chunks = self.config.chunk_sizes
+            chunks = tuple(dict.fromkeys((*self.config.chunk_sizes, *SHORT_PREFILLS)))
         else:  # the CPU path compiles nothing: touch each code path once, cheaply
             decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
         with runtime_env.compiles_counted(self.config.cache_dir, figures):

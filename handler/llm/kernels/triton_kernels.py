@@ -133,7 +133,10 @@ def _dequant_fp8_block_kernel(
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# NOTE: `m` (the input rows) is not specialised on (triton compiles one variant for m == 1 and
+# one for m % 16 == 0 otherwise): the rows are masked anyway, and a variant per row count would
+# leave prefill lengths that warmup did not run to compile in a request
+@triton.jit(do_not_specialize=["m"])
 def _fp8_block_linear_kernel(
     x_ptr,
     w_ptr,
