@@ -17,11 +17,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
-        if weight_scale_inv is not None:
-            weight = dequantize_fp8_block(weight, weight_scale_inv, x.dtype)
-        elif weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
-        return F.linear(x, weight, bias)
+        return F.linear(x, self._dense_weight(weight, weight_scale_inv, x.dtype), bias)
 
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)

@@ -29,7 +29,6 @@ import os
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from .torch_ref import TorchBackend
 
@@ -56,12 +55,12 @@ class TritonBackend(TorchBackend):
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
         tk = _kernels(x)
-        if weight_scale_inv is None or tk is None:
+        fused = x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2
+        if weight_scale_inv is None or tk is None or not fused:
+            # dequantized by `_dense_weight` (the Triton kernel for FP8), then F.linear
             return super().linear(x, weight, bias, weight_scale_inv)
-        if x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2:
-            out = tk.fp8_block_linear(x, weight, weight_scale_inv)
-            return out if bias is None else out + bias
-        return F.linear(x, tk.dequantize_fp8_block(weight, weight_scale_inv, x.dtype), bias)
+        out = tk.fp8_block_linear(x, weight, weight_scale_inv)
+        return out if bias is None else out + bias
 
     def _dense_weight(self, weight, scale_inv, dtype):
         tk = _kernels(weight)
