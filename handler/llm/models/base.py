@@ -158,11 +158,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final norm (of `h + residual` when the last layer left its residual apart), keep the
         rows logits are wanted for, project to the vocabulary (fp32)."""
-        if residual is None:
-            h = self.model.norm(h)
-        else:
-            norm = self.model.norm
-            h, _ = self.backend.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h, _ = self.model.norm.add(h, residual)
         if not batch.all_logits:
             h = h[batch.logits_indices]
         if self.config.tie_word_embeddings:

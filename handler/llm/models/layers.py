@@ -85,6 +85,19 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return self.backend.rms_norm(x, self.weight, self.eps)
 
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's step: `h = x + residual`, returned with its norm as
+        `(norm(h), h)` (`Backend.add_rms_norm`, one kernel on the triton backend);
+        `residual=None` (before the first layer): `(norm(x), x)`."""
+        if residual is None:
+            return self(x), x
+        if self.backend is None:
+            total = x + residual
+            return self(total), total
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies `[dim/2]` and the attention scaling factor, per RoPE type."""

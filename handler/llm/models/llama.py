@@ -85,16 +85,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h, residual, cos, sin, rotary, batch, kv):
         """`h`: the last layer's output, not yet added to `residual` (None before the first
         layer, where `h` is the embedding). Returns this layer's output and the residual."""
-        x, residual = self._norm(self.input_layernorm, h, residual)
+        x, residual = self.input_layernorm.add(h, residual)
         h = self.self_attn(x, cos, sin, rotary, batch, kv)
-        x, residual = self._norm(self.post_attention_layernorm, h, residual)
+        x, residual = self.post_attention_layernorm.add(h, residual)
         return self.mlp(x), residual
-
-    @staticmethod
-    def _norm(norm, h, residual):
-        if residual is None:
-            return norm(h), h
-        return norm.backend.add_rms_norm(h, residual, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):
