@@ -70,14 +70,16 @@ class CausalLM(nn.Module):
         out_features: int,
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        fp8: bool | None = None,
     ) -> Linear:
-        """A Linear for checkpoint module `name`: FP8 when the quant config covers it."""
+        """A Linear for checkpoint module `name`: FP8 when the quant config covers it (or as
+        `fp8` says, for a fused module the checkpoint has no name for)."""
         return Linear(
             in_features,
             out_features,
             self.backend,
             bias=bias,
-            fp8=is_quantized(name, self.config.quant),
+            fp8=is_quantized(name, self.config.quant) if fp8 is None else fp8,
             dtype=dtype or self.dtype,
             device=self.device,
         )
@@ -112,15 +114,7 @@ class CausalLM(nn.Module):
                     f"{prefix}.{name}.{suffix}", rows=span
                 )
             start += rows
-        return Linear(
-            in_features,
-            start,
-            self.backend,
-            bias=bias,
-            fp8=fp8,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        return self.linear(f"{prefix}.{name}", in_features, start, bias, fp8=fp8)
 
     def _concat_linear(self, prefix, name, parts, in_features, bias) -> ConcatLinear:
         linears = {}
