@@ -80,16 +80,13 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, batch_bytes: int = 1 << 30) 
     start = time.perf_counter()
     check_fp8_pairs(ckpt)
     targets, skipped = plan_targets(model, ckpt)
-    absent = [name for name in model.fused_parts() if name not in targets]
-    if absent:  # named as the checkpoint names them, not as the fused parameter's rows
-        raise CheckpointError(f"model parameters not filled by the checkpoint: {_names(absent)}")
     report = LoadReport(not_loaded=skipped)
     filled: set[tuple[str, int | None, tuple[int, int] | None]] = set()
     params = dict(model.named_parameters())
     for names in _batches(targets, ckpt, batch_bytes):
         for name, tensor in ckpt.read(names).items():
             _fill(model, params, name, tensor, targets[name], filled, report)
-    _check_all_filled(params, filled)
+    _check_all_filled(params, filled, model.fused_targets())
     report.seconds = time.perf_counter() - start
     return report
 
@@ -159,21 +156,24 @@ def _part(key: tuple[str, int | None, tuple[int, int] | None]) -> str:
 def _check_all_filled(
     params: dict[str, torch.nn.Parameter],
     filled: set[tuple[str, int | None, tuple[int, int] | None]],
+    fused: dict[str, WeightTarget],
 ) -> None:
+    """Every parameter filled: whole, every expert row, or (fused projections, `fused`:
+    checkpoint name -> target) every part, a missing part named as the checkpoint names it."""
     whole = {p for p, i, r in filled if i is None and r is None}
     experts: dict[str, set[int]] = {}
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for p, i, r in filled:
+    for p, i, _ in filled:
         if i is not None:
             experts.setdefault(p, set()).add(i)
-        elif r is not None:
-            spans.setdefault(p, []).append(r)
+    parts: dict[str, list[tuple[str, WeightTarget]]] = {}
+    for name, target in fused.items():
+        parts.setdefault(target.param, []).append((name, target))
     missing = []
     for pname, param in params.items():
         if pname in whole:
             continue
-        if pname in spans:
-            missing += [f"{pname}[{a}:{b}]" for a, b in _gaps(spans[pname], param.shape[0])]
+        if pname in parts:
+            missing += [n for n, t in parts[pname] if (t.param, t.index, t.rows) not in filled]
             continue
         got = experts.get(pname, set())
         missing += (
@@ -183,13 +183,3 @@ def _check_all_filled(
         raise CheckpointError(
             f"model parameters not filled by the checkpoint: {_names(sorted(missing))}"
         )
-
-
-def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The row ranges of `[0, length)` that no span covers."""
-    gaps, covered = [], 0
-    for a, b in sorted(spans):
-        if a > covered:
-            gaps.append((covered, a))
-        covered = max(covered, b)
-    return gaps + ([(covered, length)] if covered < length else [])

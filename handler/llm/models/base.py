@@ -125,9 +125,9 @@ class CausalLM(nn.Module):
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = target
         return ConcatLinear(linears)
 
-    def fused_parts(self) -> list[str]:
-        """The checkpoint tensors that fill fused projections: each must be in the checkpoint."""
-        return sorted(self._fused_targets)
+    def fused_targets(self) -> dict[str, WeightTarget]:
+        """Checkpoint name -> the part of a fused projection it fills (`fused_linear`)."""
+        return dict(self._fused_targets)
 
     def norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device, self.backend)
