@@ -84,7 +84,7 @@ def test_metadata_of_a_decode_graph_with_padded_rows():
     assert _ints(meta.kv_indices) == [scratch] * 4
     assert _ints(meta.kv_last_page_len) == [1, 1, 1, 1]
 
-    graphs._host_seq_lens[:2] = torch.tensor([9, 4], dtype=torch.int32)
+    graphs._host_views["seq_lens"][:2] = [9, 4]
     graphs._host_table[:2] = torch.tensor([[2, 5, 7], [1, scratch, scratch]], dtype=torch.int32)
     graphs._upload()
     on_host = graphs._static_batch(4)

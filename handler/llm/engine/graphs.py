@@ -62,16 +62,15 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._long.split(n)
         self.seq_lens, table = self._int.split([n, n * w])
         self.page_table = table.view(n, w)
-        self._host_ids, self._host_positions, self._host_slots = self._host_long.split(n)
-        host_seq_lens, host_table = self._host_int.split([n, n * w])
-        self._host_seq_lens, self._host_table = host_seq_lens, host_table.view(n, w)
+        self._host_table = self._host_int[n:].view(n, w)  # the static batches' page_table_cpu
         # NOTE: written through numpy views: a numpy slice assignment costs about a microsecond
         # of host time, a torch one several, and a decode step's host time adds to its latency
+        ids, positions, slots = self._host_long.numpy().reshape(3, n)
         self._host_views = {
-            "ids": self._host_ids.numpy(),
-            "positions": self._host_positions.numpy(),
-            "slots": self._host_slots.numpy(),
-            "seq_lens": self._host_seq_lens.numpy(),
+            "ids": ids,
+            "positions": positions,
+            "slots": slots,
+            "seq_lens": self._host_int[:n].numpy(),
             "table": self._host_table.numpy(),
         }
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
@@ -87,6 +86,9 @@ class DecodeGraphs:
         host["slots"][start:] = scratch * self.kv.page_size
         host["seq_lens"][start:] = 1
         host["table"][start:] = scratch
+
+    def _host_seq_lens(self, n: int) -> tuple[int, ...]:
+        return tuple(self._host_views["seq_lens"][:n].tolist())
 
     def _upload(self) -> None:
         self._long.copy_(self._host_long, non_blocking=True)
@@ -107,7 +109,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:n],
             logits_indices=self.logits_indices[:n],
             page_size=self.kv.page_size,
-            seq_lens_cpu=tuple(self._host_seq_lens[:n].tolist()),
+            seq_lens_cpu=self._host_seq_lens(n),
             q_lens_cpu=(1,) * n,
             page_table_cpu=self._host_table[:n],
         )
@@ -157,7 +159,7 @@ class DecodeGraphs:
         self._reset_padding(b)
         self._upload()
         static = self._batches[n]
-        static.seq_lens_cpu = (*batch.seq_lens_cpu, *(1,) * (n - b))
+        static.seq_lens_cpu = self._host_seq_lens(n)
         # NOTE: after the inputs are in the static buffers and before the replay: the backend
         # plans from them (flashinfer's page metadata, from the host mirror), which a graph
         # cannot do
