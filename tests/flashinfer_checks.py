@@ -3,9 +3,12 @@
 `tests/test_flashinfer.py` runs every case of `CASES` with `-m gpu` (skipped without CUDA or
 flashinfer). Attention cases: the 8B llama's heads (32 q, 8 KV, head dim 128) on random bf16
 inputs, the engine's default page size, within `ATOL` of the float32 reference on the same
-inputs. Whole-model cases: greedy tokens through "flashinfer" (eager, and with decode CUDA
-graphs) equal those through "torch". `greedy_results` also serves the CPU test that runs
-the backend over a fake flashinfer.
+inputs. MLA cases (`glm_moe_dsa`): GLM-5's latent attention (64 heads, latent 512 + rope 64,
+top-2048 selections) against the reference's float32 `mla_attention`. Whole-model cases:
+greedy tokens through "flashinfer" (eager, and with decode CUDA graphs) equal those through
+"torch", for a llama and for `glm-small` (GLM-5's latent widths, so its attention is
+flashinfer's MLA). `greedy_results` also serves the CPU test that runs the backend over a
+fake flashinfer.
 """
 
 from __future__ import annotations
@@ -56,6 +59,20 @@ GREEDY_NEW_TOKENS = (10, 6, 3)  # decode batches of 3, 2, then 1 request: bucket
 LOGPROB_ATOL = 1e-2  # a few float16 ulps of logits near 4
 RUNS = {"torch": ("torch", False), "flashinfer": ("flashinfer", False)}
 RUNS["flashinfer-graphs"] = ("flashinfer", True)
+# glm-small (FP8 checkpoint, float16): with seed 2 the torch backend's greedy tokens in float16
+# and bfloat16 equal float32's (on CPU; seeds 3-5 differ), float16's logprobs within 0.005
+GLM_GREEDY = {"preset": "glm-small", "seed": 2, "checkpoint": "fp8", "num_layers": None}
+LLAMA_GREEDY = {"preset": GREEDY_PRESET, "seed": GREEDY_SEED, "checkpoint": "bf16", "num_layers": 2}
+
+# MLA: GLM-5's attention per layer (tp 1), its DSA selection size, and the latent widths
+MLA_HEADS, MLA_NOPE, MLA_ROPE, MLA_RANK, MLA_V, MLA_TOPK = 64, 192, 64, 512, 256, 2048
+MLA_SCALE = (MLA_NOPE + MLA_ROPE) ** -0.5
+# outputs are W_v (a [256, 512] map with unit-variance rows / sqrt(512)) of convex sums of unit
+# normal latents; bf16 rounds the absorbed query and the latent sum once each
+MLA_TOL = (3e-2, 2e-2)
+MLA_DECODE_SEQ_LENS = (1, 300, MLA_TOPK, MLA_TOPK + 1, 5000)  # fewer keys than topk, exactly, more
+MLA_PREFILL_REQUESTS = ((37, 37), (5, 3000), (1, 2100), (100, 300))
+MLA_GRAPH_REPLAYS = ((130, 1, 4000), (2048, 37, PAGE_SIZE, 2500), (33,))
 
 CASES = [
     "decode-llama8b",
@@ -63,6 +80,11 @@ CASES = [
     "decode_graph-llama8b",
     "engine_greedy-eager",
     "engine_greedy-graphs",
+    "mla_decode-glm5",
+    "mla_prefill-glm5",
+    "mla_decode_graph-glm5",
+    "engine_greedy-glm-eager",
+    "engine_greedy-glm-graphs",
 ]
 
 
@@ -149,11 +171,125 @@ def _check_decode_graph(device: str) -> dict:
     return {"max_abs_err": max(errors)}
 
 
+def random_topk(batch: ForwardBatch, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """A valid DSA selection for `batch`'s rows (as `dsa_topk` returns): per row
+    `min(position + 1, topk)` distinct causal key positions in a random order, then -1."""
+    rows = []
+    for position in batch.positions.tolist():
+        n = min(position + 1, topk)
+        rows.append(torch.randperm(position + 1, generator=gen)[:n].tolist() + [-1] * (topk - n))
+    return torch.tensor(rows, dtype=torch.int32).to(batch.positions.device)
+
+
+def _mla_inputs(rows: int, num_pages: int, gen: torch.Generator, device: str):
+    """Random bf16 queries, a latent cache and a `kv_b` of GLM-5's shapes."""
+    q = torch.randn(rows, MLA_HEADS, MLA_NOPE + MLA_ROPE, generator=gen)
+    latent = torch.randn(num_pages, PAGE_SIZE, MLA_RANK + MLA_ROPE, generator=gen)
+    kv_b = torch.randn(MLA_HEADS * (MLA_NOPE + MLA_V), MLA_RANK, generator=gen) / MLA_RANK**0.5
+    return (t.to(torch.bfloat16).to(device) for t in (q, latent, kv_b))
+
+
+def _mla_reference(q, latent, kv_b, batch, topk) -> torch.Tensor:
+    return get_backend("torch").mla_attention(
+        q.float(), latent.float(), kv_b.float(), None, batch, MLA_SCALE, topk
+    )
+
+
+def _check_mla(q_lens: list[int], seq_lens: list[int], device: str) -> dict:
+    """Two layers' calls (one plan, each its own selection) against the float32 reference."""
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    num_pages = sum(-(-s // PAGE_SIZE) for s in seq_lens) + 5
+    batch = _paged_batch(q_lens, seq_lens, num_pages, gen, device)
+    _, latent, kv_b = _mla_inputs(0, num_pages, gen, device)
+    backend, errors = get_backend("flashinfer"), []
+    for _layer in range(2):
+        q, _, _ = _mla_inputs(sum(q_lens), 0, gen, device)
+        topk = random_topk(batch, MLA_TOPK, gen)
+        got = backend.mla_attention(q, latent, kv_b, None, batch, MLA_SCALE, topk)
+        assert got.dtype == torch.bfloat16
+        want = _mla_reference(q, latent, kv_b, batch, topk)
+        errors.append(_check_close("mla", got.float(), want, MLA_TOL)["max_abs_err"])
+    return {"max_abs_err": max(errors)}
+
+
+class _MLAModel:
+    """Two MLA layers for DecodeGraphs: queries and selections read from static buffers."""
+
+    def __init__(self, q: torch.Tensor, topk: torch.Tensor, kv_b: torch.Tensor) -> None:
+        self.backend, self.device = get_backend("flashinfer"), q.device
+        self.q, self.topk, self.kv_b = q, topk, kv_b  # [layers, rows, ...]
+
+    def __call__(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:  # [rows, layers, H, Dv]
+        rows = batch.seq_lens.shape[0]
+        outs = [
+            self.backend.mla_attention(
+                self.q[layer, :rows],
+                kv.layer("latent", layer),
+                self.kv_b,
+                None,
+                batch,
+                MLA_SCALE,
+                self.topk[layer, :rows],
+            )
+            for layer in range(self.q.shape[0])
+        ]
+        return torch.stack(outs, dim=1)
+
+
+def _check_mla_decode_graph(device: str) -> dict:
+    """DecodeGraphs over the flashinfer MLA, replayed with new requests and selections: each
+    replay matches the reference, so it was re-planned and its key slots written in-graph."""
+    gen = torch.Generator().manual_seed(11)
+    num_pages = sum(-(-s // PAGE_SIZE) for s in MLA_GRAPH_REPLAYS[1]) + 20
+    kv = KVPool(
+        [KVBufferSpec("latent", 2, (MLA_RANK + MLA_ROPE,))],
+        num_pages,
+        PAGE_SIZE,
+        torch.bfloat16,
+        device,
+    )
+    _, _, kv_b = _mla_inputs(0, 0, gen, device)
+    for layer in range(2):
+        cache = kv.layer("latent", layer)
+        cache.copy_(torch.randn(cache.shape, generator=gen).to(torch.bfloat16))
+    rows = max(GRAPH_BUCKETS)
+    q = torch.zeros(2, rows, MLA_HEADS, MLA_NOPE + MLA_ROPE, dtype=torch.bfloat16, device=device)
+    topk = torch.full((2, rows, MLA_TOPK), -1, dtype=torch.int32, device=device)
+    topk[..., 0] = 0  # padded rows: one token, key 0, as the indexer selects for them
+    model = _MLAModel(q, topk, kv_b)
+    graphs = DecodeGraphs(model, kv, GRAPH_BUCKETS, max(max(r) for r in MLA_GRAPH_REPLAYS))
+    graphs.capture()
+    errors = []
+    for seq_lens in MLA_GRAPH_REPLAYS:
+        n = len(seq_lens)
+        batch = _paged_batch([1] * n, list(seq_lens), num_pages, gen, device)
+        for layer in range(2):
+            model.q[layer, :n], _, _ = _mla_inputs(n, 0, gen, device)
+            model.topk[layer, :n] = random_topk(batch, MLA_TOPK, gen)
+        got = graphs.replay(batch, graphs.bucket_for(batch))
+        for layer in range(2):
+            want = _mla_reference(
+                model.q[layer, :n], kv.layer("latent", layer), kv_b, batch, model.topk[layer, :n]
+            )
+            err = _check_close(f"mla graph replay {seq_lens}", got[:, layer].float(), want, MLA_TOL)
+            errors.append(err["max_abs_err"])
+    assert graphs.stats.replays == len(MLA_GRAPH_REPLAYS)
+    return {"max_abs_err": max(errors)}
+
+
 def greedy_results(
-    preset: str, tmp: Path, device: str, runs: tuple[str, ...]
+    model_spec: dict, tmp: Path, device: str, runs: tuple[str, ...]
 ) -> dict[str, list[GenerationResult]]:
-    """`GREEDY_PROMPTS` generated greedily by a fresh engine per run of `RUNS`."""
-    model = make_model(preset, tmp / preset, dtype="bf16", seed=GREEDY_SEED, num_layers=2)
+    """`GREEDY_PROMPTS` generated greedily by a fresh engine per run of `RUNS`, for the model
+    `model_spec` describes (`LLAMA_GREEDY`, `GLM_GREEDY`)."""
+    preset = model_spec["preset"]
+    model = make_model(
+        preset,
+        tmp / preset,
+        dtype=model_spec["checkpoint"],
+        seed=model_spec["seed"],
+        num_layers=model_spec["num_layers"],
+    )
     results = {}
     for run in runs:
         backend, graphs = RUNS[run]
@@ -178,9 +314,9 @@ def greedy_results(
     return results
 
 
-def _check_engine_greedy(run: str, device: str) -> dict:
+def _check_engine_greedy(model_spec: dict, run: str, device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        results = greedy_results(GREEDY_PRESET, Path(tmp), device, ("torch", run))
+        results = greedy_results(model_spec, Path(tmp), device, ("torch", run))
     err = assert_same_greedy(results[run], results["torch"], LOGPROB_ATOL)
     return {"max_abs_err": err, "tokens": sum(len(r.token_ids) for r in results[run])}
 
@@ -195,7 +331,18 @@ def run_case(case: str, device: str) -> dict:
     if case == "decode_graph-llama8b":
         return _check_decode_graph(device)
     if case == "engine_greedy-eager":
-        return _check_engine_greedy("flashinfer", device)
+        return _check_engine_greedy(LLAMA_GREEDY, "flashinfer", device)
     if case == "engine_greedy-graphs":
-        return _check_engine_greedy("flashinfer-graphs", device)
+        return _check_engine_greedy(LLAMA_GREEDY, "flashinfer-graphs", device)
+    if case == "mla_decode-glm5":
+        return _check_mla([1] * len(MLA_DECODE_SEQ_LENS), list(MLA_DECODE_SEQ_LENS), device)
+    if case == "mla_prefill-glm5":
+        q_lens, seq_lens = zip(*MLA_PREFILL_REQUESTS, strict=True)
+        return _check_mla(list(q_lens), list(seq_lens), device)
+    if case == "mla_decode_graph-glm5":
+        return _check_mla_decode_graph(device)
+    if case == "engine_greedy-glm-eager":
+        return _check_engine_greedy(GLM_GREEDY, "flashinfer", device)
+    if case == "engine_greedy-glm-graphs":
+        return _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
     raise ValueError(f"unknown case {case!r}")

@@ -358,7 +358,12 @@ def test_what_flashinfer_does_not_cover_runs_the_reference_unplanned(fake_flashi
 def test_whole_model_greedy_over_fake_flashinfer_equals_torch(fake_flashinfer, tmp_path):
     """The engine's own batches (prefill, then decode across pages) planned by the backend:
     the same tokens as the torch backend, so the metadata is what flashinfer expects."""
-    results = flashinfer_checks.greedy_results("tiny", tmp_path, "cpu", ("torch", "flashinfer"))
+    results = flashinfer_checks.greedy_results(
+        {**flashinfer_checks.LLAMA_GREEDY, "preset": "tiny"},
+        tmp_path,
+        "cpu",
+        ("torch", "flashinfer"),
+    )
     flashinfer_checks.assert_same_greedy(results["flashinfer"], results["torch"], 1e-2)
 
 

@@ -1,4 +1,5 @@
-"""FlashInfer backend: the Triton backend with FlashInfer's paged attention (llama family).
+"""FlashInfer backend: the Triton backend with FlashInfer's paged attention (llama family) and
+its MLA kernel (`glm_moe_dsa`'s sparse latent attention: `flashinfer_mla`).
 
 - `paged_attention` for decode batches (one new token per request):
   `flashinfer.BatchDecodeWithPagedKVCacheWrapper`, eagerly or, inside decode CUDA graphs, in
@@ -25,7 +26,8 @@ first `paged_attention` call shows; until then `begin_forward` defers to that ca
 a graph is the warm-up run before its capture.
 
 GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (session 5 run 3, session 6 run 3;
-docs/kernels.md).
+docs/kernels.md). `mla_attention` with a DSA selection and latent widths flashinfer is built for
+goes to `FlashInferMLA`, which plans like the above (per forward, a graph's into its buffers).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 from ..engine.batch import ForwardBatch
 from ..errors import InitFailed
+from .flashinfer_mla import FlashInferMLA, MLAShape
 from .triton_backend import TritonBackend
 
 FLASHINFER_VERSION = "0.6.9"  # the release this backend is written and checked against
@@ -161,11 +164,36 @@ class FlashInferBackend(TritonBackend):
         self._shape: AttentionShape | None = None
         self._planned: Any = None
         self._planned_copy: torch.cuda.Event | None = None  # recorded after the last plan
+        self._mla = FlashInferMLA(self._flashinfer, self._workspace_on)
+        self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch, graph=False):
         self._batch, self._graph, self._planned = batch, graph, None
         if self._shape is not None:
             self._planned = self._plan(batch, graph, self._shape)
+        self._mla.begin_forward(batch, graph)
+
+    def mla_attention(
+        self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
+    ):
+        shape = MLAShape.of(q, latent_cache, kv_b_weight.shape[1], scale, topk_indices)
+        if shape is None:  # dense, float32, or latent widths flashinfer is not built for
+            return super().mla_attention(
+                q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
+            )
+        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
+        return self._mla.attention(q, latent_cache, kv_b, batch, shape, topk_indices)
+
+    def _kv_b(self, weight, scale_inv, dtype):
+        """`kv_b` in `dtype`; an FP8 one dequantized once, at its first use, and kept (the MLA
+        reads it whole every step: H * (Dn + Dv) * R values, 29 MB a layer for GLM-5)."""
+        if scale_inv is None and weight.dtype == dtype:
+            return weight
+        cached = self._dense_kv_b.get(weight.data_ptr())
+        if cached is None or cached[0] is not weight:
+            cached = (weight, self._dense_weight(weight, scale_inv, dtype))
+            self._dense_kv_b[weight.data_ptr()] = cached
+        return cached[1]
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)
@@ -228,10 +256,14 @@ class FlashInferBackend(TritonBackend):
             self._planned_copy.record()
         return wrapper
 
-    def _wrapper(self, batch: ForwardBatch, graph: bool) -> Any:
-        device = batch.seq_lens.device
+    def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _wrapper(self, batch: ForwardBatch, graph: bool) -> Any:
+        device = batch.seq_lens.device
+        self._workspace_on(device)
         fi = self._flashinfer
         if graph:
             rows, width = batch.page_table.shape
