@@ -203,6 +203,7 @@ def probe_flashinfer_mla():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--only", help="probe this library only (deep_gemm, deep_ep, flashinfer_mla)")
     args = ap.parse_args()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, fn in [
@@ -210,6 +211,8 @@ def main():
         ("deep_ep", probe_deep_ep),
         ("flashinfer_mla", probe_flashinfer_mla),
     ]:
+        if args.only and name != args.only:
+            continue
         t0 = time.perf_counter()
         try:
             report[name] = fn()
