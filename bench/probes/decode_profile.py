@@ -6,8 +6,8 @@ python3 bench/probes/decode_profile.py MODEL_DIR [--backend torch|triton] [--bat
 
 Prints one JSON object: the backend, the batch, device time per decode step, and the top
 kernels by their own device time per step (name, calls per step, microseconds per step).
-Eager, not graph-replayed: the kernels are the same as in the captured graphs, launch overhead
-is not in the device times. `--graphs` adds, with the batch's decode graph captured: the graph's
+Eager, not graph-replayed (the prefill's kernels, profiled alone, subtracted): the kernels are
+the same as in the captured graphs, launch overhead is not in the device times. `--graphs` adds, with the batch's decode graph captured: the graph's
 replay alone back to back (`graph_replay_ms`: the GPU's time per step) and whole engine steps
 (`graph_step_ms`: the same plus what the host adds between replays — batch building, input
 copies, planning, sampling).
@@ -53,22 +53,23 @@ def main() -> None:
     engine.generate(prompts, one)  # the prefill alone, to subtract
     sync()
     prefill_s = time.perf_counter() - t0
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device.startswith("cuda"):
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    on_device = args.device.startswith("cuda")
+    timed_run = {}
+
+    def run_many():
         t0 = time.perf_counter()
         engine.generate(prompts, many)
         sync()
-        wall_s = time.perf_counter() - t0
-    on_device = args.device.startswith("cuda")
-    rows = []
-    for event in prof.key_averages():
-        own_us = event.self_device_time_total if on_device else event.self_cpu_time_total
-        if own_us > 0 and (not on_device or event.device_type.name == "CUDA"):
-            rows.append((own_us, event.count, event.key))
-    rows.sort(reverse=True)
-    steps = args.steps  # the prefill of the profiled run is in these totals too (see prefill_ms)
+        timed_run["wall_s"] = time.perf_counter() - t0
+
+    # the decode steps' kernels: the whole generation's less the prefill's alone, kernel by kernel
+    decode = _kernel_times(run_many, on_device)
+    for key, (us, count) in _kernel_times(lambda: engine.generate(prompts, one), on_device).items():
+        left = decode.get(key, (0.0, 0))
+        decode[key] = (left[0] - us, left[1] - count)
+    rows = sorted(((us, n, key) for key, (us, n) in decode.items() if us > 0), reverse=True)
+    wall_s = timed_run["wall_s"]
+    steps = args.steps
     graph_figures = {}
     if args.graphs:
         graph_figures = _graph_times(engine, prompts, one, many, steps, args.batch)
@@ -93,6 +94,21 @@ def main() -> None:
             }
         )
     )
+
+
+def _kernel_times(fn, on_device: bool) -> dict[str, tuple[float, int]]:
+    """Own device time (us) and calls per kernel while `fn` runs (CPU time without a GPU)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_device:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+    times = {}
+    for event in prof.key_averages():
+        own_us = event.self_device_time_total if on_device else event.self_cpu_time_total
+        if own_us > 0 and (not on_device or event.device_type.name == "CUDA"):
+            times[event.key] = (own_us, event.count)
+    return times
 
 
 def _graph_times(engine, prompts, one, many, steps: int, batch: int) -> dict:

@@ -17,7 +17,10 @@ of local experts:
    weight, stored at the pair's row of `[T*k, H]` (each pair once); summed over `k` in torch.
 
 FP8 experts: each weight tile is dequantized in the kernel (times its block's scale, rounded to
-`x`'s dtype, as the reference's `dequantize_fp8_block`) before the multiply.
+`x`'s dtype, as the reference's `dequantize_fp8_block`) before the multiply. A tile lies within
+one 128x128 scale block (`BLOCK_N` and `BLOCK_K` divide 128), so it has one scale.
+Multiplies run on tensor cores in `x`'s dtype with float32 sums (cuBLAS's way, which the
+reference's bf16 matmuls take); float32 inputs, and the interpreter, multiply in IEEE float32.
 NOTE: imports triton at import time, like triton_kernels.py.
 """
 
@@ -30,7 +33,9 @@ import triton.language as tl
 from .base import ExpertWeights
 from .triton_kernels import _check_device
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+# NOTE: session 6 ran 16 x 32 x 32 tiles multiplied in IEEE float32 on CUDA cores, with a scale
+# gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (session 7 run 3)
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 
 
 def align_by_expert(
@@ -69,20 +74,31 @@ def align_by_expert(
 
 
 @triton.jit
-def _weight_tile(w_ptr, scale_ptr, expert, cols, k, num_out, num_in, dtype, FP8: tl.constexpr):
-    """`[BLOCK_K, BLOCK_N]` float32 tile of expert `expert`'s `[num_out, num_in]` weight at output
-    columns `cols` and inputs `k` (zero outside it); FP8: times its 128x128 block scales and
-    rounded to `dtype`, as the reference's `dequantize_fp8_block`."""
+def _weight_tile(
+    w_ptr, scale_ptr, expert, col0, k0, cols, k, num_out, num_in, dtype, FP8: tl.constexpr
+):
+    """`[BLOCK_K, BLOCK_N]` tile in `dtype` of expert `expert`'s `[num_out, num_in]` weight at
+    output columns `cols` (from `col0`) and inputs `k` (from `k0`), zero outside it; FP8: times
+    its 128x128 block's scale and rounded to `dtype`, as the reference's `dequantize_fp8_block`
+    (the tile lies in one block)."""
     mask = (cols[None, :] < num_out) & (k[:, None] < num_in)
     offsets = expert.to(tl.int64) * num_out * num_in + cols[None, :].to(tl.int64) * num_in
-    w = tl.load(w_ptr + offsets + k[:, None], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offsets + k[:, None], mask=mask, other=0.0)
     if FP8:
         num_in_blocks = tl.cdiv(num_in, 128)
-        blocks = expert.to(tl.int64) * tl.cdiv(num_out, 128) * num_in_blocks
-        scale_offsets = blocks + (cols[None, :] // 128) * num_in_blocks + k[:, None] // 128
-        scale = tl.load(scale_ptr + scale_offsets, mask=mask, other=0.0)
-        w = (w * scale).to(dtype).to(tl.float32)
-    return w
+        block = expert.to(tl.int64) * tl.cdiv(num_out, 128) * num_in_blocks
+        scale = tl.load(scale_ptr + block + (col0 // 128) * num_in_blocks + k0 // 128)
+        w = w.to(tl.float32) * scale
+    return w.to(dtype)
+
+
+@triton.jit
+def _dot(acc, a, b, IEEE: tl.constexpr):
+    """`acc + a @ b` in float32: tensor cores for 16-bit inputs; IEEE float32 for float32 ones
+    and under triton's interpreter (which has no bf16 dot; exact products of 16-bit inputs)."""
+    if IEEE:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(a, b)
 
 
 @triton.jit
@@ -100,10 +116,12 @@ def _gate_up_kernel(
     inter,
     TOPK: tl.constexpr,
     FP8: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    tl.static_assert(128 % BLOCK_N == 0 and 128 % BLOCK_K == 0)  # a tile in one scale block
     block = tl.program_id(0)
     col_block = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + block)
@@ -112,7 +130,8 @@ def _gate_up_kernel(
         pairs = tl.load(pair_of_row_ptr + rows)
         live = pairs < num_pairs
         tokens = tl.where(live, pairs // TOPK, 0).to(tl.int64)
-        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col0 = col_block * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         dtype = act_ptr.dtype.element_ty
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -123,13 +142,15 @@ def _gate_up_kernel(
                 x_ptr + tokens[:, None] * hidden + k[None, :],
                 mask=live[:, None] & (k[None, :] < hidden),
                 other=0.0,
-            )
+            ).to(dtype)
             gate = _weight_tile(
-                gate_ptr, gate_scale_ptr, expert, cols, k, inter, hidden, dtype, FP8
+                gate_ptr, gate_scale_ptr, expert, col0, k0, cols, k, inter, hidden, dtype, FP8
             )
-            up = _weight_tile(up_ptr, up_scale_ptr, expert, cols, k, inter, hidden, dtype, FP8)
-            acc_gate += tl.dot(x.to(tl.float32), gate, input_precision="ieee")
-            acc_up += tl.dot(x.to(tl.float32), up, input_precision="ieee")
+            up = _weight_tile(
+                up_ptr, up_scale_ptr, expert, col0, k0, cols, k, inter, hidden, dtype, FP8
+            )
+            acc_gate = _dot(acc_gate, x, gate, IEEE)
+            acc_up = _dot(acc_up, x, up, IEEE)
         # the reference rounds each projection to x's dtype before silu(gate) * up
         gate_r = acc_gate.to(dtype).to(tl.float32)
         up_r = acc_up.to(dtype).to(tl.float32)
@@ -153,10 +174,12 @@ def _down_kernel(
     inter,
     ROUND_PRODUCT: tl.constexpr,
     FP8: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    tl.static_assert(128 % BLOCK_N == 0 and 128 % BLOCK_K == 0)  # a tile in one scale block
     block = tl.program_id(0)
     col_block = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + block)
@@ -164,7 +187,8 @@ def _down_kernel(
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         pairs = tl.load(pair_of_row_ptr + rows)
         live = pairs < num_pairs
-        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col0 = col_block * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         dtype = act_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -176,9 +200,9 @@ def _down_kernel(
                 other=0.0,
             )
             down = _weight_tile(
-                down_ptr, down_scale_ptr, expert, cols, k, hidden, inter, dtype, FP8
+                down_ptr, down_scale_ptr, expert, col0, k0, cols, k, hidden, inter, dtype, FP8
             )
-            acc += tl.dot(act.to(tl.float32), down, input_precision="ieee")
+            acc = _dot(acc, act, down, IEEE)
         y = acc.to(dtype).to(tl.float32)  # the reference's down projection, in x's dtype
         weight = tl.load(weights_ptr + tl.where(live, pairs, 0), mask=live, other=0.0)
         y = y * weight.to(tl.float32)[:, None]
@@ -211,14 +235,16 @@ def fused_moe(
         gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
         scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
         gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread
+        ieee = x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
         _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
             x, gate, up, gate_s, up_s, act, pair_of_row, expert_of_block, num_pairs, hidden,
-            inter, TOPK=topk, FP8=fp8, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            inter, TOPK=topk, FP8=fp8, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
         )  # fmt: skip
         weights = topk_weights.reshape(-1).contiguous()
         _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
             act, down, down_s, weights, out, pair_of_row, expert_of_block, num_pairs, hidden,
             inter, ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32,
-            FP8=fp8, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            FP8=fp8, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
     return out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
