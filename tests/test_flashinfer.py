@@ -25,7 +25,12 @@ from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.graphs import DecodeGraphs
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.errors import InitFailed
-from snapfn.handler.llm.kernels import available_backends, flashinfer_backend, get_backend
+from snapfn.handler.llm.kernels import (
+    available_backends,
+    flashinfer_backend,
+    flashinfer_plan,
+    get_backend,
+)
 from snapfn.handler.llm.kernels.flashinfer_backend import paged_kv_metadata
 from snapfn.handler.llm.kernels.torch_ref import causal_attention
 
@@ -334,7 +339,7 @@ def test_no_planning_inside_graph_capture(fake_flashinfer, monkeypatch):
     backend = get_backend("flashinfer")
     q, k_cache, v_cache = _attention_inputs(1, torch.Generator().manual_seed(2))
     batch = ForwardBatch.build([[1]], [3], [[4]], 4, "cpu")
-    monkeypatch.setattr(flashinfer_backend, "_capturing", lambda device: True)
+    monkeypatch.setattr(flashinfer_plan, "capturing", lambda device: True)
     with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
         backend.paged_attention(q, k_cache, v_cache, batch, 0.25)
 

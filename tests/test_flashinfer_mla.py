@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
-from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.kernels import flashinfer_plan, get_backend
 from snapfn.handler.llm.kernels.flashinfer_mla import fill_kv_indices, row_plan
 from snapfn.handler.llm.quant import quantize_fp8_block
 
@@ -225,8 +225,7 @@ def test_no_mla_planning_inside_graph_capture(fake_flashinfer, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     batch = ForwardBatch.build(*BATCHES["decode"], 4, "cpu")
     q, latent, kv_b = _inputs(3, 13, gen)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(flashinfer_plan, "capturing", lambda device: True)
     with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
         get_backend("flashinfer").mla_attention(
             q, latent, kv_b, None, batch, SCALE, random_topk(batch, 5, gen)

@@ -16,14 +16,10 @@ fallbacks are the torch reference, the oracle (docs/kernels.md).
 
 Planning: flashinfer splits attention into `plan()` (host work: the page metadata and the
 split-KV schedule, copied to the GPU; it syncs with the host, so it never runs inside CUDA
-graph capture) and `run()` (kernels only). Every layer of a forward runs the same plan:
-- a forward announced by `begin_forward` (decode graphs, before capture and before each
-  replay) is planned there, into that graph's own wrapper and buffers;
-- any other forward is planned by its first `paged_attention` call; the later layers' calls
-  see the same batch object and reuse the plan.
-A plan also depends on the attention's shape (heads, head dim, dtype, scale), which only the
-first `paged_attention` call shows; until then `begin_forward` defers to that call, which for
-a graph is the warm-up run before its capture.
+graph capture) and `run()` (kernels only). One plan per forward serves every layer; when a
+forward is planned is `flashinfer_plan.ForwardPlan`'s to say (announced graph forwards at
+`begin_forward`, others at their first call). A plan also depends on the attention's shape
+(heads, head dim, dtype, scale).
 
 GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (session 5 run 3, session 6 run 3;
 docs/kernels.md). `mla_attention` with a DSA selection and latent widths flashinfer is built for
@@ -42,6 +38,7 @@ import torch
 from ..engine.batch import ForwardBatch
 from ..errors import InitFailed
 from .flashinfer_mla import FlashInferMLA, MLAShape
+from .flashinfer_plan import ForwardPlan
 from .triton_backend import TritonBackend
 
 FLASHINFER_VERSION = "0.6.9"  # the release this backend is written and checked against
@@ -144,10 +141,6 @@ class AttentionShape:
         return shape if supported else None
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
@@ -156,21 +149,14 @@ class FlashInferBackend(TritonBackend):
         self._workspace: torch.Tensor | None = None  # shared by all wrappers: one runs at a time
         self._eager: dict[str, Any] = {}  # "decode" / "prefill" -> wrapper
         self._graphed: dict[tuple[int, int], Any] = {}  # (rows, page-table width) -> wrapper
-        # the forward in progress: its batch (announced or planned; held, so that `is` never
-        # matches a new batch at a freed one's address), whether it is a graph's, the shape
-        # seen last, and the wrapper planned for both (None: not planned yet)
-        self._batch: ForwardBatch | None = None
-        self._graph = False
-        self._shape: AttentionShape | None = None
-        self._planned: Any = None
+        # the forward in progress and its planned wrapper
+        self._forward = ForwardPlan("flashinfer", self._plan)
         self._planned_copy: torch.cuda.Event | None = None  # recorded after the last plan
         self._mla = FlashInferMLA(self._flashinfer, self._workspace_on)
         self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch, graph=False):
-        self._batch, self._graph, self._planned = batch, graph, None
-        if self._shape is not None:
-            self._planned = self._plan(batch, graph, self._shape)
+        self._forward.begin_forward(batch, graph)
         self._mla.begin_forward(batch, graph)
 
     def mla_attention(
@@ -199,19 +185,8 @@ class FlashInferBackend(TritonBackend):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)
         if shape is None:  # e.g. a float32 model: the reference, as under the torch backend
             return super().paged_attention(q, k_cache, v_cache, batch, scale)
-        if batch is not self._batch or shape != self._shape or self._planned is None:
-            self._plan_first_use(batch, shape)
-        return self._planned.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
-
-    def _plan_first_use(self, batch: ForwardBatch, shape: AttentionShape) -> None:
-        if _capturing(batch.seq_lens.device):
-            raise RuntimeError(
-                "flashinfer: no plan for this batch inside CUDA graph capture; "
-                "call backend.begin_forward(batch, graph=True) and run it once before capturing"
-            )
-        graph = self._graph and batch is self._batch
-        self._batch, self._graph, self._shape = batch, graph, shape
-        self._planned = self._plan(batch, graph, shape)
+        wrapper = self._forward.for_call(batch, shape)
+        return wrapper.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
 
     def _plan(self, batch: ForwardBatch, graph: bool, shape: AttentionShape) -> Any:
         """Plan `batch` on its wrapper; returns the wrapper, ready to `run` every layer."""

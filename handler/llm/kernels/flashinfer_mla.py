@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..engine.batch import ForwardBatch
+from .flashinfer_plan import ForwardPlan
 
 DTYPES = (torch.float16, torch.bfloat16)
 LATENT_DIMS = ((512, 64),)  # (R, Dr) flashinfer's MLA kernels are built for
@@ -131,32 +132,17 @@ class FlashInferMLA:
         self._workspace = workspace  # () -> the shared float workspace on the batch's device
         self._graphed: dict[int, tuple[Any, _Buffers]] = {}  # rows -> wrapper, its buffers
         self._eager: Any = None
-        # the forward in progress (as the backend's attention state: held, never re-matched)
-        self._batch: ForwardBatch | None = None
-        self._graph = False
-        self._shape: MLAShape | None = None
-        self._planned: tuple[Any, _Buffers] | None = None
+        self._forward = ForwardPlan("flashinfer MLA", self._plan)  # -> (wrapper, buffers)
         self._planned_copy: torch.cuda.Event | None = None  # plan()'s pinned-buffer copy
         self._absorbed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
-        self._batch, self._graph, self._planned = batch, graph, None
-        if self._shape is not None:
-            self._planned = self._plan(batch, graph, self._shape)
+        self._forward.begin_forward(batch, graph)
 
     def attention(self, q, latent_cache, kv_b, batch, shape: MLAShape, topk_indices):
         """`q [T, H, Dn + Dr]` over the top-k latents -> `[T, H, Dv]`. `kv_b`: the dense
         `[H * (Dn + Dv), R]` weight (the caller dequantizes an FP8 one)."""
-        if batch is not self._batch or shape != self._shape or self._planned is None:
-            if latent_cache.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "flashinfer MLA: no plan for this batch inside CUDA graph capture; "
-                    "call backend.begin_forward(batch, graph=True) and run it once first"
-                )
-            graph = self._graph and batch is self._batch
-            self._batch, self._graph, self._shape = batch, graph, shape
-            self._planned = self._plan(batch, graph, shape)
-        wrapper, buffers = self._planned
+        wrapper, buffers = self._forward.for_call(batch, shape)
         rank, rope = shape.rank, shape.rope_dim
         table = batch.page_table if buffers.request is None else batch.page_table[buffers.request]
         fill_kv_indices(buffers.kv_indices, topk_indices, table, buffers.kv_indptr, batch.page_size)
