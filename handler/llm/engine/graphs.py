@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import ForwardBatch
+from .copy_fence import CopyFence
 from .kv_pool import KVPool
 
 
@@ -58,7 +59,7 @@ class DecodeGraphs:
         self._int = torch.zeros(n + n * w, dtype=torch.int32, device=device)
         self._host_long = torch.zeros(3 * n, dtype=torch.int64, pin_memory=pinned)
         self._host_int = torch.zeros(n + n * w, dtype=torch.int32, pin_memory=pinned)
-        self._copied: torch.cuda.Event | None = None  # the last copy out of the host mirror
+        self._copied = CopyFence()  # the last copy out of the host mirror
         self.input_ids, self.positions, self.slot_mapping = self._long.split(n)
         self.seq_lens, table = self._int.split([n, n * w])
         self.page_table = table.view(n, w)
@@ -93,9 +94,7 @@ class DecodeGraphs:
     def _upload(self) -> None:
         self._long.copy_(self._host_long, non_blocking=True)
         self._int.copy_(self._host_int, non_blocking=True)
-        if self._long.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copied.mark(self._long.device)
 
     def _static_batch(self, n: int) -> ForwardBatch:
         ones = torch.ones(n, dtype=torch.int32, device=self.input_ids.device)
@@ -146,8 +145,7 @@ class DecodeGraphs:
     def replay(self, batch: ForwardBatch, n: int) -> torch.Tensor:
         """Run decode `batch` (on the host or the device) through bucket `n`'s graph."""
         b, w = batch.num_seqs, batch.page_table.shape[1]
-        if self._copied is not None:  # the mirror's last copy must be done before it changes
-            self._copied.synchronize()
+        self._copied.wait()  # the mirror's last copy must be done before it changes
         host = self._host_views
         host["ids"][:b] = _numpy(batch.input_ids)
         host["positions"][:b] = _numpy(batch.positions)

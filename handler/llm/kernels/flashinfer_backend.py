@@ -151,7 +151,6 @@ class FlashInferBackend(TritonBackend):
         self._graphed: dict[tuple[int, int], Any] = {}  # (rows, page-table width) -> wrapper
         # the forward in progress and its planned wrapper
         self._forward = ForwardPlan("flashinfer", self._plan)
-        self._planned_copy: torch.cuda.Event | None = None  # recorded after the last plan
         self._mla = FlashInferMLA(self._flashinfer, self._workspace_on)
         self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -196,10 +195,6 @@ class FlashInferBackend(TritonBackend):
             raise ValueError("only decode batches run in CUDA graphs")
         meta = paged_kv_metadata(batch)
         wrapper = self._wrapper(batch, graph)
-        # NOTE: plan() writes the page metadata into a pinned host buffer and copies it to the
-        # GPU without waiting: the last plan's copy out of that buffer must be done first
-        if self._planned_copy is not None:
-            self._planned_copy.synchronize()
         common = dict(
             num_qo_heads=shape.num_qo_heads,
             num_kv_heads=shape.num_kv_heads,
@@ -226,9 +221,6 @@ class FlashInferBackend(TritonBackend):
                 causal=True,
                 **common,
             )
-        if batch.seq_lens.is_cuda:
-            self._planned_copy = torch.cuda.Event()
-            self._planned_copy.record()
         return wrapper
 
     def _workspace_on(self, device: torch.device) -> torch.Tensor:

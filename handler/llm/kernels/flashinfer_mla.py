@@ -133,7 +133,6 @@ class FlashInferMLA:
         self._graphed: dict[int, tuple[Any, _Buffers]] = {}  # rows -> wrapper, its buffers
         self._eager: Any = None
         self._forward = ForwardPlan("flashinfer MLA", self._plan)  # -> (wrapper, buffers)
-        self._planned_copy: torch.cuda.Event | None = None  # plan()'s pinned-buffer copy
         self._absorbed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
@@ -183,8 +182,6 @@ class FlashInferMLA:
             if self._eager is None:
                 self._eager = self._fi.mla.BatchMLAPagedAttentionWrapper(self._workspace(device))
             wrapper, indices = self._eager, buffers.kv_indices
-        if self._planned_copy is not None:  # plan() reuses its pinned host buffer
-            self._planned_copy.synchronize()
         wrapper.plan(
             torch.arange(num_rows + 1, dtype=torch.int32),
             kv_indptr,
@@ -199,9 +196,6 @@ class FlashInferMLA:
             shape.dtype,
             shape.dtype,
         )
-        if device.type == "cuda":
-            self._planned_copy = torch.cuda.Event()
-            self._planned_copy.record()
         return wrapper, buffers
 
     def _graph_wrapper(self, rows: int, topk: int, device: torch.device):

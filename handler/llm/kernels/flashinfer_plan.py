@@ -9,6 +9,8 @@ capture) and `run()`. Every layer of a forward runs the same plan. `ForwardPlan`
 A plan also depends on the attention's shape, which only the first call shows; until then
 `begin_forward` defers to that call, which for a graph is the warm-up run before its capture.
 The batch is held, so that `is` never matches a new batch at a freed one's address.
+`plan()` writes its metadata into a pinned host buffer and copies it to the GPU without
+waiting: each plan waits for the last one's copy first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from ..engine.batch import ForwardBatch
+from ..engine.copy_fence import CopyFence
 
 
 def capturing(device: torch.device) -> bool:
@@ -34,11 +37,12 @@ class ForwardPlan:
         self.graph = False
         self.shape: Any = None  # the shape seen last
         self.planned: Any = None  # the plan for `batch` and `shape` (None: not made yet)
+        self._copied = CopyFence()
 
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
         self.batch, self.graph, self.planned = batch, graph, None
         if self.shape is not None:
-            self.planned = self._plan(batch, graph, self.shape)
+            self.planned = self._make(batch, graph, self.shape)
 
     def for_call(self, batch: ForwardBatch, shape: Any) -> Any:
         if batch is not self.batch or shape != self.shape or self.planned is None:
@@ -49,5 +53,11 @@ class ForwardPlan:
                 )
             graph = self.graph and batch is self.batch
             self.batch, self.graph, self.shape = batch, graph, shape
-            self.planned = self._plan(batch, graph, shape)
+            self.planned = self._make(batch, graph, shape)
         return self.planned
+
+    def _make(self, batch: ForwardBatch, graph: bool, shape: Any) -> Any:
+        self._copied.wait()
+        planned = self._plan(batch, graph, shape)
+        self._copied.mark(batch.seq_lens.device)
+        return planned
