@@ -120,7 +120,8 @@ class _Buffers:
         self.kv_indices = ints(rows * topk + 1)
         self.qo_indptr = ints(rows + 1) if graph else None
         self.kv_lens = ints(rows) if graph else None
-        self.request: torch.Tensor | None = None  # [T] int64, for rows that are not requests
+        # each query row's page-table row (gathered once per plan)
+        self.page_table: torch.Tensor | None = None
 
 
 class FlashInferMLA:
@@ -133,7 +134,6 @@ class FlashInferMLA:
         self._graphed: dict[int, tuple[Any, _Buffers]] = {}  # rows -> wrapper, its buffers
         self._eager: Any = None
         self._forward = ForwardPlan("flashinfer MLA", self._plan)  # -> (wrapper, buffers)
-        self._absorbed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
         self._forward.begin_forward(batch, graph)
@@ -143,23 +143,17 @@ class FlashInferMLA:
         `[H * (Dn + Dv), R]` weight (the caller dequantizes an FP8 one)."""
         wrapper, buffers = self._forward.for_call(batch, shape)
         rank, rope = shape.rank, shape.rope_dim
-        table = batch.page_table if buffers.request is None else batch.page_table[buffers.request]
-        fill_kv_indices(buffers.kv_indices, topk_indices, table, buffers.kv_indptr, batch.page_size)
-        w_k, w_v = self._absorb(kv_b, shape.num_heads, q.shape[2] - rope)
-        q_nope, q_pe = q.split([q.shape[2] - rope, rope], dim=-1)
+        fill_kv_indices(
+            buffers.kv_indices, topk_indices, buffers.page_table, buffers.kv_indptr, batch.page_size
+        )
+        nope = q.shape[2] - rope
+        w = kv_b.view(shape.num_heads, -1, rank)  # per head: W_k [Dn, R] over W_v [Dv, R]
+        w_k, w_v = w[:, :nope], w[:, nope:]
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
         flat = latent_cache.view(-1, 1, latent_cache.shape[-1])  # page size 1: a slot a page
         out = wrapper.run(q_latent, q_pe, flat[..., :rank], flat[..., rank:])  # [T, H, R]
         return torch.bmm(out.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
-
-    def _absorb(self, kv_b: torch.Tensor, heads: int, nope: int):
-        """`kv_b [H * (Dn + Dv), R]` as per-head `W_k [H, Dn, R]` and `W_v [H, Dv, R]` views."""
-        key = kv_b.data_ptr()
-        cached = self._absorbed.get(key)
-        if cached is None or cached[0] is not kv_b:
-            w = kv_b.view(heads, -1, kv_b.shape[1])
-            cached = self._absorbed[key] = (kv_b, w[:, :nope], w[:, nope:])
-        return cached[1], cached[2]
 
     def _plan(self, batch: ForwardBatch, graph: bool, shape: MLAShape) -> tuple[Any, _Buffers]:
         if graph and not batch.is_decode:
@@ -177,11 +171,14 @@ class FlashInferMLA:
         else:
             buffers = _Buffers(num_rows, shape.topk, device)
             buffers.kv_indptr.copy_(kv_indptr, non_blocking=True)  # for `fill_kv_indices`
-            if not batch.is_decode:
-                buffers.request = torch.from_numpy(rows.request).to(device, non_blocking=True)
             if self._eager is None:
                 self._eager = self._fi.mla.BatchMLAPagedAttentionWrapper(self._workspace(device))
             wrapper, indices = self._eager, buffers.kv_indices
+        if batch.is_decode:  # a row a request (a graph's: its static table)
+            buffers.page_table = batch.page_table
+        else:
+            request = torch.from_numpy(rows.request).to(device, non_blocking=True)
+            buffers.page_table = batch.page_table[request]
         wrapper.plan(
             torch.arange(num_rows + 1, dtype=torch.int32),
             kv_indptr,
