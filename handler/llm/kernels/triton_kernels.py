@@ -174,13 +174,9 @@ def _fp8_block_linear_kernel(
         )
         scale = tl.load(scale_rows + kb, mask=col_mask, other=0.0)
         # dequantized as the reference does (float32 product, rounded to x's dtype), then
-        # multiplied with float32 accumulation: on tensor cores in x's dtype like cuBLAS, or
-        # in float32 (float32 models, and triton's interpreter, which has no bf16 dot)
+        # multiplied with float32 accumulation
         w = (w.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc = dot_acc(acc, x, tl.trans(w), DOT_FP32)
     out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -239,7 +235,7 @@ def fp8_block_linear(
             rows.stride(0),
             out.stride(0),
             triton.cdiv(k, block),
-            DOT_FP32=x.dtype == torch.float32 or interpret,
+            DOT_FP32=dot_in_fp32(x.dtype),
             BLOCK_M=block_m,
             BLOCK_K=block,
             **fixed,
@@ -433,6 +429,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             rows, out, inter, rows.stride(0), BLOCK=block
         )
     return out.view(*gate_up.shape[:-1], inter)
+
+
+@triton.jit
+def dot_acc(acc, a, b, DOT_FP32: tl.constexpr):
+    """`acc + a @ b` with float32 sums: on tensor cores in the inputs' dtype (cuBLAS's way, which
+    the reference's bf16 matmuls take), or in IEEE float32 (`dot_in_fp32`)."""
+    if DOT_FP32:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(a, b)
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """`dot_acc`'s DOT_FP32 for inputs of `dtype`: float32 models, and triton's interpreter,
+    which has no bf16 dot (the products of 16-bit inputs are exact in float32)."""
+    return dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
 
 
 def _check_device(*tensors: torch.Tensor | None) -> None:

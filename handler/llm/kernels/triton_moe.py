@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .base import ExpertWeights
-from .triton_kernels import _check_device
+from .triton_kernels import _check_device, dot_acc, dot_in_fp32
 
 # NOTE: session 6 ran 16 x 32 x 32 tiles multiplied in IEEE float32 on CUDA cores, with a scale
 # gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (session 7 run 3)
@@ -93,15 +93,6 @@ def _weight_tile(
 
 
 @triton.jit
-def _dot(acc, a, b, IEEE: tl.constexpr):
-    """`acc + a @ b` in float32: tensor cores for 16-bit inputs; IEEE float32 for float32 ones
-    and under triton's interpreter (which has no bf16 dot; exact products of 16-bit inputs)."""
-    if IEEE:
-        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return acc + tl.dot(a, b)
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     gate_ptr,  # [E, I, H]
@@ -116,7 +107,7 @@ def _gate_up_kernel(
     inter,
     TOPK: tl.constexpr,
     FP8: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -149,8 +140,8 @@ def _gate_up_kernel(
             up = _weight_tile(
                 up_ptr, up_scale_ptr, expert, col0, k0, cols, k, inter, hidden, dtype, FP8
             )
-            acc_gate = _dot(acc_gate, x, gate, IEEE)
-            acc_up = _dot(acc_up, x, up, IEEE)
+            acc_gate = dot_acc(acc_gate, x, gate, DOT_FP32)
+            acc_up = dot_acc(acc_up, x, up, DOT_FP32)
         # the reference rounds each projection to x's dtype before silu(gate) * up
         gate_r = acc_gate.to(dtype).to(tl.float32)
         up_r = acc_up.to(dtype).to(tl.float32)
@@ -174,7 +165,7 @@ def _down_kernel(
     inter,
     ROUND_PRODUCT: tl.constexpr,
     FP8: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -202,7 +193,7 @@ def _down_kernel(
             down = _weight_tile(
                 down_ptr, down_scale_ptr, expert, col0, k0, cols, k, hidden, inter, dtype, FP8
             )
-            acc = _dot(acc, act, down, IEEE)
+            acc = dot_acc(acc, act, down, DOT_FP32)
         y = acc.to(dtype).to(tl.float32)  # the reference's down projection, in x's dtype
         weight = tl.load(weights_ptr + tl.where(live, pairs, 0), mask=live, other=0.0)
         y = y * weight.to(tl.float32)[:, None]
@@ -235,16 +226,15 @@ def fused_moe(
         gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
         scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
         gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread
-        ieee = x.dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
         _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
             x, gate, up, gate_s, up_s, act, pair_of_row, expert_of_block, num_pairs, hidden,
-            inter, TOPK=topk, FP8=fp8, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
+            inter, TOPK=topk, FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
         weights = topk_weights.reshape(-1).contiguous()
         _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
             act, down, down_s, weights, out, pair_of_row, expert_of_block, num_pairs, hidden,
             inter, ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32,
-            FP8=fp8, IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
     return out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
