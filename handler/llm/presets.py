@@ -93,6 +93,23 @@ _TINY_DENSE = dict(
     max_position_embeddings=2048,
 )
 
+# what glm-tiny and glm-small share: a small vocabulary and glm-tiny's routing and indexer
+_TINY_GLM = dict(
+    vocab_size=512,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    index_n_heads=4,
+    indexer_pattern="FS",
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+)
+
 PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
     {
         "tiny": DensePreset(
@@ -140,7 +157,7 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             rms_norm_eps=1e-6,
         ),
         "glm-tiny": GlmMoeDsaPreset(
-            vocab_size=512,
+            **_TINY_GLM,
             hidden_size=64,
             num_layers=4,
             num_heads=4,
@@ -151,25 +168,14 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             v_head_dim=32,
             intermediate_size=192,
             moe_intermediate_size=48,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
-            index_n_heads=4,
             index_head_dim=32,
             index_topk=4,
-            indexer_pattern="FS",
-            max_position_embeddings=4096,
-            rope_theta=1000000.0,
         ),
-        # glm-tiny with the latent widths of GLM-5's MLA (kv_lora_rank 512, rope 64), which
-        # flashinfer's MLA kernels are built for: the whole-model check of that backend
+        # glm-tiny's routing, wider: the latent widths of GLM-5's MLA (kv_lora_rank 512, rope
+        # 64), which flashinfer's MLA kernels are built for, and heads and an indexer to match:
+        # the whole-model check of that backend
         "glm-small": GlmMoeDsaPreset(
-            vocab_size=512,
+            **_TINY_GLM,
             hidden_size=256,
             num_layers=3,
             num_heads=8,
@@ -180,20 +186,8 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             v_head_dim=64,
             intermediate_size=512,
             moe_intermediate_size=64,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
-            index_n_heads=4,
             index_head_dim=128,
             index_topk=8,
-            indexer_pattern="FS",
-            max_position_embeddings=4096,
-            rope_theta=1000000.0,
         ),
         "glm5-reduced": GlmMoeDsaPreset(  # GLM-5 per-layer shapes, 1 dense + 3 MoE layers + MTP
             vocab_size=154880,
