@@ -189,9 +189,10 @@ def _mla_inputs(rows: int, num_pages: int, gen: torch.Generator, device: str):
     return (t.to(torch.bfloat16).to(device) for t in (q, latent, kv_b))
 
 
-def _mla_reference(q, latent, kv_b, batch, topk) -> torch.Tensor:
+def mla_reference(q, latent, kv_b, batch, topk, scale: float = MLA_SCALE) -> torch.Tensor:
+    """The torch backend's `mla_attention` in float32 on the same (rounded) inputs."""
     return get_backend("torch").mla_attention(
-        q.float(), latent.float(), kv_b.float(), None, batch, MLA_SCALE, topk
+        q.float(), latent.float(), kv_b.float(), None, batch, scale, topk
     )
 
 
@@ -207,7 +208,7 @@ def _check_mla(q_lens: list[int], seq_lens: list[int], device: str) -> dict:
         topk = random_topk(batch, MLA_TOPK, gen)
         got = backend.mla_attention(q, latent, kv_b, None, batch, MLA_SCALE, topk)
         assert got.dtype == torch.bfloat16
-        want = _mla_reference(q, latent, kv_b, batch, topk)
+        want = mla_reference(q, latent, kv_b, batch, topk)
         errors.append(_check_close("mla", got.float(), want, MLA_TOL)["max_abs_err"])
     return {"max_abs_err": max(errors)}
 
@@ -268,7 +269,7 @@ def _check_mla_decode_graph(device: str) -> dict:
             model.topk[layer, :n] = random_topk(batch, MLA_TOPK, gen)
         got = graphs.replay(batch, graphs.bucket_for(batch))
         for layer in range(2):
-            want = _mla_reference(
+            want = mla_reference(
                 model.q[layer, :n], kv.layer("latent", layer), kv_b, batch, model.topk[layer, :n]
             )
             err = _check_close(f"mla graph replay {seq_lens}", got[:, layer].float(), want, MLA_TOL)

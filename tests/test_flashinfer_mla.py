@@ -22,7 +22,7 @@ from snapfn.handler.llm.kernels import flashinfer_plan, get_backend
 from snapfn.handler.llm.kernels.flashinfer_mla import fill_kv_indices, row_plan
 from snapfn.handler.llm.quant import quantize_fp8_block
 
-from flashinfer_checks import random_topk
+from flashinfer_checks import mla_reference, random_topk
 
 HEADS, NOPE, ROPE, RANK, V_DIM = 2, 32, 64, 512, 48
 SCALE = (NOPE + ROPE) ** -0.5
@@ -139,10 +139,7 @@ def _inputs(rows: int, num_pages: int, gen: torch.Generator, dtype=torch.bfloat1
 
 
 def _reference(q, latent, kv_b, batch, topk):
-    got = get_backend("torch").mla_attention(
-        q.float(), latent.float(), kv_b.float(), None, batch, SCALE, topk
-    )
-    return got
+    return mla_reference(q, latent, kv_b, batch, topk, SCALE)
 
 
 def _planned(backend) -> list[tuple[str, int]]:

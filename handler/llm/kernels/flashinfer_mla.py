@@ -89,7 +89,7 @@ def row_plan(batch: ForwardBatch, topk: int) -> RowPlan:
 def fill_kv_indices(
     kv_indices: torch.Tensor,  # [>= T * topk + 1] int32; its last element takes the unselected
     topk_indices: torch.Tensor,  # [T, topk] int32 key positions within the request, -1 = none
-    page_table: torch.Tensor,  # [B, W] int32 (or the rows' own page-table rows, [T, W])
+    page_table: torch.Tensor,  # [T, W] int32: each row's page-table row
     kv_indptr: torch.Tensor,  # [T+1] int32 on the device
     page_size: int,
 ) -> None:
