@@ -17,10 +17,11 @@ restore's helper imports the fd, maps it and copies from it (`bench/probes/host_
 and map 0.06 s, 55.3 GB/s). The price: the files' bytes stay pinned in RAM while the keeper runs.
 
 Protocol (the keeper's "file" op, SOCK_SEQPACKET, one request per connection): →
-{"dev", "ino", "size", "mtime_ns"} of the file as the client sees it; ← {"ok": true, "size", "alloc_bytes", "location"} with the fd,
-or {"ok": false, "reason"}. A copy is matched by the file's identity (device, inode, size,
-modification time); the worker checks every chunk's sum64 on the GPU after the hand-over, so a
-wrong copy is refused like a damaged file and the restore falls back.
+{"dev", "ino", "size", "mtime_ns"} of the file as the client sees it; ← {"ok": true, "size",
+"alloc_bytes", "location"} with the fd, or {"ok": false, "reason"}. A copy is matched by the
+file's identity (device, inode, size, modification time); the worker checks every chunk's
+sum64 on the GPU after the hand-over, so a wrong copy is refused like a damaged file and the
+restore falls back.
 
 Backends: "cuda" (the above) and "memfd" (an unpinned memfd with the file's bytes: the protocol
 without a GPU, for tests and for CPU machines, where nothing reads it).
