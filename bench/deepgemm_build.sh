@@ -90,6 +90,13 @@ libs=("-L$cuda_home/lib64" "-L$torch_dir/lib" -lcudart -lnvrtc)
 # cuBLASLt also resolves through libtorch_cuda; link it directly when the toolkit has it
 if [ -e "$cuda_home/lib64/libcublasLt.so" ]; then libs+=(-lcublasLt -lcublas); fi
 libs+=(-lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda)
+# NOTE: libstdc++ by its full path, so it links dynamically even where the compiler driver links it
+# statically (the GPU machine's /opt/gcc/bin/g++ does: session 8 run 1). A second, static copy of
+# libstdc++ inside _C.so shares no locale with the process's own, and DeepGEMM's first std::regex
+# (its JIT's include parser) or `ostream << long` then segfaults.
+libstdcxx=$("$CXX" -print-file-name=libstdc++.so)
+if [ "$libstdcxx" = libstdc++.so ]; then libstdcxx=$("$CXX" -print-file-name=libstdc++.so.6); fi
+if [ "$libstdcxx" != libstdc++.so.6 ]; then libs+=("-Wl,--no-as-needed" "$libstdcxx" "-Wl,--as-needed"); fi
 cmd=("$CXX" "${cflags[@]}" "${incs[@]}" "$src/csrc/python_api.cpp" -o "$out" "${libs[@]}")
 
 log "compiling: ${cmd[*]}"
@@ -102,6 +109,11 @@ if [ "$rc" -ne 0 ]; then
   exit "$rc"
 fi
 log "built $out in ${secs}s ($(du -h "$out" | cut -f1))"
+if command -v readelf >/dev/null && ! readelf -d "$out" | grep -q 'NEEDED.*libstdc++'; then
+  log "FAILED: $out links libstdc++ statically (no NEEDED libstdc++.so.6); it would segfault in"
+  log "DeepGEMM's JIT. Point CXX at a compiler whose libstdc++.so is found by -print-file-name."
+  exit 3
+fi
 
 if [ "${DG_BUILD_NO_IMPORT_CHECK:-0}" = 0 ]; then
   PYTHONPATH="$(dirname "$pkg")${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
