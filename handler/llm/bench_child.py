@@ -187,6 +187,7 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
             "x": round(roof_tps / tokens_per_s, 2),
         },
         "backend": getattr(getattr(model, "backend", None), "name", "?"),
+        "deepgemm": bool(getattr(model.backend, "deepgemm_in_use", lambda: False)()),
     }
 
 

@@ -5,11 +5,14 @@
 the triton backend), then "triton" (our own Triton kernels over the torch reference) — else,
 and on CPU always, the torch reference. A backend enters `AUTO_CUDA` only once its GPU checks
 passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks one by name.
+Under "triton" and "flashinfer", DeepGEMM (`deepgemm.py`) runs the prefill-sized FP8 GEMMs
+where it is importable on an SM90 GPU; `SNAPFN_DEEPGEMM=off` keeps them on the Triton path.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,17 +35,22 @@ def _torch_factory() -> Backend:
     return TorchBackend()
 
 
+def _deepgemm_mode() -> str:
+    # NOTE: read when a backend is built, never at import
+    return os.environ.get("SNAPFN_DEEPGEMM", "auto")
+
+
 def _triton_factory() -> Backend:
     from .triton_backend import TritonBackend
 
-    return TritonBackend()
+    return TritonBackend(deepgemm=_deepgemm_mode())
 
 
 def _flashinfer_factory() -> Backend:
     # imports flashinfer (InitFailed, saying how to install it, where it cannot)
     from .flashinfer_backend import FlashInferBackend
 
-    return FlashInferBackend()
+    return FlashInferBackend(deepgemm=_deepgemm_mode())
 
 
 register_backend("torch", _torch_factory)

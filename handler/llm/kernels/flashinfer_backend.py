@@ -144,7 +144,8 @@ class AttentionShape:
 class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
-    def __init__(self) -> None:
+    def __init__(self, deepgemm: str = "auto") -> None:
+        super().__init__(deepgemm)
         self._flashinfer = import_flashinfer()
         self._workspace: torch.Tensor | None = None  # shared by all wrappers: one runs at a time
         self._eager: dict[str, Any] = {}  # "decode" / "prefill" -> wrapper

@@ -2,16 +2,18 @@
 
 - `linear` with an FP8 weight: up to `FP8_FUSED_MAX_ROWS` input rows (decode steps) by
   `fp8_block_linear`, which dequantizes the 128x128 block-scaled weight tile by tile in
-  registers (a step reads each weight byte once); more rows (prefill, compute-bound) dequantize
-  the weight by a Triton kernel, then multiply by `F.linear` like the reference does;
+  registers (a step reads each weight byte once); more rows (prefill, compute-bound) by
+  DeepGEMM's FP8 GEMM where it is importable on an SM90 GPU (`deepgemm.py`; `deepgemm="off"`,
+  or SNAPFN_DEEPGEMM=off through the registry, turns it off), else the weight is dequantized by
+  a Triton kernel, then multiplied by `F.linear` like the reference does;
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
 - `add_rms_norm`, `rope_store_kv`, `silu_mul`: the decode step's elementwise work, one launch
   each where the reference launches five to fifteen small kernels (the residual add and the
   norm; RoPE of q and k and both cache writes; SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
-  from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts (checked under triton's
-  interpreter only);
+  from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts. FP8 experts of more
+  than `FP8_FUSED_MAX_ROWS` tokens (prefill) run DeepGEMM's grouped GEMM where it is usable;
 - `dsa_topk` for decode batches: `triton_indexer.indexer_topk_decode` scores only each
   request's own keys, then picks like the reference (checked under the interpreter only);
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
@@ -30,6 +32,7 @@ from types import ModuleType
 
 import torch
 
+from .deepgemm import DeepGemm
 from .torch_ref import TorchBackend
 
 
@@ -53,9 +56,32 @@ class TritonBackend(TorchBackend):
     name = "triton"
     capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
+    def __init__(self, deepgemm: str = "auto") -> None:
+        if deepgemm not in ("auto", "off"):
+            raise ValueError(f"deepgemm must be 'auto' or 'off', not {deepgemm!r}")
+        self._deepgemm_mode = deepgemm
+        self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
+
+    def deepgemm_for(self, x: torch.Tensor) -> DeepGemm | None:
+        """DeepGEMM for `x`'s device, where it is on, importable and usable there."""
+        if self._deepgemm_mode == "off" or not x.is_cuda:
+            return None
+        if x.device not in self._deepgemm:
+            self._deepgemm[x.device] = DeepGemm.load(x.device)
+        return self._deepgemm[x.device]
+
+    def deepgemm_in_use(self) -> bool:
+        """Whether DeepGEMM was found usable for a device this backend ran on."""
+        return any(gemm is not None for gemm in self._deepgemm.values())
+
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
         tk = _kernels(x)
         fused = x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2
+        if weight_scale_inv is not None and not fused:
+            gemm = self.deepgemm_for(x)
+            if gemm is not None and gemm.fits_linear(x, weight):
+                out = gemm.linear(x, weight, weight_scale_inv)
+                return out if bias is None else out + bias
         if weight_scale_inv is None or tk is None or not fused:
             # dequantized by `_dense_weight` (the Triton kernel for FP8), then F.linear
             return super().linear(x, weight, bias, weight_scale_inv)
@@ -69,6 +95,10 @@ class TritonBackend(TorchBackend):
         return tk.dequantize_fp8_block(weight, scale_inv, dtype)
 
     def moe(self, x, experts, topk_ids, topk_weights):
+        if x.shape[0] > FP8_FUSED_MAX_ROWS:
+            gemm = self.deepgemm_for(x)
+            if gemm is not None and gemm.fits_moe(x, experts):
+                return gemm.moe(x, experts, topk_ids, topk_weights)
         tm = _kernels(x, "triton_moe")
         if tm is None:
             return super().moe(x, experts, topk_ids, topk_weights)
