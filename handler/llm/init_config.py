@@ -30,6 +30,7 @@ class InitConfig:
     kv_cache_bytes_cpu: int = 256 << 20  # on CPU there is nothing to profile: a fixed KV budget
     graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this; 0: no graphs
     graph_max_seq_len: int = 4096
+    overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
     prefill_chunk_sizes: tuple[
         int, ...
     ] = ()  # warmed prefill shapes; () = (max_num_batched_tokens,)
@@ -75,12 +76,29 @@ class InitConfig:
                 max_running_requests=self.max_running_requests,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                overlap_decode=self.overlap_decode,
             ),
         )
 
 
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "on": True,
+    "yes": True,
+    "0": False,
+    "false": False,
+    "off": False,
+    "no": False,
+}
+
+
 def _parse(type_name: object, raw: str) -> object:
     text = str(type_name)
+    if text == "bool":
+        if raw.strip().lower() not in _BOOLS:
+            raise ValueError(f"expected one of {', '.join(sorted(_BOOLS))}, got {raw!r}")
+        return _BOOLS[raw.strip().lower()]
     if "int" in text and "tuple" not in text:
         return int(raw)
     if "float" in text:

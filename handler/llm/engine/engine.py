@@ -3,6 +3,14 @@
 `Engine.step()` runs one forward over the scheduled batch and returns per-request outputs
 (the streaming unit); `generate()` drives it to completion for a list of prompts.
 Prompts longer than `max_req_input_len` are refused before any work is done.
+
+Overlapped decode (`SchedulerConfig.overlap_decode`, on by default): a greedy decode step
+replayed from a CUDA graph is landed one step late. `step()` launches the next decode step
+(same requests, input ids straight from the GPU) before it waits for the current one's tokens,
+so the host's work hides behind the GPU's (`in_flight.py`). It speculates only while nothing
+else could be scheduled: no request waiting, every running request in the step, none ending by
+length; a request that stops on a token or string, or is cancelled, drops its speculated row.
+Tokens and logprobs are those of the plain loop.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from ..models.base import CausalLM
 from ..tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from .batch import ForwardBatch
 from .graphs import DecodeGraphs, GraphStats
+from .in_flight import InFlightStep, PickBuffers
 from .kv_pool import KVPool
 from .request import GenerationResult, Request, RequestOutput, SamplingParams
 from .sampler import make_generator, sample
@@ -30,6 +39,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    overlap_decode: bool = True  # land greedy graph decode steps one step late (module doc)
 
 
 class Engine:
@@ -60,12 +70,17 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._lock = threading.Lock()
         self.graphs: DecodeGraphs | None = None
+        self.overlap_decode = sched.overlap_decode
+        self._in_flight: InFlightStep | None = None
+        self._pick_buffers: PickBuffers | None = None
+        self.overlapped_steps = 0  # decode steps launched before the previous one landed
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
         graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
         graphs.capture(pool)
         self.graphs = graphs
+        self._pick_buffers = PickBuffers(max(graphs.buckets))
         return graphs.stats
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -137,11 +152,13 @@ class Engine:
             return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            if self._in_flight is not None:
+                return self._land(self._in_flight)
             scheduled = self.scheduler.schedule()
             if scheduled is None:
                 return []
@@ -152,8 +169,61 @@ class Engine:
                 self.kv.page_size,
                 "cpu",
             )
+            bucket = self._overlap_bucket(scheduled.requests, batch)
+            if bucket is not None:
+                return self._land(self._launch(scheduled.requests, batch, bucket))
             logits = self._forward(batch)
             return self._advance(scheduled.requests, [len(t) for t in scheduled.token_ids], logits)
+
+    def _overlap_bucket(self, requests: list[Request], batch: ForwardBatch) -> int | None:
+        """The graph bucket to launch `batch` in, landed late; None: run it the plain way."""
+        if not self.overlap_decode or self.graphs is None or not batch.is_decode:
+            return None
+        if not all(r.params.greedy for r in requests):
+            return None  # sampling draws on the host, from each request's own generator
+        return self.graphs.bucket_for(batch)
+
+    def _launch(
+        self,
+        requests: list[Request],
+        batch: ForwardBatch,
+        bucket: int,
+        input_ids: torch.Tensor | None = None,
+    ) -> InFlightStep:
+        logits = self.graphs.replay(batch, bucket, input_ids)
+        for req in requests:
+            req.num_computed += 1
+        return InFlightStep.launch(requests, logits, self._pick_buffers)
+
+    def _land(self, step: InFlightStep) -> list[RequestOutput]:
+        """Launch the step after `step` where nothing else could run, then wait for `step`'s
+        tokens and append them."""
+        self._in_flight = self._speculate(step)
+        return [self._append(req, token, logprob) for req, token, logprob in step.land()]
+
+    def _speculate(self, prev: InFlightStep) -> InFlightStep | None:
+        """The next decode step of `prev`'s requests, launched now, or None where the
+        scheduler may do something else next (see the module docstring)."""
+        reqs, sched = prev.requests, self.scheduler
+        if sched.waiting or len(sched.running) != len(reqs):
+            return None  # admissions, prefills or other requests: the scheduler decides
+        if any(req.finished or self._ends_by_length(req) for req in reqs):
+            return None
+        positions = [req.num_computed for req in reqs]
+        pages = [req.pages for req in reqs]
+        batch = ForwardBatch.build([[0]] * len(reqs), positions, pages, self.kv.page_size, "cpu")
+        bucket = self.graphs.bucket_for(batch)
+        if bucket is None:
+            return None
+        self.overlapped_steps += 1
+        return self._launch(reqs, batch, bucket, prev.tokens)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the token in flight for `req` is its last by length."""
+        return (
+            len(req.output_ids) + 1 >= req.params.max_new_tokens
+            or req.num_tokens + 1 >= self.max_model_len
+        )
 
     def _advance(
         self, requests: list[Request], num_new: list[int], logits: torch.Tensor
@@ -235,6 +305,8 @@ class Engine:
             rid = self.add_request(ids, p)
             reqs.append(self._requests[rid])
         while any(not r.finished for r in reqs):
+            self.step()
+        while self._in_flight is not None:  # a speculated step of finished requests: dropped
             self.step()
         return [_result(r) for r in reqs]
 

@@ -142,8 +142,12 @@ class DecodeGraphs:
             return None
         return next((n for n in self.buckets if n >= batch.num_seqs), None)
 
-    def replay(self, batch: ForwardBatch, n: int) -> torch.Tensor:
-        """Run decode `batch` (on the host or the device) through bucket `n`'s graph."""
+    def replay(
+        self, batch: ForwardBatch, n: int, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run decode `batch` (on the host or the device) through bucket `n`'s graph.
+        `input_ids` (on the device) replaces the batch's: a step whose tokens the previous
+        step produced is launched before the host has seen them."""
         b, w = batch.num_seqs, batch.page_table.shape[1]
         self._copied.wait()  # the mirror's last copy must be done before it changes
         host = self._host_views
@@ -156,6 +160,8 @@ class DecodeGraphs:
         host["table"][:b, w:] = self.kv.scratch_page
         self._reset_padding(b)
         self._upload()
+        if input_ids is not None:
+            self.input_ids[:b].copy_(input_ids)  # after the upload, in stream order
         static = self._batches[n]
         static.seq_lens_cpu = self._host_seq_lens(n)
         # NOTE: after the inputs are in the static buffers and before the replay: the backend

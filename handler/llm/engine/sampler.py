@@ -11,16 +11,23 @@ import torch
 from .request import Request
 
 
+def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax of `logits [B, V]`, on their device, with no host sync: (tokens [B]
+    int64, [B, 2] float64 of token id and its logprob — one tensor, so one copy to the host)."""
+    greedy = logits.argmax(dim=-1, keepdim=True)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, greedy)
+    return greedy[:, 0], torch.cat([greedy.double(), logprobs.double()], dim=1)
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
     """Pick one token per row of `logits [B, V]` (float32) for each request."""
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1, keepdim=True)
     if all(req.params.greedy for req in requests):
         # NOTE: one copy to the host for the tokens and their logprobs together: each copy
         # waits for the GPU, and a decode step's host time adds to its latency
-        picked = torch.cat([greedy.double(), logprobs_all.gather(1, greedy).double()], dim=1)
-        rows = picked.tolist()  # float64 holds every token id exactly
+        rows = greedy_picks(logits)[1].tolist()  # float64 holds every token id exactly
         return [int(t) for t, _ in rows], [lp for _, lp in rows]
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1, keepdim=True)
     tokens = []
     greedy_host = greedy[:, 0].tolist()
     for row, req in enumerate(requests):
