@@ -2,7 +2,8 @@
 
 On CPU the cases run in a subprocess under triton's interpreter (`TRITON_INTERPRET=1` must be
 set before triton is imported, and this pytest process must not be switched to it); on CUDA
-they run compiled, in-process. Both skip when triton is not installed.
+they run compiled, in-process. Both skip when triton is not installed. On CUDA, two fresh
+processes over one `TRITON_CACHE_DIR` check that autotune results land there and are reused.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,13 @@ import triton_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+)
+compiles = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1",
+    reason="TRITON_INTERPRET=1: kernels would not compile",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +60,50 @@ def test_interpreted_kernel_matches_reference(case, interpreted_results):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1",
-    reason="TRITON_INTERPRET=1: kernels would not compile",
-)
+@needs_cuda
+@compiles
 @needs_triton
 @pytest.mark.parametrize("case", triton_checks.CASES)
 def test_cuda_kernel_matches_reference(case):
     triton_checks.run_case(case, "cuda")
+
+
+def _tune_in_fresh_process(cache_dir: Path) -> Counter:
+    """Each autotuned kernel called once (`triton_checks.run_autotuned_once`) in a new process
+    over `cache_dir`; returns how many configs each kernel timed (triton prints a line per
+    config it benchmarks with TRITON_PRINT_AUTOTUNING=1, none for a result read from disk)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(cache_dir), "TRITON_PRINT_AUTOTUNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "triton_checks", "--device", "cuda", "--autotune-once"],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Counter(re.findall(r"^Autotuning kernel (\w+) with config", proc.stdout, re.M))
+
+
+def _autotune_results(cache_dir: Path) -> dict[Path, str]:
+    # triton's results cache: <TRITON_CACHE_DIR>/<hash of key and configs>/<kernel>.autotune.json
+    return {path: path.read_text() for path in cache_dir.rglob("*.autotune.json")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@compiles
+@needs_triton
+def test_autotune_results_land_in_the_cache_and_a_restore_reuses_them(tmp_path):
+    timed = _tune_in_fresh_process(tmp_path)
+    assert set(timed) == set(triton_checks.AUTOTUNED_KERNELS), timed
+    results = _autotune_results(tmp_path)
+    per_kernel = Counter(path.name.removesuffix(".autotune.json") for path in results)
+    assert per_kernel == Counter(triton_checks.AUTOTUNED_KERNELS), per_kernel
+    # a restore: the same cache in a new process times nothing and writes nothing
+    assert not _tune_in_fresh_process(tmp_path), "re-tuned with the results on disk"
+    assert _autotune_results(tmp_path) == results
 
 
 def test_registry_lists_triton():

@@ -3,6 +3,8 @@
 `python -m triton_checks --device cpu` (with `TRITON_INTERPRET=1`, set before triton is
 imported) runs every case and prints one JSON line per case; `tests/test_triton_kernels.py`
 runs it in a subprocess on CPU and calls `run_case` in-process on CUDA.
+`python -m triton_checks --device cuda --autotune-once` calls each autotuned kernel once at a
+model's shapes (the autotune cache test runs it twice over one `TRITON_CACHE_DIR`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ MOE_SHAPES = {
     "prefill": (37, 4, 8, 0, 8, 64, 96),
     "ep_rank1": (20, 3, 4, 4, 8, 32, 24),  # experts 4-7 of 8: about half the pairs are elsewhere
     "fp8": (9, 2, 4, 0, 4, 160, 136),  # FP8 experts: partial 128-blocks both ways
+    "fp8_prefill": (25, 2, 2, 0, 3, 160, 136),  # FP8, 64-row tiles, a third of pairs elsewhere
 }
+MOE_PREFILL_SIZED = {"prefill", "fp8_prefill"}  # > 16 pairs per local expert: 64-row tiles
 MOE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 0.0)}  # bf16: x max|out|
 
 # RoPE + cache write: (tokens, q heads, kv heads, head dim, pages, page size, interleaved); q, k
@@ -99,13 +103,29 @@ CASES = (
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
+    + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill")]  # the 16- and 64-row tiles
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
         "engine_greedy-glm-tiny-bf16ckpt-fp32",
+        "autotuned",
     ]
 )
+
+# every kernel the engine launches on GPUs, autotuned (`triton_kernels.autotuned`), with the
+# number of distinct autotune keys `run_autotuned_once` hits: one results file each
+AUTOTUNED_KERNELS = {
+    "_rms_norm_kernel": 2,  # rms_norm and add_rms_norm (HAS_RESIDUAL is a key)
+    "_dequant_fp8_block_kernel": 1,
+    "_fp8_block_linear_kernel": 1,
+    "_rope_store_kernel": 1,
+    "_silu_mul_kernel": 1,
+    "_gate_up_kernel": 2,  # a decode-sized and a prefill-sized batch: BLOCK_M 16 and 64
+    "_down_kernel": 2,
+    "_decode_split_kernel": 1,
+    "_index_scores_kernel": 1,
+}
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -349,11 +369,13 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     return {"max_abs_err": err, "tokens": sum(len(r.token_ids) for r in got)}
 
 
-def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
     from snapfn.handler.llm.kernels import ExpertWeights, get_backend
     from snapfn.handler.llm.kernels import triton_moe as tm
 
-    tokens, topk, num_local, first, num_all, hidden, inter = shape
+    tokens, topk, num_local, first, num_all, hidden, inter = MOE_SHAPES[name]
+    want_block_m = tm.PREFILL_BLOCK_M if name in MOE_PREFILL_SIZED else tm.DECODE_BLOCK_M
+    assert tm.block_m_for(tokens * topk, num_local) == want_block_m, f"{name}: row tile"
     gen = torch.Generator().manual_seed(tokens * hidden + inter)
     x = torch.randn(tokens, hidden, generator=gen)
     gate, up = (torch.randn(num_local, inter, hidden, generator=gen) * 0.2 for _ in range(2))
@@ -361,7 +383,7 @@ def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     ids = torch.stack([torch.randperm(num_all, generator=gen)[:topk] for _ in range(tokens)])
     weights = torch.rand(tokens, topk, generator=gen)
 
-    if shape is MOE_SHAPES["fp8"]:  # quantized weights and their scales; else plain
+    if name.startswith("fp8"):  # quantized weights and their scales; else plain
         quantized = [quantize_fp8_block(w) for w in (gate, up, down)]
         stored = [q for q, _ in quantized] + [s for _, s in quantized]
     else:
@@ -371,7 +393,8 @@ def _check_moe(shape: tuple, dtype: torch.dtype, device: str) -> dict:
         return ExpertWeights(*ws, first_expert=first)
 
     on = [None if w is None else w.to(device) for w in stored]
-    got = tm.fused_moe(x.to(dtype).to(device), experts(on), ids.to(device), weights.to(device))
+    args = (x.to(dtype).to(device), experts(on), ids.to(device), weights.to(device))
+    got = tm.fused_moe(*args, config=config)
     if stored[3] is None:  # the float32 reference on the same (rounded) weights
         plain = [w.float() for w in stored[:3]] + [None] * 3
     else:  # dequantized as the reference does it in `dtype`, then upcast
@@ -423,8 +446,128 @@ def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
     return {"max_abs_err": float((got_scores - want_scores).nan_to_num(0.0).abs().max())}
 
 
+def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
+    """Every config the MoE kernels may be tuned to, forced in turn: each tile must lie in one
+    FP8 scale block and cover the rows, whichever the GPU's timing picks. A config the GPU
+    cannot run is skipped, as the autotuner skips it."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from snapfn.handler.llm.kernels import triton_moe as tm
+
+    errors, skipped = [], 0
+    for config in tm.MOE_CONFIGS:
+        try:
+            errors.append(_check_moe(name, dtype, device, config)["max_abs_err"])
+        except (OutOfResources, PTXASError):
+            skipped += 1
+    assert errors, "no MoE config runs here"
+    return {"max_abs_err": max(errors), "configs": len(errors), "skipped": skipped}
+
+
+def _kernel_modules() -> list:
+    from snapfn.handler.llm.kernels import (
+        triton_attention,
+        triton_indexer,
+        triton_kernels,
+        triton_moe,
+    )
+
+    return [triton_kernels, triton_moe, triton_attention, triton_indexer]
+
+
+def _check_autotuned() -> dict:
+    """Each launched kernel (`*_kernel`) of our modules is autotuned, with results cached on
+    GPUs, and its keys and config parameters are its own arguments (triton ignores a key that
+    names none: the kernel would be tuned once for every shape)."""
+    import triton
+
+    kernels, tuners = set(), {}
+    for module in _kernel_modules():
+        for value in vars(module).values():
+            if isinstance(value, triton.runtime.Autotuner):
+                tuners[value.base_fn.__name__] = value
+            elif isinstance(value, triton.runtime.KernelInterface):
+                kernels.add(getattr(value, "__name__", ""))
+    launched = {name for name in kernels if name.endswith("_kernel")}
+    assert launched == set(tuners) == set(AUTOTUNED_KERNELS), (launched, sorted(tuners))
+    for name, tuner in tuners.items():
+        assert set(tuner.keys) <= set(tuner.arg_names), f"{name}: key {tuner.keys}"
+        for config in tuner.configs:
+            assert set(config.kwargs) <= set(tuner.arg_names), f"{name}: config {config}"
+        assert tuner.cache_results or interpreted(), f"{name}: results not cached"
+    return {"kernels": len(tuners)}
+
+
+def run_autotuned_once(device: str) -> None:
+    """One call of each autotuned kernel at a model's shapes, hitting each kernel's keys of
+    `AUTOTUNED_KERNELS`: the 8B llama's widths, heads and FP8 weight blocks; GLM-5's indexer
+    and expert widths (8 local experts)."""
+    _run_llama_kernels(device)
+    _run_glm_kernels(device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _randn(*shape: int, device: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(shape, device=device).to(dtype)
+
+
+def _random_fp8_on(*shape: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 weights `[..., N, K]` and their scales, made on `device`."""
+    from snapfn.handler.llm.quant import FP8_DTYPE
+
+    blocks = (-(-shape[-2] // 128), -(-shape[-1] // 128))
+    scales = torch.rand(*shape[:-2], *blocks, device=device)
+    return (0.1 * torch.randn(shape, device=device)).to(FP8_DTYPE), scales
+
+
+def _run_llama_kernels(device: str, tokens: int = 4) -> None:
+    from snapfn.handler.llm.kernels import triton_attention as ta
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+
+    x, weight = _randn(tokens, 4096, device=device), _randn(4096, device=device)
+    tk.rms_norm(x, weight, 1e-6)
+    tk.add_rms_norm(x, _randn(tokens, 4096, device=device), weight, 1e-6)
+    q, scale_inv = _random_fp8_on(1024, 4096, device=device)
+    tk.dequantize_fp8_block(q, scale_inv, torch.bfloat16)
+    tk.fp8_block_linear(_randn(1, 4096, device=device), q, scale_inv)
+    qkv = _randn(tokens, (32 + 2 * 8) * 128, device=device).unflatten(-1, (-1, 128))
+    q_heads, k_heads, v_heads = qkv.split([32, 8, 8], dim=1)
+    k_cache, v_cache = (_randn(64, 16, 8, 128, device=device) for _ in "kv")
+    angles = torch.rand(tokens, 64, device=device)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slots = torch.arange(tokens, device=device)
+    tk.rope_store_kv(q_heads, k_heads, v_heads, cos, sin, False, k_cache, v_cache, slots)
+    tk.silu_mul(_randn(tokens, 2 * 14336, device=device))
+    page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
+    seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
+    q_new = _randn(tokens, 32, 128, device=device)
+    ta.paged_decode_attention(q_new, k_cache, v_cache, page_table, seq_lens, 0.1)
+
+
+def _run_glm_kernels(device: str, tokens: int = 4) -> None:
+    from snapfn.handler.llm.kernels import ExpertWeights
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels import triton_moe as tm
+
+    q, weights = _randn(tokens, 32, 128, device=device), torch.rand(tokens, 32, device=device)
+    k_cache = _randn(64, 16, 128, device=device)
+    page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
+    seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
+    ti.index_scores_decode(q, weights, k_cache, page_table, seq_lens, 0.1)
+    gate, up = (_random_fp8_on(8, 2048, 6144, device=device) for _ in "gu")
+    down = _random_fp8_on(8, 6144, 2048, device=device)
+    experts = ExpertWeights(gate[0], up[0], down[0], gate[1], up[1], down[1])
+    for num_tokens in (tokens, 256):  # 16- and 64-row tiles (`block_m_for`)
+        ids = torch.rand(num_tokens, 8, device=device).argsort(dim=-1)  # top-8 of 8 experts
+        x = _randn(num_tokens, 6144, device=device)
+        tm.fused_moe(x, experts, ids, torch.rand(num_tokens, 8, device=device))
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
+    if case == "autotuned":
+        return _check_autotuned()
     kind, *rest = case.split("-")
     dtype = DTYPES[rest[-1]]
     if kind in ("rms_norm", "add_rms_norm"):
@@ -444,7 +587,9 @@ def run_case(case: str, device: str) -> dict:
     if kind == "indexer":
         return _check_indexer(rest[0], dtype, device)
     if kind == "moe":
-        return _check_moe(MOE_SHAPES[rest[0]], dtype, device)
+        return _check_moe(rest[0], dtype, device)
+    if kind == "moe_configs":
+        return _check_moe_configs(rest[0], dtype, device)
     if kind == "backend_decode":
         return _check_backend_decode(dtype, device)
     if kind == "decode_attention":
@@ -455,7 +600,11 @@ def run_case(case: str, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--autotune-once", action="store_true", help="see run_autotuned_once")
     args = parser.parse_args(argv)
+    if args.autotune_once:
+        run_autotuned_once(args.device)
+        return 0
     for case in CASES:
         try:
             result = {"case": case, "ok": True, **run_case(case, args.device)}

@@ -9,6 +9,10 @@ each page's keys in float32 with an online softmax and writes its partial output
 log-sum-exp; the splits are then combined by their log-sum-exp (in torch). The grid depends on
 shapes only and nothing syncs with the host, so it runs inside captured CUDA graphs.
 
+The kernel's warps and pipeline depth are autotuned on GPUs once per (query heads per KV head,
+page size, head dims, dtypes), not per batch or page-row width, with triton's results cache on
+(`triton_kernels.autotuned`); the interpreter runs it untuned.
+
 NOTE: imports triton at import time, like triton_kernels.py (see there); `TRITON_INTERPRET=1`
 before the first import runs it on CPU tensors.
 """
@@ -19,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _check_device
+from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 
 TARGET_PROGRAMS = 256  # splits are added until requests x KV heads x splits reaches this
 
@@ -103,6 +107,15 @@ def _decode_split_kernel(
     )
 
 
+# NOTE: the splits (and pages per split) are not keys: they follow the batch and page-row width,
+# which vary between eager batches; the config tuned for the model's heads serves them all
+_decode_split_tuned = autotuned(
+    _decode_split_kernel,
+    [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 3)],
+    key=["GROUP", "PAGE", "D", "DV"],
+)
+
+
 def num_splits(batch: int, num_kv_heads: int, width: int) -> int:
     """Splits of a page row of `width` pages: enough programs to fill the GPU, at most one
     page per split. A function of shapes only, so a captured graph keeps its grid."""
@@ -135,7 +148,8 @@ def paged_decode_attention(
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     if b:
         group = hq // hkv
-        _decode_split_kernel[(b, hkv, splits)](
+        kernel, fixed = tuned_or_fixed(_decode_split_tuned)
+        kernel[(b, hkv, splits)](
             q,
             k_cache,
             v_cache,
@@ -163,6 +177,7 @@ def paged_decode_attention(
             BLOCK_DV=triton.next_power_of_2(dv),
             NUM_SPLITS=splits,
             PAGES_PER_SPLIT=-(-width // splits),
+            **fixed,
         )
     # combine the splits by their log-sum-exp: weight_s = exp(lse_s - logsumexp(lse))
     total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [B, Hq, 1]; -inf: no tokens at all

@@ -9,6 +9,10 @@ page row (the graph bucket's width) and multiplies it; here one program per (req
 positions) reads only the pages that hold the request's keys and writes their scores (-inf past
 the request's last key). Fixed grid, no host sync: capturable in decode graphs.
 
+The block of positions (`BLOCK_L`) and the warps are autotuned on GPUs once per (indexer
+heads, head dim, page size, dtypes), never per batch or row width, with triton's results cache
+on (`triton_kernels.autotuned`); the interpreter runs `INTERPRETED_BLOCK_L` = 32 positions.
+
 NOTE: imports triton at import time, like triton_kernels.py.
 """
 
@@ -19,9 +23,9 @@ import triton
 import triton.language as tl
 
 from .torch_ref import select_topk
-from .triton_kernels import _check_device
+from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 
-BLOCK_L = 32
+INTERPRETED_BLOCK_L = 32  # positions per program under the interpreter (the tuned one on GPUs)
 
 
 @triton.jit
@@ -72,6 +76,16 @@ def _index_scores_kernel(
     tl.store(out_ptr + b.to(tl.int64) * width_tokens + pos, index, mask=in_row)
 
 
+_index_scores_tuned = autotuned(
+    _index_scores_kernel,
+    [
+        triton.Config({"BLOCK_L": block}, num_warps=warps)
+        for block, warps in ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))
+    ],
+    key=["num_heads", "head_dim", "PAGE"],
+)
+
+
 def index_scores_decode(
     q: torch.Tensor,  # [B, Hi, Di] rotated indexer queries
     weights: torch.Tensor,  # [B, Hi] float32
@@ -89,12 +103,13 @@ def index_scores_decode(
     weights = weights.float().contiguous()
     out = torch.empty(b, width_tokens, dtype=torch.float32, device=q.device)
     if b and width_tokens:
-        _index_scores_kernel[(b, triton.cdiv(width_tokens, BLOCK_L))](
+        kernel, fixed = tuned_or_fixed(_index_scores_tuned, BLOCK_L=INTERPRETED_BLOCK_L)
+        kernel[lambda meta: (b, triton.cdiv(width_tokens, meta["BLOCK_L"]))](
             q, weights, k_cache, page_table, seq_lens, out, scale,
             q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
             page_table.stride(0), num_heads, head_dim, width_tokens,
             PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_L=BLOCK_L,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **fixed,
         )  # fmt: skip
     return out
 

@@ -14,10 +14,12 @@ because `import triton` takes seconds and the package must stay importable witho
 `TRITON_INTERPRET=1` must be set before this module is first imported for the kernels to run
 on CPU tensors (triton decides interpreted or compiled when `@triton.jit` runs).
 
-`fp8_block_linear` is autotuned on GPUs (its output-tile width and pipeline depth per weight
-shape), with triton's results cache on: the timings land in `TRITON_CACHE_DIR`, which the init
-phase points into its cache and the snapshot saves, so a restore re-tunes nothing. The other
-kernels' launch parameters are fixed (see docs/kernels.md).
+Every kernel here is autotuned on GPUs (`fp8_block_linear`'s output-tile width and pipeline
+depth per weight shape; through `autotuned`, the others' warps, and block sizes where they have
+a free one), with triton's results cache on: the timings land in `TRITON_CACHE_DIR`, which the
+init phase points into its cache and the snapshot saves, so a restore re-tunes nothing. Under
+the interpreter, which cannot time configs, each runs untuned with one fixed config
+(`tuned_or_fixed`; see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,32 @@ import triton
 import triton.language as tl
 
 from ..quant import FP8_BLOCK, FP8_DTYPE, scale_shape
+
+
+def autotuned(kernel, configs: list[triton.Config], key: list[str]) -> triton.runtime.Autotuner:
+    """`kernel` timed over `configs` once per value of `key` (and of its tensors' dtypes), the
+    choice written to `TRITON_CACHE_DIR` so that a restored snapshot reuses it.
+
+    NOTE: `key` names only values fixed by the model's and the graph bucket's shapes, never a
+    token count: tuning launches a kernel many times and syncs, so it must happen in warmup and
+    never inside a CUDA graph capture (the engine runs each bucket eagerly before capturing it).
+    A kernel that updated an input in place would need `restore_value` for the timing runs;
+    ours write fresh outputs, or (KV cache slots, each MoE pair's row) the same values each run."""
+    return triton.autotune(configs, key=key, cache_results=True)(kernel)
+
+
+def tuned_or_fixed(tuned: triton.runtime.Autotuner, **fixed) -> tuple[object, dict]:
+    """(kernel, launch parameters): `tuned`, which picks its own, on GPUs; under the
+    interpreter, which cannot time configs, the untuned kernel with `fixed`."""
+    if triton.knobs.runtime.interpret:
+        return tuned.fn, fixed
+    return tuned, {}
+
+
+def warps_configs(*warps: int) -> list[triton.Config]:
+    """Configs differing only in warps per program, for kernels whose tile the shapes fix (a
+    row, a head, a scale block)."""
+    return [triton.Config({}, num_warps=w) for w in warps]
 
 
 @triton.jit
@@ -61,6 +89,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_rms_norm_tuned = autotuned(
+    _rms_norm_kernel, warps_configs(1, 2, 4, 8, 16), key=["num_cols", "HAS_RESIDUAL"]
+)
+
+
 def _launch_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,7 +107,8 @@ def _launch_rms_norm(
     if residual is not None:
         residual = residual.reshape(-1, num_cols).contiguous()
         total = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](
+    kernel, fixed = tuned_or_fixed(_rms_norm_tuned)
+    kernel[(rows.shape[0],)](
         rows,
         residual if residual is not None else rows,  # unread without a residual
         total if total is not None else rows,  # unwritten without a residual
@@ -84,6 +118,7 @@ def _launch_rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(num_cols),
+        **fixed,
     )
     return out.view(x.shape), None if total is None else total.view(x.shape)
 
@@ -131,6 +166,12 @@ def _dequant_fp8_block_kernel(
     scale = tl.load(scale_ptr + (matrix * num_n_blocks + n_block) * num_k_blocks + k_block)
     out = q.to(tl.float32) * scale.to(tl.float32)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# one program per 128x128 block whatever the weight's shape: keyed by the block alone
+_dequant_fp8_block_tuned = autotuned(
+    _dequant_fp8_block_kernel, warps_configs(4, 8, 16), key=["BLOCK"]
+)
 
 
 # NOTE: `m` (the input rows) is not specialised on (triton compiles one variant for m == 1 and
@@ -262,8 +303,9 @@ def dequantize_fp8_block(
     scales = scale_inv.reshape(-1, nb, kb).contiguous()  # [B, nb, kb]
     out = torch.empty(matrices.shape, dtype=dtype, device=q.device)
     if out.numel():
+        kernel, fixed = tuned_or_fixed(_dequant_fp8_block_tuned)
         grid = (matrices.shape[0], nb, kb)
-        _dequant_fp8_block_kernel[grid](matrices, scales, out, n, k, nb, kb, BLOCK=block)
+        kernel[grid](matrices, scales, out, n, k, nb, kb, BLOCK=block, **fixed)
     return out.view(q.shape)
 
 
@@ -333,6 +375,13 @@ def _rope_store_kernel(
         tl.store(dst_v, value.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
+# NOTE: the cache writes need no restore between timing runs: each run stores the same rotated
+# k and v at the same slots, and q is rotated into a new tensor
+_rope_store_tuned = autotuned(
+    _rope_store_kernel, warps_configs(1, 2, 4), key=["num_q_heads", "half", "v_dim", "INTERLEAVED"]
+)
+
+
 def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
     """A `[P, S, H, D]` cache's stride per slot (page * S + offset) and per head."""
     if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
@@ -369,7 +418,8 @@ def rope_store_kv(
     v_slot, v_head = _slot_strides(v_cache, "v_cache")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens:
-        _rope_store_kernel[(tokens, num_q_heads + num_kv_heads)](
+        kernel, fixed = tuned_or_fixed(_rope_store_tuned)
+        kernel[(tokens, num_q_heads + num_kv_heads)](
             q,
             k,
             v,
@@ -395,6 +445,7 @@ def rope_store_kv(
             INTERLEAVED=interleaved,
             BLOCK=triton.next_power_of_2(half),
             BLOCK_V=triton.next_power_of_2(v_dim),
+            **fixed,
         )
     return q_out
 
@@ -413,6 +464,14 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, row_stride, BLOCK: tl.constexp
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# columns per program and warps (4 to 8 values a thread), per intermediate width
+SILU_MUL_CONFIGS = [
+    triton.Config({"BLOCK": block}, num_warps=warps)
+    for block, warps in ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 8))
+]
+_silu_mul_tuned = autotuned(_silu_mul_kernel, SILU_MUL_CONFIGS, key=["inter"])
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up [..., 2I]` = `gate | up`: `[..., I]`, one launch."""
     _check_device(gate_up)
@@ -423,11 +482,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if out.numel():
-        _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, out, inter, rows.stride(0), BLOCK=block
+        kernel, fixed = tuned_or_fixed(
+            _silu_mul_tuned, BLOCK=min(1024, triton.next_power_of_2(inter))
         )
+
+        def grid(meta):
+            return (rows.shape[0], triton.cdiv(inter, meta["BLOCK"]))
+
+        kernel[grid](rows, out, inter, rows.stride(0), **fixed)
     return out.view(*gate_up.shape[:-1], inter)
 
 

@@ -8,7 +8,8 @@ capture it) and gathers each one's tokens. Here every shape is fixed by `T`, `k`
 of local experts:
 
 1. `align_by_expert` (torch ops, no sync): the `T*k` (token, slot) pairs sorted by local expert,
-   each expert's run padded to a multiple of `BLOCK_M`; pairs routed to another ep rank dropped.
+   each expert's run padded to a multiple of `BLOCK_M` (`block_m_for`: 16 rows for decode-sized
+   batches, 64 for prefill-sized ones); pairs routed to another ep rank dropped.
    Out: `pair_of_row [max_rows]` (pair id, or `T*k` = padding) and `expert_of_block
    [max_blocks]` (-1 = unused block).
 2. `_gate_up_kernel`: per (row block, column block of I): `silu(x @ gate_e.T) * (x @ up_e.T)`
@@ -21,6 +22,11 @@ FP8 experts: each weight tile is dequantized in the kernel (times its block's sc
 one 128x128 scale block (`BLOCK_N` and `BLOCK_K` divide 128), so it has one scale.
 Multiplies run on tensor cores in `x`'s dtype with float32 sums (cuBLAS's way, which the
 reference's bf16 matmuls take); float32 inputs, and the interpreter, multiply in IEEE float32.
+
+Both kernels are autotuned on GPUs (`MOE_CONFIGS`: `BLOCK_N`, `BLOCK_K`, warps, stages), once
+per (hidden, intermediate, `BLOCK_M`, dtypes), with triton's results cache on, so the choice
+lands in the snapshot (`triton_kernels.autotuned`); under the interpreter they run untuned with
+`INTERPRETED_TILE` (64 columns by 128 inputs, session 7's fixed tile).
 NOTE: imports triton at import time, like triton_kernels.py.
 """
 
@@ -31,18 +37,43 @@ import triton
 import triton.language as tl
 
 from .base import ExpertWeights
-from .triton_kernels import _check_device, dot_acc, dot_in_fp32
+from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
 
+# NOTE: `BLOCK_M` is not tuned: `align_by_expert` pads each expert's rows to it before the
+# launch. 16 rows waste the least on padding when experts get a few pairs each (decode); 64
+# read each expert's weights a quarter as often when they get many (prefill)
+DECODE_BLOCK_M, PREFILL_BLOCK_M = 16, 64
 # NOTE: session 6 ran 16 x 32 x 32 tiles multiplied in IEEE float32 on CUDA cores, with a scale
-# gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (session 7 run 3)
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+# gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (session 7 run 3); session
+# 7 ran 16 x 64 x 128 on tensor cores, the interpreter's tiles now
+INTERPRETED_TILE = {"BLOCK_N": 64, "BLOCK_K": 128}
+# tiles within one 128x128 scale block (BLOCK_N, BLOCK_K divide 128), warps, pipeline depth; a
+# config that does not fit the GPU (shared memory) is timed as infinitely slow and never chosen
+MOE_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+    for n, k, warps, stages in (
+        (32, 128, 4, 3),
+        (64, 128, 4, 3),
+        (64, 128, 4, 4),
+        (128, 128, 8, 3),
+        (64, 64, 4, 4),
+        (128, 64, 8, 4),
+    )
+]
+
+
+def block_m_for(num_pairs: int, num_local: int) -> int:
+    """Rows per tile: 16 while the local experts average at most 16 (token, slot) pairs each,
+    else 64. A function of the batch's token count and the model, so fixed per graph bucket
+    (pairs of other ep ranks are counted too: a coarse choice)."""
+    return DECODE_BLOCK_M if num_pairs <= DECODE_BLOCK_M * num_local else PREFILL_BLOCK_M
 
 
 def align_by_expert(
     topk_ids: torch.Tensor,  # [T, k] global expert ids
     first_expert: int,
     num_local: int,
-    block_m: int = BLOCK_M,
+    block_m: int = DECODE_BLOCK_M,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_of_row [max_rows], expert_of_block [max_blocks]); see the module docstring."""
     device = topk_ids.device
@@ -203,11 +234,19 @@ def _down_kernel(
         tl.store(out_ptr + out_offsets, y, mask=live[:, None] & (cols[None, :] < hidden))
 
 
+# NOTE: the token count is not a key (it is the grid); `BLOCK_M` is, from `block_m_for`. The
+# timing runs need no restore: `_down_kernel` stores (never adds) each pair's row, the same
+# values each run
+_gate_up_tuned = autotuned(_gate_up_kernel, MOE_CONFIGS, key=["hidden", "inter", "BLOCK_M"])
+_down_tuned = autotuned(_down_kernel, MOE_CONFIGS, key=["hidden", "inter", "BLOCK_M"])
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     experts: ExpertWeights,
     topk_ids: torch.Tensor,  # [T, k] global expert ids
     topk_weights: torch.Tensor,  # [T, k]
+    config: triton.Config | None = None,  # default: tuned (interpreter: INTERPRETED_TILE)
 ) -> torch.Tensor:  # [T, H] in x's dtype: this rank's experts' contributions
     _check_device(x, experts.gate, topk_ids, topk_weights)
     fp8 = experts.gate_scale_inv is not None
@@ -217,8 +256,9 @@ def fused_moe(
     num_pairs = num_tokens * topk
     out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
     if num_pairs and experts.num_local:
+        block_m = block_m_for(num_pairs, experts.num_local)
         pair_of_row, expert_of_block = align_by_expert(
-            topk_ids, experts.first_expert, experts.num_local
+            topk_ids, experts.first_expert, experts.num_local, block_m
         )
         act = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
         blocks = expert_of_block.numel()
@@ -226,15 +266,25 @@ def fused_moe(
         gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
         scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
         gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread
-        _gate_up_kernel[(blocks, triton.cdiv(inter, BLOCK_N))](
+        gate_up_kernel, gate_up_tile = _launch_params(_gate_up_tuned, config)
+        gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
             x, gate, up, gate_s, up_s, act, pair_of_row, expert_of_block, num_pairs, hidden,
-            inter, TOPK=topk, FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            inter, TOPK=topk, FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m,
+            **gate_up_tile,
         )  # fmt: skip
         weights = topk_weights.reshape(-1).contiguous()
-        _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+        down_kernel, down_tile = _launch_params(_down_tuned, config)
+        down_kernel[lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
             act, down, down_s, weights, out, pair_of_row, expert_of_block, num_pairs, hidden,
             inter, ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32,
-            FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, **down_tile,
         )  # fmt: skip
     return out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
+
+
+def _launch_params(tuned: triton.runtime.Autotuner, config: triton.Config | None):
+    """(kernel, launch parameters): `config` forced on the untuned kernel (the checks run each
+    of `MOE_CONFIGS` so), else `tuned_or_fixed`'s."""
+    if config is not None:
+        return tuned.fn, config.all_kwargs()
+    return tuned_or_fixed(tuned, **INTERPRETED_TILE)
