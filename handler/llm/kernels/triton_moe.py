@@ -123,7 +123,10 @@ def _weight_tile(
     return w.to(dtype)
 
 
-@triton.jit
+# NOTE: `num_pairs` is not specialised on (triton would compile one variant for multiples of
+# 16 and one for the rest): a prefill length whose parity warmup did not run would otherwise
+# compile in a request, after a restore
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     gate_ptr,  # [E, I, H]
@@ -182,7 +185,7 @@ def _gate_up_kernel(
         tl.store(act_ptr + out_offsets, act.to(dtype), mask=live[:, None] & (cols[None, :] < inter))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr,  # [max_rows, I]
     down_ptr,  # [E, H, I]
