@@ -128,3 +128,15 @@ def test_sampled_requests_and_prefills_run_the_plain_way(tiny_llama_dir):
     engine.graphs = None  # no graphs (CPU, or graphs off): the plain loop
     engine.generate([prompt], greedy(6))
     assert engine.overlapped_steps == 0
+
+
+def test_a_full_pool_keeps_overlapping_while_the_queue_waits(tiny_llama_dir):
+    # 6 pages of 4 tokens, each request needs 3: two run, the third waits for pages; overlap
+    # goes on while it cannot be admitted, and stops for the step that admits it
+    prompts = random_prompts(256, [5, 5, 5], seed=7)
+    plain, overlapped, steps = _run_both(
+        tiny_llama_dir, prompts, [greedy(6), greedy(4), greedy(6)], page_size=4, num_pages=6
+    )
+    _same(plain, overlapped)
+    assert [len(r.token_ids) for r in overlapped] == [6, 4, 6]
+    assert steps >= 4

@@ -8,9 +8,9 @@ Overlapped decode (`SchedulerConfig.overlap_decode`, on by default): a greedy de
 replayed from a CUDA graph is landed one step late. `step()` launches the next decode step
 (same requests, input ids straight from the GPU) before it waits for the current one's tokens,
 so the host's work hides behind the GPU's (`in_flight.py`). It speculates only while nothing
-else could be scheduled: no request waiting, every running request in the step, none ending by
-length; a request that stops on a token or string, or is cancelled, drops its speculated row.
-Tokens and logprobs are those of the plain loop.
+else could be scheduled: no waiting request that fits the pool now, every running request in
+the step, none ending by length; a request that stops on a token or string, or is cancelled,
+drops its speculated row. Tokens and logprobs are those of the plain loop.
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ class Engine:
         """The next decode step of `prev`'s requests, launched now, or None where the
         scheduler may do something else next (see the module docstring)."""
         reqs, sched = prev.requests, self.scheduler
-        if sched.waiting or len(sched.running) != len(reqs):
-            return None  # admissions, prefills or other requests: the scheduler decides
+        if sched.can_admit() or len(sched.running) != len(reqs):
+            return None  # an admission, prefills or other requests: the scheduler decides
         if any(req.finished or self._ends_by_length(req) for req in reqs):
             return None
         positions = [req.num_computed for req in reqs]

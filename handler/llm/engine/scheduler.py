@@ -56,6 +56,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether the next `schedule` would admit the head of the queue."""
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.max_running_requests
+            and self.allocator.num_free >= self.pages_needed(self.waiting[0])
+        )
+
     def schedule(self) -> ScheduledStep | None:
         self._admit()
         step = ScheduledStep([], [], [])
