@@ -216,3 +216,17 @@ def test_cuda_deepgemm_moe_matches_the_reference(first_expert):
     ref = TorchBackend().moe(x, experts, topk_ids, topk_weights)
     assert not out.isnan().any()
     assert _rel(out, ref) < REL_TOL
+
+
+def test_an_installed_deepgemm_that_does_not_import_is_logged_and_skipped(monkeypatch, caplog):
+    from snapfn.handler.llm.kernels import deepgemm
+
+    monkeypatch.setattr(deepgemm.importlib.util, "find_spec", lambda name: object())
+
+    def refuse(cls, device):
+        raise AssertionError("no CUDA home")  # what deep_gemm's own import asserts
+
+    monkeypatch.setattr(DeepGemm, "require", classmethod(refuse))
+    with caplog.at_level("WARNING"):
+        assert DeepGemm.load("cuda") is None
+    assert "DeepGEMM is installed but not used on cuda: no CUDA home" in caplog.text

@@ -28,6 +28,8 @@ NOTE: `import deep_gemm` happens in `load`, not at module import: it loads CUDA 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -39,6 +41,7 @@ from .base import ExpertWeights
 
 # NOTE: deep_gemm's FP8 kernels write bf16 (or float32) outputs only
 DTYPES = (torch.bfloat16,)
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,11 +53,16 @@ class DeepGemm:
 
     @classmethod
     def load(cls, device: torch.device | str) -> DeepGemm | None:
-        """deep_gemm for `device`, or None: not a CUDA SM90 device, or not importable (the
-        reason is raised by `require`, which callers that need it use)."""
+        """deep_gemm for `device`, or None: not installed, or installed but not usable here
+        (not an SM90 GPU, or its import fails: logged with the reason, which `require`
+        raises for callers that need it)."""
+        if importlib.util.find_spec("deep_gemm") is None:
+            return None
         try:
             return cls.require(device)
-        except (ImportError, OSError, RuntimeError):
+        except (ImportError, OSError, RuntimeError, AssertionError) as exc:
+            # NOTE: deep_gemm's __init__ asserts that it finds a CUDA home
+            _log.warning("DeepGEMM is installed but not used on %s: %s", device, exc)
             return None
 
     @classmethod
