@@ -207,7 +207,7 @@ class Engine:
         reqs, sched = prev.requests, self.scheduler
         if sched.can_admit() or len(sched.running) != len(reqs):
             return None  # an admission, prefills or other requests: the scheduler decides
-        if any(req.finished or self._ends_by_length(req) for req in reqs):
+        if any(req.finished or self._at_length_limit(req, pending=1) for req in reqs):
             return None
         positions = [req.num_computed for req in reqs]
         pages = [req.pages for req in reqs]
@@ -218,11 +218,11 @@ class Engine:
         self.overlapped_steps += 1
         return self._launch(reqs, batch, bucket, prev.tokens)
 
-    def _ends_by_length(self, req: Request) -> bool:
-        """Whether the token in flight for `req` is its last by length."""
+    def _at_length_limit(self, req: Request, pending: int = 0) -> bool:
+        """Whether `req` ends by length once `pending` more tokens (in flight) are appended."""
         return (
-            len(req.output_ids) + 1 >= req.params.max_new_tokens
-            or req.num_tokens + 1 >= self.max_model_len
+            len(req.output_ids) + pending >= req.params.max_new_tokens
+            or req.num_tokens + pending >= self.max_model_len
         )
 
     def _advance(
@@ -287,7 +287,7 @@ class Engine:
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+        if self._at_length_limit(req):
             return "length"
         return None
 

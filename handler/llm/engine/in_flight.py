@@ -26,8 +26,9 @@ class PickBuffers:
     (one landing while the next runs), so a step's copy never overwrites one still unread."""
 
     def __init__(self, max_rows: int) -> None:
-        self._buffers = [torch.empty(max_rows, 2, dtype=torch.float64, pin_memory=True)]
-        self._buffers.append(torch.empty_like(self._buffers[0]).pin_memory())
+        self._buffers = [
+            torch.empty(max_rows, 2, dtype=torch.float64, pin_memory=True) for _ in range(2)
+        ]
         self._turn = 0
 
     def next(self, rows: int) -> torch.Tensor:

@@ -27,9 +27,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         rows = greedy_picks(logits)[1].tolist()  # float64 holds every token id exactly
         return [int(t) for t, _ in rows], [lp for _, lp in rows]
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1, keepdim=True)
+    greedy_host = logits.argmax(dim=-1).tolist()
     tokens = []
-    greedy_host = greedy[:, 0].tolist()
     for row, req in enumerate(requests):
         if req.params.greedy:
             tokens.append(greedy_host[row])

@@ -81,13 +81,10 @@ class Scheduler:
         return step if step.requests else None
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
-            pages = self.allocator.allocate(self.pages_needed(req))
-            if pages is None:
-                return  # FIFO: the head waits for pages; nothing overtakes it
-            self.waiting.popleft()
-            req.pages = pages
+        # FIFO: a head that does not fit waits for pages; nothing overtakes it
+        while self.can_admit():
+            req = self.waiting.popleft()
+            req.pages = self.allocator.allocate(self.pages_needed(req))
             req.state = RequestState.RUNNING
             self.running.append(req)
 

@@ -230,9 +230,9 @@ FP8_LINEAR_CONFIGS = [
     for bn in (32, 64, 128)
     for stages in (3, 4)
 ]
-_fp8_block_linear_tuned = triton.autotune(
-    FP8_LINEAR_CONFIGS, key=["n", "k", "BLOCK_M"], cache_results=True
-)(_fp8_block_linear_kernel)
+_fp8_block_linear_tuned = autotuned(
+    _fp8_block_linear_kernel, FP8_LINEAR_CONFIGS, key=["n", "k", "BLOCK_M"]
+)
 
 
 def fp8_block_linear(
@@ -256,10 +256,7 @@ def fp8_block_linear(
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    # the interpreter cannot time configs: one fixed tile there
-    interpret = bool(triton.knobs.runtime.interpret)
-    kernel = _fp8_block_linear_kernel if interpret else _fp8_block_linear_tuned
-    fixed = {"BLOCK_N": 64} if interpret else {}
+    kernel, fixed = tuned_or_fixed(_fp8_block_linear_tuned, BLOCK_N=64)
     if out.numel():
 
         def grid(meta):
