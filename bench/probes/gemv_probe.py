@@ -1,0 +1,139 @@
+"""Decode-sized projections (device probe): `triton_gemv.gemv`, config by config and autotuned,
+against what the engine runs without it (cuBLAS's `F.linear`, with the Triton `add_rms_norm`
+before it and `silu_mul` after it where the fused kernel takes them on), on the shapes of the
+8B llama and the GLM-5-shaped model's bf16 `lm_head`.
+
+python3 bench/probes/gemv_probe.py [--rows 1,2,4] [--reps 40]
+
+Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
+graphs), cycling over enough copies of the weight that none is still in L2 when it is read
+again. Prints one JSON object per (shape, rows): the unfused sequence's and the tuned kernel's
+microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
+largest difference from the unfused sequence relative to its largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from snapfn.handler.llm.kernels import triton_gemv, triton_kernels
+
+# (name, weight rows, K, kind): kind "add_norm" = add + RMSNorm before, "swiglu" = and SwiGLU
+SHAPES = [
+    ("llama8b.qkv", 6144, 4096, "add_norm"),
+    ("llama8b.o", 4096, 4096, "plain"),
+    ("llama8b.gate_up", 28672, 4096, "swiglu"),
+    ("llama8b.down", 4096, 14336, "plain"),
+    ("llama8b.lm_head", 128256, 4096, "plain"),
+    ("glm5.lm_head", 154880, 6144, "plain"),
+]
+L2_BYTES = 60 << 20
+# the sweep at one row: the autotuned configs and more around them
+SWEEP = triton_gemv.GEMV_CONFIGS + [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+    for bn, bk, w in (
+        (1, 2048, 4),
+        (1, 4096, 8),
+        (2, 256, 1),
+        (4, 256, 2),
+        (4, 1024, 4),
+        (8, 256, 4),
+        (8, 1024, 8),
+        (16, 256, 8),
+        (32, 128, 4),
+    )
+]
+
+
+def graph_us(fn, copies: int, reps: int) -> float:
+    """Microseconds per call of `fn(i)` for i cycling over `copies`, replayed as one graph."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            fn(r % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1")
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--only", default="", help="comma-separated shape names")
+    args = parser.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    for name, rows_w, k, kind in SHAPES:
+        if args.only and name not in args.only.split(","):
+            continue
+        copies = max(2, -(-4 * L2_BYTES // (rows_w * k * 2)))
+        weights = [torch.randn(rows_w, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+        norm_w = torch.rand(k, device=dev, dtype=dt) + 0.5
+        for m in [int(r) for r in args.rows.split(",")]:
+            row = {"shape": name, "n": rows_w, "k": k, "kind": kind, "rows": m}
+            row.update(probe(weights, norm_w, kind, m, args.reps))
+            print(json.dumps(row), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+def probe(weights: list[torch.Tensor], norm_w: torch.Tensor, kind: str, m: int, reps: int) -> dict:
+    """One shape at `m` rows: the unfused sequence, each config, the tuned kernel."""
+    rows_w, k = weights[0].shape
+    nbytes, copies = rows_w * k * 2, len(weights)
+    x = torch.randn(m, k, device=norm_w.device, dtype=norm_w.dtype)
+    res = torch.randn_like(x)
+    fused = dict(norm_weight=norm_w, eps=1e-5, residual=res) if kind != "plain" else {}
+
+    def unfused(i):
+        h = x
+        if kind != "plain":
+            h, _ = triton_kernels.add_rms_norm(x, res, norm_w, 1e-5)
+        y = F.linear(h, weights[i])
+        return triton_kernels.silu_mul(y) if kind == "swiglu" else y
+
+    def ours(i, config=None):
+        return triton_gemv.gemv(x, weights[i], swiglu=kind == "swiglu", config=config, **fused)[0]
+
+    ref = unfused(0).float()
+    scale = ref.abs().max().item()
+    row = {"unfused_us": round(graph_us(unfused, copies, reps), 2)}
+    configs = {}
+    for config in SWEEP if m == 1 else triton_gemv.GEMV_CONFIGS:
+        kw = config.kwargs
+        label = f"{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}"
+        try:
+            err = (ours(0, config).float() - ref).abs().max().item() / scale
+            us = graph_us(lambda i, c=config: ours(i, c), copies, reps)
+            configs[label] = [round(us, 2), round(err, 5)]
+        except Exception as exc:  # a config that does not compile or fit: say why
+            configs[label] = repr(exc)[:200]
+    ours(0)  # autotune, outside the capture
+    row["tuned_us"] = round(graph_us(ours, copies, reps), 2)
+    row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
+    row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
+    row["tuned_tbps"] = round(nbytes / row["tuned_us"] / 1e6, 3)
+    row["speedup"] = round(row["unfused_us"] / row["tuned_us"], 3)
+    row["configs"] = configs
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Decode-sized projections of dense 16-bit weights as one Triton kernel each, with the norm
+before them and SwiGLU after them fused in.
+
+At batch 1 a decode step's projections are matrix-vector products: each weight byte is read
+once and used for one multiply-add, so the step costs its weight bytes over HBM bandwidth, and
+every separate small kernel around the GEMVs (the residual add and RMSNorm, SwiGLU's
+activation, cuBLAS's split-K reductions) adds a launch of a few microseconds inside the graph.
+`gemv` reads the weight once, in full-K rows (no split-K), and takes on that work:
+
+| flags | computes | reference (the oracle) |
+| --- | --- | --- |
+| — | `x @ W.T (+ b)` | `F.linear` |
+| `norm_weight` | `rms_norm(x) @ W.T (+ b)` | `rms_norm` then `F.linear` |
+| `norm_weight`, `residual` | `h = x + residual`; `rms_norm(h) @ W.T (+ b)`; `h` written out | `add_rms_norm` then `F.linear` |
+| `swiglu` | `silu(gate) * up` of `W = gate | up`'s product, `[M, N/2]` | `silu_mul` of the above |
+
+The norm's statistic is a sum over all of K that the program gathers while it walks K for the
+product, so nothing runs before the weight streams: `rms_norm(h) @ W.T` is computed as
+`rsqrt(mean(h^2) + eps) * ((h * norm_weight) @ W.T)`. That skips the reference's two
+roundings of the normed row to the input dtype (bf16: relative 2^-9 each, the size of the
+difference any two summation orders of a bf16 GEMM show); the output is rounded where the
+reference rounds it (the projection, then SwiGLU's activation and its product).
+
+Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`);
+the block sizes, warps and pipeline depth are autotuned per shape (`GEMV_CONFIGS`), the results
+cached into the snapshot like the other kernels' (`triton_kernels.autotuned`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernels import _check_device, autotuned, tuned_or_fixed
+
+# NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
+# row, ran 1.5-3x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
+GEMV_MAX_ROWS = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    residual_ptr,
+    sum_ptr,
+    norm_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    n,
+    k,
+    eps,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # `x`, `residual`, `sum`: [k]; `w`: [n, k] (with SWIGLU, [2n, k] = gate | up); `out`: [n]
+    # (all contiguous). One program per BLOCK_N output columns, K walked BLOCK_K at a time; the
+    # products summed over K once, after the loop.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * k  # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if SWIGLU:
+        up_rows = w_ptr + (cols + n).to(tl.int64)[:, None] * k
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if NORM:
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k
+        x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+        if RESIDUAL:
+            residual = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
+            # rounded to the input dtype, as `x + residual` is in torch; the first program
+            # writes the sum out (the residual stream the next layer adds to)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(sum_ptr + ks, x, mask=k_mask & (pid == 0))
+        xf = x.to(tl.float32)
+        if NORM:
+            squares += xf * xf
+            xf = xf * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        acc += w.to(tl.float32) * xf[None, :]
+        if SWIGLU:
+            up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+            acc_up += up.to(tl.float32) * xf[None, :]
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if SWIGLU:
+        out_up = tl.sum(acc_up, axis=1)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+        out = out * inv_rms
+        if SWIGLU:
+            out_up = out_up * inv_rms
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            out_up += tl.load(bias_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        # rounded where the reference rounds: the projection's output, silu's output, the product
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = act * out_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. The fastest of a
+# 16-config sweep for each of the 8B's projections on the H200 (session 9 run 2,
+# bench/probes/gemv_probe.py); no pipeline depths: triton does not pipeline these loads (no
+# tl.dot), so stages changed nothing in run 1's sweep
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+    for bn, bk, w in (
+        (2, 512, 2),  # the 8B's down_proj
+        (2, 1024, 4),
+        (2, 2048, 8),  # o_proj, lm_head
+        (4, 512, 4),
+        (8, 512, 4),
+        (16, 512, 8),  # q | k | v with the norm
+        (32, 128, 4),  # gate | up with the norm and SwiGLU
+    )
+]
+_gemv_tuned = autotuned(
+    _gemv_kernel, GEMV_CONFIGS, key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS"]
+)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`:
+    `y` as the module docstring's table gives it for the flags, `h = x + residual` when
+    `residual` is given (else None). `config` runs one config untuned (probes, tests)."""
+    _check_device(x, weight, bias, norm_weight, residual)
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype:
+        raise ValueError(
+            f"gemv needs a [N, {k}] weight of x's dtype {x.dtype}, "
+            f"got {tuple(weight.shape)} {weight.dtype}"
+        )
+    if not 0 < m <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape):
+        raise ValueError("a residual needs norm_weight and x's shape")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(
+            f"a swiglu weight stacks gate | up: its rows must be even, not {weight.shape[0]}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    total = torch.empty_like(rows) if residual is not None else None
+    if config is not None:
+        kernel, params = _gemv_kernel, dict(config.all_kwargs())
+    else:
+        kernel, params = tuned_or_fixed(_gemv_tuned, BLOCK_N=8, BLOCK_K=128)
+    flags = dict(
+        NORM=norm_weight is not None,
+        RESIDUAL=residual is not None,
+        SWIGLU=swiglu,
+        HAS_BIAS=bias is not None,
+    )
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+    kernel[grid](
+        rows,
+        residual.reshape(-1, k).contiguous() if residual is not None else rows,  # unread
+        total if total is not None else rows,  # unwritten without a residual
+        norm_weight if norm_weight is not None else rows,  # unread without a norm
+        weight.contiguous(),
+        bias if bias is not None else rows,  # unread without a bias
+        out,
+        n,
+        k,
+        eps,
+        **flags,
+        **params,
+    )
+    return out.view(*x.shape[:-1], n), None if total is None else total.view(x.shape)
