@@ -4,14 +4,17 @@
 
 The reference gathers every request's whole page row (`W` pages, the graph bucket's width)
 before it scores; this reads only the pages that hold the request's tokens. One program per
-(request, KV head, split of the page row) scores the KV head's group of query heads against
-each page's keys in float32 with an online softmax and writes its partial output and
-log-sum-exp; the splits are then combined by their log-sum-exp (in torch). The grid depends on
-shapes only and nothing syncs with the host, so it runs inside captured CUDA graphs.
+(request, KV head, split of the row's tokens) scores the KV head's group of query heads against
+`BLOCK_T` tokens at a time (gathered from their pages) on tensor cores, the group padded to 16
+rows, with an online softmax in float32, and writes its partial output and log-sum-exp; a
+second kernel combines each head's splits by their log-sum-exp. Probabilities are rounded to
+the cache's dtype before they multiply the values, as the reference rounds them. The grid
+depends on shapes only, and nothing syncs with the host, so both run inside captured CUDA
+graphs; a split past a request's last token reads nothing.
 
-The kernel's warps and pipeline depth are autotuned on GPUs once per (query heads per KV head,
-page size, head dims, dtypes), not per batch or page-row width, with triton's results cache on
-(`triton_kernels.autotuned`); the interpreter runs it untuned.
+The kernels' warps and pipeline depth are autotuned on GPUs once per (query heads per KV head,
+head dims, dtypes), not per batch or page-row width, with triton's results cache on
+(`triton_kernels.autotuned`); the interpreter runs them untuned.
 
 NOTE: imports triton at import time, like triton_kernels.py (see there); `TRITON_INTERPRET=1`
 before the first import runs it on CPU tensors.
@@ -23,9 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _check_device, autotuned, tuned_or_fixed
+from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
 
 TARGET_PROGRAMS = 256  # splits are added until requests x KV heads x splits reaches this
+MAX_SPLITS = 64  # what one combine program holds
+BLOCK_T = 64  # tokens a split program scores at a time
 
 
 @triton.jit
@@ -48,15 +53,17 @@ def _decode_split_kernel(
     stride_vh,
     stride_pt,
     num_q_heads,
+    page_size,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    PAGE: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    PAGES_PER_SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,38 +72,51 @@ def _decode_split_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    s = tl.arange(0, PAGE)
+    t = tl.arange(0, BLOCK_T)
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q_offsets = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)  # [G, D]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_DV], tl.float32)
     # NOTE: a fixed trip count, a function of shapes (triton's interpreter cannot loop to a
-    # loaded bound); pages past the request's last are masked and never read
-    for i in range(0, PAGES_PER_SPLIT):
-        p = split * PAGES_PER_SPLIT + i
-        has_page = p * PAGE < seq_len
-        page_offset = b.to(tl.int64) * stride_pt + p
-        page = tl.load(page_table_ptr + page_offset, mask=has_page, other=0).to(tl.int64)
-        valid = p * PAGE + s < seq_len  # [S]
-        k_offsets = page * stride_kp + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k_mask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)  # [S, D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, S]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf) = 0
-        alpha = tl.exp(m_i - m_safe)
-        probs = tl.exp(scores - m_safe[:, None])  # [G, S]
-        l_i = l_i * alpha + tl.sum(probs, axis=1)
-        v_offsets = page * stride_vp + s[:, None] * stride_vs + kv_head * stride_vh + dv[None, :]
-        v_mask = valid[:, None] & (dv[None, :] < DV)
-        v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0).to(tl.float32)  # [S, DV]
-        acc = acc * alpha[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-    has_keys = l_i > 0  # a split past the request's last page scored nothing
+    # loaded bound); tokens past the request's last are masked and never read
+    for i in range(0, BLOCKS_PER_SPLIT):
+        first = (split * BLOCKS_PER_SPLIT + i) * BLOCK_T
+        # NOTE: the trip count is fixed by shapes, the work is not: a block past the
+        # request's last token is skipped whole (a branch, no loads, no products)
+        if first < seq_len:
+            tok = first + t  # [T] positions in the request
+            valid = tok < seq_len
+            page_offsets = b.to(tl.int64) * stride_pt + tok // page_size
+            page = tl.load(page_table_ptr + page_offsets, mask=valid, other=0).to(tl.int64)
+            slot = tok % page_size
+            k_offsets = (
+                page[:, None] * stride_kp
+                + slot[:, None] * stride_ks
+                + kv_head * stride_kh
+                + d[None, :]
+            )
+            k = tl.load(k_ptr + k_offsets, mask=valid[:, None] & (d[None, :] < D), other=0.0)
+            scores = dot_acc(tl.zeros([GROUP_PAD, BLOCK_T], tl.float32), q, tl.trans(k), DOT_FP32)
+            scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [G, T]
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf) = 0
+            alpha = tl.exp(m_i - m_safe)
+            probs = tl.exp(scores - m_safe[:, None])  # [G, T]
+            l_i = l_i * alpha + tl.sum(probs, axis=1)
+            v_offsets = (
+                page[:, None] * stride_vp
+                + slot[:, None] * stride_vs
+                + kv_head * stride_vh
+                + dv[None, :]
+            )
+            v = tl.load(v_ptr + v_offsets, mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
+            # the probabilities rounded to the values' dtype, as the reference rounds them
+            acc = dot_acc(acc * alpha[:, None], probs.to(v_ptr.dtype.element_ty), v, DOT_FP32)
+            m_i = m_new
+    has_keys = l_i > 0  # a split past the request's last token scored nothing
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     row = (b.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split  # [G] of [B, Hq, splits]
@@ -107,19 +127,55 @@ def _decode_split_kernel(
     )
 
 
-# NOTE: the splits (and pages per split) are not keys: they follow the batch and page-row width,
-# which vary between eager batches; the config tuned for the model's heads serves them all
+# NOTE: the splits (and tokens per split) are not keys: they follow the batch and page-row
+# width, which vary between eager batches; the config tuned for the model's heads serves them all
 _decode_split_tuned = autotuned(
     _decode_split_kernel,
     [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 3)],
-    key=["GROUP", "PAGE", "D", "DV"],
+    key=["GROUP", "D", "DV"],
 )
 
 
-def num_splits(batch: int, num_kv_heads: int, width: int) -> int:
-    """Splits of a page row of `width` pages: enough programs to fill the GPU, at most one
-    page per split. A function of shapes only, so a captured graph keeps its grid."""
-    return max(1, min(width, -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))))
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # one program per (request, query head): its splits weighted by exp(lse_s - logsumexp(lse))
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS_PAD)
+    dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits: 0
+    total = tl.sum(weights, axis=0)
+    live = weights > 0  # only splits that scored a key are read
+    parts = tl.load(
+        part_ptr + (row * NUM_SPLITS + s)[:, None] * DV + dv[None, :],
+        mask=live[:, None] & (dv < DV)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+_combine_tuned = autotuned(
+    _combine_kernel, [triton.Config({}, num_warps=w) for w in (1, 2, 4)], key=["NUM_SPLITS", "DV"]
+)
+
+
+def num_splits(batch: int, num_kv_heads: int, width: int, page_size: int = 16) -> int:
+    """Splits of a page row of `width` pages: enough programs to fill the GPU, each at least
+    one `BLOCK_T` block of tokens, at most `MAX_SPLITS`. A function of shapes only, so a
+    captured graph keeps its grid."""
+    blocks = -(-width * page_size // BLOCK_T)
+    wanted = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    return max(1, min(blocks, wanted, MAX_SPLITS))
 
 
 def paged_decode_attention(
@@ -143,9 +199,11 @@ def paged_decode_attention(
         if t.stride(-1) != 1:
             raise ValueError("the last dim of q and of the caches must be contiguous")
     width = page_table.shape[1]
-    splits = max(1, min(width, splits or num_splits(b, hkv, width)))
+    blocks = -(-width * page_size // BLOCK_T)
+    splits = max(1, min(blocks, MAX_SPLITS, splits or num_splits(b, hkv, width, page_size)))
     part = torch.empty(b, hq, splits, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, dv, dtype=v_cache.dtype, device=q.device)
     if b:
         group = hq // hkv
         kernel, fixed = tuned_or_fixed(_decode_split_tuned)
@@ -168,19 +226,28 @@ def paged_decode_attention(
             v_cache.stride(2),
             page_table.stride(0),
             hq,
+            page_size,
             GROUP=group,
-            GROUP_PAD=triton.next_power_of_2(group),
-            PAGE=page_size,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot's least rows
             D=d,
             DV=dv,
-            BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_DV=triton.next_power_of_2(dv),
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)),
             NUM_SPLITS=splits,
-            PAGES_PER_SPLIT=-(-width // splits),
+            BLOCK_T=BLOCK_T,
+            BLOCKS_PER_SPLIT=-(-blocks // splits),
+            DOT_FP32=dot_in_fp32(q.dtype),
             **fixed,
         )
-    # combine the splits by their log-sum-exp: weight_s = exp(lse_s - logsumexp(lse))
-    total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [B, Hq, 1]; -inf: no tokens at all
-    weights = torch.exp(lse - total.clamp_min(torch.finfo(torch.float32).min)).nan_to_num_(0.0)
-    out = (weights.unsqueeze(-1) * part).sum(dim=2)  # [B, Hq, Dv]
-    return out.to(v_cache.dtype)
+        kernel, fixed = tuned_or_fixed(_combine_tuned)
+        kernel[(b * hq,)](
+            part,
+            lse,
+            out,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            DV=dv,
+            BLOCK_DV=triton.next_power_of_2(dv),
+            **fixed,
+        )
+    return out
