@@ -267,6 +267,9 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     # the fake takes any head dim: the tiny models' 16 too, which the real one is not built for
     monkeypatch.setattr(flashinfer_backend, "HEAD_DIMS", (*flashinfer_backend.HEAD_DIMS, 16))
+    # every decode batch by flashinfer's kernel, whatever its size (the tests below check how it
+    # is planned; `test_decode_attention_modes` checks who runs which batch under each mode)
+    monkeypatch.setenv("SNAPFN_DECODE_ATTENTION", "flashinfer")
     return fake
 
 
@@ -333,6 +336,36 @@ def test_graph_forward_is_planned_into_its_own_fixed_buffers(fake_flashinfer):
     got = backend.paged_attention(q, k_cache, v_cache, second, 0.25)  # what the graph replays
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, second), atol=2e-3, rtol=0)
     assert _planned(backend) == [("graph(4, 3)", 2)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "triton", "flashinfer"])
+def test_decode_attention_modes(fake_flashinfer, monkeypatch, mode):
+    """`SNAPFN_DECODE_ATTENTION`: "auto" runs one-request decode batches by the Triton kernel
+    (here on CPU tensors: the reference it matches) and plans nothing of flashinfer's for them;
+    "triton" every decode batch; "flashinfer" none. Prefill is flashinfer's under all three."""
+    monkeypatch.setenv("SNAPFN_DECODE_ATTENTION", mode)
+    backend = get_backend("flashinfer")
+    gen = torch.Generator().manual_seed(4)
+    one = ForwardBatch.build([[1]], [5], [[3, 7]], 4, "cpu")
+    two = ForwardBatch.build([[1], [2]], [6, 3], [[3, 7], [5]], 4, "cpu")
+    prefill = ForwardBatch.build([[1, 2, 3]], [0], [[9]], 4, "cpu")
+    for batch, rows in ((one, 1), (two, 2), (prefill, 3)):
+        q, k_cache, v_cache = _attention_inputs(rows, gen)
+        backend.begin_forward(batch, graph=batch is not prefill)
+        got = backend.paged_attention(q, k_cache, v_cache, batch, 0.25)
+        torch.testing.assert_close(got, _reference(q, k_cache, v_cache, batch), atol=2e-3, rtol=0)
+    planned = {
+        "auto": [("graph(2, 2)", 1), ("prefill", 1)],
+        "triton": [("prefill", 1)],
+        "flashinfer": [("graph(1, 2)", 1), ("graph(2, 2)", 1), ("prefill", 1)],
+    }
+    assert _planned(backend) == planned[mode]
+
+
+def test_an_unknown_decode_attention_mode_is_refused(fake_flashinfer, monkeypatch):
+    monkeypatch.setenv("SNAPFN_DECODE_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="decode_attention must be 'auto', 'flashinfer' or"):
+        get_backend("flashinfer")
 
 
 def test_no_planning_inside_graph_capture(fake_flashinfer, monkeypatch):

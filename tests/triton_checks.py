@@ -92,6 +92,16 @@ INDEXER_SHAPES = {
     "ties": (2, 4, 32, 16, 4, (60, 40), 48),  # zero keys: exact ties at 0, earlier key first
 }
 
+# greedy picks: (rows, vocabulary); "ties" plants a row's maximum twice, in two chunks
+PICKS_SHAPES = {"vocab": (3, 128256), "ties": (2, 9000), "small": (4, 50)}
+
+# fused GEMV (one row): (N, K) and the work fused in; K off the block grid
+GEMV_KINDS = ("plain", "bias", "norm", "add_norm", "swiglu")
+GEMV_SHAPE = (72, 300)
+# (atol, rtol) against the unfused reference ops: float32 sums in another order, and in bf16 the
+# reference's two roundings of the normed row skipped (relative 2^-9 each)
+GEMV_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -102,6 +112,9 @@ CASES = (
     + [f"fp8_gemm-{s}-{d}" for s in FP8_GEMM_SHAPES for d in DTYPES]
     + [f"decode_attention-{s}-{d}" for s in DECODE_SHAPES for d in DTYPES]
     + [f"backend_decode-{d}" for d in DTYPES]
+    + [f"greedy_picks-{s}-fp32" for s in PICKS_SHAPES]  # logits are float32
+    + [f"gemv-{k}-{d}" for k in GEMV_KINDS for d in DTYPES]
+    + [f"backend_gemv-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill")]  # the 16- and 64-row tiles
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
@@ -124,6 +137,10 @@ AUTOTUNED_KERNELS = {
     "_gate_up_kernel": 2,  # a decode-sized and a prefill-sized batch: BLOCK_M 16 and 64
     "_down_kernel": 2,
     "_decode_split_kernel": 1,
+    "_combine_kernel": 1,
+    "_gemv_kernel": 1,
+    "_chunk_kernel": 1,  # greedy picks
+    "_row_kernel": 1,
     "_index_scores_kernel": 1,
 }
 
@@ -288,6 +305,95 @@ def _check_decode(shape: tuple, dtype: torch.dtype, device: str, splits: int | N
     live = lens > 0  # the reference gives NaN for a request with no tokens; the kernel zeros
     assert torch.equal(got[~live], torch.zeros_like(got[~live])), "empty request not zero"
     return _check_close("decode_attention", got[live], want[live], DECODE_TOL[dtype])
+
+
+def _check_picks(shape: tuple[int, int], device: str) -> dict:
+    from snapfn.handler.llm.engine.sampler import greedy_picks
+    from snapfn.handler.llm.kernels import triton_sampling as ts
+
+    rows, vocab = shape
+    logits = 4 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    if vocab > ts.CHUNK:  # the maximum at the end of chunk 1 and again in chunk 0: the first wins
+        logits[0, ts.CHUNK + 5] = logits[0, 7] = logits[0].max() + 1
+    tokens, picked = ts.greedy_picks(logits.to(device))
+    want_tokens, want = greedy_picks(logits)
+    assert torch.equal(tokens.cpu(), want_tokens), (
+        f"tokens {tokens.tolist()} != {want_tokens.tolist()}"
+    )
+    return _check_close("greedy_picks", picked.cpu(), want, (1e-4, 1e-5))  # 128k-term sums
+
+
+def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_gemv as tg
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+
+    ref = TorchBackend()
+    n, k = GEMV_SHAPE
+    gen = torch.Generator().manual_seed(len(kind))
+    rows = 2 * n if kind == "swiglu" else n
+    x, residual = (torch.randn(1, k, generator=gen).to(dtype).to(device) for _ in "xr")
+    weight = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype).to(device)
+    bias = torch.randn(rows, generator=gen).to(dtype).to(device) if kind == "bias" else None
+    norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
+    fused = {}
+    h = x
+    if kind in ("norm", "add_norm", "swiglu"):
+        fused = {"norm_weight": norm, "eps": 1e-6}
+        if kind == "norm":
+            normed = ref.rms_norm(x, norm, 1e-6)
+        else:
+            fused["residual"] = residual
+            normed, h = ref.add_rms_norm(x, residual, norm, 1e-6)
+    else:
+        normed = x
+    want = ref.linear(normed, weight, bias)
+    if kind == "swiglu":
+        want = ref.silu_mul(want)
+    got, total = tg.gemv(x, weight, bias, swiglu=kind == "swiglu", **fused)
+    if "residual" in fused:
+        _check_close("gemv residual sum", total, h, (BF16_ULP * 8, BF16_ULP))
+    return _check_close(f"gemv {kind}", got, want, GEMV_TOL[dtype])
+
+
+def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
+    """The triton backend's `add_norm_linear` and `linear` against the torch backend's: a
+    16-bit row through the fused GEMV (counted), two rows or float32 through the unfused ops."""
+    from snapfn.handler.llm.kernels import get_backend
+    from snapfn.handler.llm.kernels import triton_gemv as tg
+
+    triton, torch_ref = get_backend("triton"), get_backend("torch")
+    gen = torch.Generator().manual_seed(8)
+    n, k = GEMV_SHAPE
+    weight = (torch.randn(2 * n, k, generator=gen) / k**0.5).to(dtype).to(device)
+    norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
+    calls = []
+    real = tg.gemv
+    tg.gemv = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        errors = []
+        for rows in (1, 2):
+            x, residual = (torch.randn(rows, k, generator=gen).to(dtype).to(device) for _ in "xr")
+            for swiglu in (False, True):
+                got, h = triton.add_norm_linear(x, residual, norm, 1e-6, weight, swiglu=swiglu)
+                want, h_want = torch_ref.add_norm_linear(
+                    x, residual, norm, 1e-6, weight, swiglu=swiglu
+                )
+                tol = GEMV_TOL[dtype]  # unfused, bf16 differs too: the norm kernel's rounding
+                errors.append(
+                    _check_close(f"add_norm_linear {rows} rows", got, want, tol)["max_abs_err"]
+                )
+                _check_close("residual sum", h, h_want, (BF16_ULP * 8, BF16_ULP))
+            got = triton.linear(x, weight)
+            errors.append(
+                _check_close(
+                    f"linear {rows} rows", got, torch_ref.linear(x, weight), GEMV_TOL[dtype]
+                )["max_abs_err"]
+            )
+    finally:
+        tg.gemv = real
+    want_calls = 3 if dtype != torch.float32 else 0  # one row: two add_norm_linear, one linear
+    assert len(calls) == want_calls, f"gemv ran {len(calls)} times, expected {want_calls}"
+    return {"max_abs_err": max(errors)}
 
 
 def _check_backend_decode(dtype: torch.dtype, device: str) -> dict:
@@ -467,12 +573,21 @@ def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
 def _kernel_modules() -> list:
     from snapfn.handler.llm.kernels import (
         triton_attention,
+        triton_gemv,
         triton_indexer,
         triton_kernels,
         triton_moe,
+        triton_sampling,
     )
 
-    return [triton_kernels, triton_moe, triton_attention, triton_indexer]
+    return [
+        triton_kernels,
+        triton_moe,
+        triton_attention,
+        triton_indexer,
+        triton_gemv,
+        triton_sampling,
+    ]
 
 
 def _check_autotuned() -> dict:
@@ -523,7 +638,9 @@ def _random_fp8_on(*shape: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 
 def _run_llama_kernels(device: str, tokens: int = 4) -> None:
     from snapfn.handler.llm.kernels import triton_attention as ta
+    from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels import triton_sampling as ts
 
     x, weight = _randn(tokens, 4096, device=device), _randn(4096, device=device)
     tk.rms_norm(x, weight, 1e-6)
@@ -543,6 +660,10 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
     seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
     q_new = _randn(tokens, 32, 128, device=device)
     ta.paged_decode_attention(q_new, k_cache, v_cache, page_table, seq_lens, 0.1)
+    row = _randn(1, 4096, device=device)
+    norm = _randn(4096, device=device)
+    tg.gemv(row, _randn(6144, 4096, device=device), norm_weight=norm, residual=row)
+    ts.greedy_picks(torch.randn(1, 128256, device=device))
 
 
 def _run_glm_kernels(device: str, tokens: int = 4) -> None:
@@ -592,6 +713,12 @@ def run_case(case: str, device: str) -> dict:
         return _check_moe_configs(rest[0], dtype, device)
     if kind == "backend_decode":
         return _check_backend_decode(dtype, device)
+    if kind == "greedy_picks":
+        return _check_picks(PICKS_SHAPES[rest[0]], device)
+    if kind == "backend_gemv":
+        return _check_backend_gemv(dtype, device)
+    if kind == "gemv":
+        return _check_gemv(rest[0], dtype, device)
     if kind == "decode_attention":
         return _check_decode(DECODE_SHAPES[rest[0]], dtype, device, DECODE_SPLITS[rest[0]])
     raise ValueError(f"unknown case {case!r}")

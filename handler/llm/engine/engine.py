@@ -29,7 +29,7 @@ from .graphs import DecodeGraphs, GraphStats
 from .in_flight import InFlightStep, PickBuffers
 from .kv_pool import KVPool
 from .request import GenerationResult, Request, RequestOutput, SamplingParams
-from .sampler import make_generator, sample
+from .sampler import greedy_picks, make_generator, sample
 from .scheduler import Scheduler
 
 
@@ -74,6 +74,9 @@ class Engine:
         self._in_flight: InFlightStep | None = None
         self._pick_buffers: PickBuffers | None = None
         self.overlapped_steps = 0  # decode steps launched before the previous one landed
+        # greedy picks on the device: the backend's kernel where it has one (`Backend.greedy_picks`)
+        backend = getattr(model, "backend", None)
+        self._picks = backend.greedy_picks if backend is not None else greedy_picks
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
@@ -193,7 +196,7 @@ class Engine:
         logits = self.graphs.replay(batch, bucket, input_ids)
         for req in requests:
             req.num_computed += 1
-        return InFlightStep.launch(requests, logits, self._pick_buffers)
+        return InFlightStep.launch(requests, logits, self._pick_buffers, self._picks)
 
     def _land(self, step: InFlightStep) -> list[RequestOutput]:
         """Launch the step after `step` where nothing else could run, then wait for `step`'s
@@ -239,7 +242,7 @@ class Engine:
         # NOTE: a decode step's rows are all ready: indexing with a host list would copy it to
         # the GPU, which waits for the step's kernels before the sampler's own copy does
         rows = logits if len(ready) == len(requests) else logits[ready]
-        tokens, logprobs = sample(rows, ready_reqs)
+        tokens, logprobs = sample(rows, ready_reqs, self._picks)
         return [
             self._append(req, t, lp)
             for req, t, lp in zip(ready_reqs, tokens, logprobs, strict=True)

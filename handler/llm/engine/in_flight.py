@@ -13,6 +13,7 @@ attention planning, detokenizing) then hides behind the GPU's instead of adding 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,15 @@ class InFlightStep:
 
     @classmethod
     def launch(
-        cls, requests: list[Request], logits: torch.Tensor, buffers: PickBuffers | None
+        cls,
+        requests: list[Request],
+        logits: torch.Tensor,
+        buffers: PickBuffers | None,
+        picks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_picks,
     ) -> InFlightStep:
-        """Greedy picks of `logits [B, V]` enqueued, and their copy to the host; no wait."""
-        tokens, picked = greedy_picks(logits)
+        """Greedy picks of `logits [B, V]` (by `picks`, `sampler.greedy_picks`'s contract)
+        enqueued, and their copy to the host; no wait."""
+        tokens, picked = picks(logits)
         if buffers is None or not logits.is_cuda:
             return cls(requests, tokens, picked.cpu(), None)
         host = buffers.next(len(requests))

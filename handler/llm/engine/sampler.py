@@ -6,6 +6,8 @@ filtering), as vLLM and SGLang report them by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .request import Request
@@ -19,12 +21,17 @@ def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return greedy[:, 0], torch.cat([greedy.double(), logprobs.double()], dim=1)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits [B, V]` (float32) for each request."""
+def sample(
+    logits: torch.Tensor,
+    requests: list[Request],
+    picks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of `logits [B, V]` (float32) for each request; an all-greedy
+    batch through `picks` (default `greedy_picks`; a backend's kernel, same contract)."""
     if all(req.params.greedy for req in requests):
         # NOTE: one copy to the host for the tokens and their logprobs together: each copy
         # waits for the GPU, and a decode step's host time adds to its latency
-        rows = greedy_picks(logits)[1].tolist()  # float64 holds every token id exactly
+        rows = (picks or greedy_picks)(logits)[1].tolist()  # float64 holds every token id exactly
         return [int(t) for t, _ in rows], [lp for _, lp in rows]
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy_host = logits.argmax(dim=-1).tolist()

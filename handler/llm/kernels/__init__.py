@@ -7,6 +7,9 @@ and on CPU always, the torch reference. A backend enters `AUTO_CUDA` only once i
 passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks one by name.
 Under "triton" and "flashinfer", DeepGEMM (`deepgemm.py`) runs the prefill-sized FP8 GEMMs
 where it is importable on an SM90 GPU; `SNAPFN_DEEPGEMM=off` keeps them on the Triton path.
+`SNAPFN_GEMV=off` keeps one-row projections of 16-bit weights on cuBLAS, with the norm and
+SwiGLU kernels around them (`triton_gemv` fuses them in); `SNAPFN_DECODE_ATTENTION` picks who
+runs the flashinfer backend's decode attention (`flashinfer_backend.DECODE_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -35,22 +38,29 @@ def _torch_factory() -> Backend:
     return TorchBackend()
 
 
-def _deepgemm_mode() -> str:
-    # NOTE: read when a backend is built, never at import
-    return os.environ.get("SNAPFN_DEEPGEMM", "auto")
+def _triton_modes() -> dict[str, str]:
+    """The triton backend's switches from the environment. NOTE: read when a backend is built,
+    never at import."""
+    return {
+        "deepgemm": os.environ.get("SNAPFN_DEEPGEMM", "auto"),
+        "gemv": os.environ.get("SNAPFN_GEMV", "auto"),
+    }
 
 
 def _triton_factory() -> Backend:
     from .triton_backend import TritonBackend
 
-    return TritonBackend(deepgemm=_deepgemm_mode())
+    return TritonBackend(**_triton_modes())
 
 
 def _flashinfer_factory() -> Backend:
     # imports flashinfer (InitFailed, saying how to install it, where it cannot)
     from .flashinfer_backend import FlashInferBackend
 
-    return FlashInferBackend(deepgemm=_deepgemm_mode())
+    modes = _triton_modes()
+    if "SNAPFN_DECODE_ATTENTION" in os.environ:
+        modes["decode_attention"] = os.environ["SNAPFN_DECODE_ATTENTION"]
+    return FlashInferBackend(**modes)
 
 
 register_backend("torch", _torch_factory)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.batch import ForwardBatch
+from ..engine.sampler import greedy_picks
 
 
 @dataclass
@@ -53,6 +54,12 @@ class Backend:
         directly), so a backend plans those at its first call with a new batch. Default: no
         planning."""
 
+    def greedy_picks(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax of `logits [B, V]` and its logprob, on their device, with no host
+        sync: `(tokens [B] int64, [B, 2] float64 of token id and logprob)`. Default: the
+        sampler's torch ops (`engine.sampler.greedy_picks`, the oracle)."""
+        return greedy_picks(logits)
+
     def linear(
         self,
         x: torch.Tensor,
@@ -62,6 +69,28 @@ class Backend:
     ) -> torch.Tensor:
         """`x @ W.T + b`; W may be fp8 with a 128x128 block `weight_scale_inv`."""
         raise NotImplementedError
+
+    def add_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale_inv: torch.Tensor | None = None,
+        swiglu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's entry: `h = x + residual` (`x` when `residual` is None), then
+        `(linear(rms_norm(h)), h)`; with `swiglu`, `silu_mul` of the projection (a fused
+        gate | up). Default: `add_rms_norm` (or `rms_norm`), `linear`, `silu_mul`, as the
+        models ran them before the fused kernel (`triton_gemv`) took them on."""
+        if residual is None:
+            normed, h = self.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, h = self.add_rms_norm(x, residual, norm_weight, eps)
+        out = self.linear(normed, weight, bias, weight_scale_inv)
+        return (self.silu_mul(out) if swiglu else out), h
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of `x [..., H]` with `weight [H]` (float32 statistics,

@@ -47,6 +47,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)  # what flashinfer's decode and prefill templates are built for
 GROUP_SIZES = (1, 2, 3, 4, 8)  # query heads per KV head its CUDA-core decode dispatches
 KV_LAYOUT = "NHD"  # a page is [page_size, Hkv, D]: the KV pool's layout
+# who runs decode batches' attention (SNAPFN_DECODE_ATTENTION): "flashinfer"'s decode kernel,
+# the "triton" split-KV kernel the triton backend runs, or "auto": Triton for decode batches of
+# at most TRITON_DECODE_MAX_ROWS requests, flashinfer for larger ones
+DECODE_ATTENTION = "auto"
+TRITON_DECODE_MAX_ROWS = 1
 
 
 def import_flashinfer() -> ModuleType:
@@ -144,8 +149,16 @@ class AttentionShape:
 class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
-    def __init__(self, deepgemm: str = "auto") -> None:
-        super().__init__(deepgemm)
+    def __init__(
+        self, deepgemm: str = "auto", gemv: str = "auto", decode_attention: str = DECODE_ATTENTION
+    ) -> None:
+        super().__init__(deepgemm, gemv)
+        if decode_attention not in ("auto", "flashinfer", "triton"):
+            raise ValueError(
+                f"decode_attention must be 'auto', 'flashinfer' or 'triton', not "
+                f"{decode_attention!r}"
+            )
+        self._decode_attention = decode_attention
         self._flashinfer = import_flashinfer()
         self._workspace: torch.Tensor | None = None  # shared by all wrappers: one runs at a time
         self._eager: dict[str, Any] = {}  # "decode" / "prefill" -> wrapper
@@ -156,7 +169,8 @@ class FlashInferBackend(TritonBackend):
         self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch, graph=False):
-        self._forward.begin_forward(batch, graph)
+        if not self._triton_decode(batch):  # else nothing of flashinfer's to plan
+            self._forward.begin_forward(batch, graph)
         self._mla.begin_forward(batch, graph)
 
     def mla_attention(
@@ -183,10 +197,19 @@ class FlashInferBackend(TritonBackend):
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)
-        if shape is None:  # e.g. a float32 model: the reference, as under the torch backend
+        if shape is None or self._triton_decode(batch):
+            # a float32 model: the reference; decode by Triton: its split-KV kernel
             return super().paged_attention(q, k_cache, v_cache, batch, scale)
         wrapper = self._forward.for_call(batch, shape)
         return wrapper.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
+
+    def _triton_decode(self, batch: ForwardBatch) -> bool:
+        """Whether `batch`'s attention runs the Triton split-KV decode kernel (`triton_attention`):
+        a decode batch, under "triton", or under "auto" when it has few enough requests."""
+        if not batch.is_decode or self._decode_attention == "flashinfer":
+            return False
+        rows = batch.seq_lens.shape[0]
+        return self._decode_attention == "triton" or rows <= TRITON_DECODE_MAX_ROWS
 
     def _plan(self, batch: ForwardBatch, graph: bool, shape: AttentionShape) -> Any:
         """Plan `batch` on its wrapper; returns the wrapper, ready to `run` every layer."""

@@ -56,9 +56,12 @@ class TritonBackend(TorchBackend):
     name = "triton"
     capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
-    def __init__(self, deepgemm: str = "auto") -> None:
+    def __init__(self, deepgemm: str = "auto", gemv: str = "auto") -> None:
         if deepgemm not in ("auto", "off"):
             raise ValueError(f"deepgemm must be 'auto' or 'off', not {deepgemm!r}")
+        if gemv not in ("auto", "off"):
+            raise ValueError(f"gemv must be 'auto' or 'off', not {gemv!r}")
+        self._gemv = gemv == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -74,7 +77,34 @@ class TritonBackend(TorchBackend):
         """Whether DeepGEMM was found usable for a device this backend ran on."""
         return any(gemm is not None for gemm in self._deepgemm.values())
 
+    def _gemv_kernels(self, x: torch.Tensor, weight: torch.Tensor, scale_inv) -> ModuleType | None:
+        """`triton_gemv` where it takes this product: on, one input row, a 16-bit 2-D weight
+        of x's dtype (FP8 weights have `fp8_block_linear`)."""
+        if not self._gemv or scale_inv is not None or weight.dim() != 2:
+            return None
+        if weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if x.numel() != x.shape[-1]:  # more than one row
+            return None
+        return _kernels(x, "triton_gemv")
+
+    def add_norm_linear(
+        self, x, residual, norm_weight, eps, weight, bias=None, weight_scale_inv=None, swiglu=False
+    ):
+        tg = self._gemv_kernels(x, weight, weight_scale_inv)
+        if tg is None:
+            return super().add_norm_linear(
+                x, residual, norm_weight, eps, weight, bias, weight_scale_inv, swiglu
+            )
+        out, total = tg.gemv(
+            x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, swiglu=swiglu
+        )
+        return out, x if total is None else total
+
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
+        tg = self._gemv_kernels(x, weight, weight_scale_inv)
+        if tg is not None:
+            return tg.gemv(x, weight, bias)[0]
         tk = _kernels(x)
         fused = x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2
         if weight_scale_inv is not None and not fused:
@@ -129,6 +159,10 @@ class TritonBackend(TorchBackend):
         return tk.rope_store_kv(
             q, k, v, cos, sin, interleaved, k_cache, v_cache, batch.slot_mapping
         )
+
+    def greedy_picks(self, logits):
+        ts = _kernels(logits, "triton_sampling")
+        return super().greedy_picks(logits) if ts is None else ts.greedy_picks(logits)
 
     def silu_mul(self, gate_up):
         tk = _kernels(gate_up)

@@ -151,13 +151,17 @@ class CausalLM(nn.Module):
         self, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Final norm (of `h + residual` when the last layer left its residual apart), keep the
-        rows logits are wanted for, project to the vocabulary (fp32)."""
-        h, _ = self.model.norm.add(h, residual)
-        if not batch.all_logits:
-            h = h[batch.logits_indices]
+        rows logits are wanted for, project to the vocabulary (fp32). The rows are kept first
+        (the norm is per row), so that the norm runs inside `lm_head`'s GEMV on a decode step
+        (`RMSNorm.add_linear`); a step whose every row wants logits (decode) gathers nothing."""
+        keep = batch.logits_indices
+        if not batch.all_logits and keep.shape[0] != h.shape[0]:
+            h = h[keep]
+            residual = None if residual is None else residual[keep]
         if self.config.tie_word_embeddings:
+            h, _ = self.model.norm.add(h, residual)
             return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.lm_head(h).float()
+        return self.model.norm.add_linear(h, residual, self.lm_head)[0].float()
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         raise NotImplementedError

@@ -98,6 +98,36 @@ class RMSNorm(nn.Module):
             return self(total), total
         return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def add_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        linear: nn.Module,
+        swiglu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add`, then `linear` of the norm, then (`swiglu`) SwiGLU's activation of a fused
+        gate | up: `(out, h)`. Through `Backend.add_norm_linear`, one kernel for a decode step's
+        one row on the triton backend, where `linear` is one `Linear`."""
+        if self.backend is not None and isinstance(linear, Linear):
+            return self.backend.add_norm_linear(
+                x,
+                residual,
+                self.weight,
+                self.eps,
+                linear.weight,
+                linear.bias,
+                linear.weight_scale_inv,
+                swiglu,
+            )
+        normed, h = self.add(x, residual)
+        out = linear(normed)
+        if swiglu:
+            gate, up = out.chunk(2, dim=-1)
+            out = (
+                self.backend.silu_mul(out) if self.backend else torch.nn.functional.silu(gate) * up
+            )
+        return out, h
+
 
 def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies `[dim/2]` and the attention scaling factor, per RoPE type."""

@@ -4,8 +4,9 @@ Parameter names equal the Hugging Face checkpoint names (`model.layers.{i}.self_
 except two fused projections, each filled from the checkpoint's parts (`CausalLM.fused_linear`):
 `self_attn.qkv_proj` (q_proj | k_proj | v_proj) and `mlp.gate_up_proj` (gate_proj | up_proj): one
 GEMM each where a decode step would run three and two small ones. The residual stream is kept
-apart from the layers' outputs so that each residual add runs inside the next norm
-(`Backend.add_rms_norm`).
+apart from the layers' outputs so that each residual add runs inside the next norm, and the norm
+inside the projection after it (`RMSNorm.add_linear`: `Backend.add_norm_linear`, one kernel for
+a decode step's row on the triton backend, SwiGLU's activation included for gate | up).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = model.norm(hd)
             self.k_norm = model.norm(hd)
 
-    def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.rows, dim=-1)
+    def forward(self, h, residual, norm, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
+        """`norm` of `h + residual` projected to q | k | v, attended, projected out: returns
+        `(out, h + residual)`."""
+        qkv, residual = norm.add_linear(h, residual, self.qkv_proj)
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.rows, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -56,7 +60,7 @@ class LlamaAttention(nn.Module):
             q, k, v, cos, sin, rotary.interleaved, k_cache, v_cache, batch
         )
         out = self.backend.paged_attention(q, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -69,8 +73,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = model.linear(f"{prefix}.down_proj", inter, cfg.hidden_size)
         self.backend = model.backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+    def forward(self, h, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """SwiGLU MLP of `norm(h + residual)`: returns `(out, h + residual)`."""
+        act, residual = norm.add_linear(h, residual, self.gate_up_proj, swiglu=True)
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,10 +91,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h, residual, cos, sin, rotary, batch, kv):
         """`h`: the last layer's output, not yet added to `residual` (None before the first
         layer, where `h` is the embedding). Returns this layer's output and the residual."""
-        x, residual = self.input_layernorm.add(h, residual)
-        h = self.self_attn(x, cos, sin, rotary, batch, kv)
-        x, residual = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(x), residual
+        h, residual = self.self_attn(h, residual, self.input_layernorm, cos, sin, rotary, batch, kv)
+        return self.mlp(h, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
