@@ -52,8 +52,8 @@ DECODE_SHAPES = {
     "llama8b": (2, 32, 8, 128, 16, 9, (130, 7)),  # the 8B's heads; a row wider than needed
     "odd": (2, 6, 2, 48, 8, 5, (0, 23)),  # group of 3, head dim 48, a request with no tokens
 }
-# splits forced, so that one program walks several pages (the default gives small shapes one
-# page per split): the whole row in one split, and two splits of three pages
+# splits forced: the whole row in one split, so that one program walks two 64-token blocks, and
+# two splits
 DECODE_SPLITS = {"gqa": None, "mha": None, "llama8b": None, "odd": None, "gqa1": 1, "gqa2": 2}
 DECODE_SHAPES |= {"gqa1": DECODE_SHAPES["gqa"], "gqa2": DECODE_SHAPES["gqa"]}
 # decode attention (atol, rtol) against the float32 reference: float32 sums in another order;
