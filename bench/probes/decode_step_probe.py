@@ -17,6 +17,7 @@ import argparse
 import json
 
 import torch
+from graph_timing import graph_us
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.sampler import greedy_picks
@@ -25,28 +26,6 @@ from snapfn.handler.llm.kernels.flashinfer_backend import FlashInferBackend
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_BYTES = 60 << 20
-
-
-def graph_us(fn, calls: int) -> float:
-    """Microseconds per call of `fn(i)`, i = 0 .. calls-1, replayed as one graph."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
 
 
 def attention(batch_size: int, context: int, width: int) -> dict:

@@ -3,7 +3,7 @@ against what the engine runs without it (cuBLAS's `F.linear`, with the Triton `a
 before it and `silu_mul` after it where the fused kernel takes them on), on the shapes of the
 8B llama and the GLM-5-shaped model's bf16 `lm_head`.
 
-python3 bench/probes/gemv_probe.py [--rows 1,2,4] [--reps 40]
+python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
@@ -20,6 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
+from graph_timing import graph_us
 
 from snapfn.handler.llm.kernels import triton_gemv, triton_kernels
 
@@ -48,28 +49,6 @@ SWEEP = triton_gemv.GEMV_CONFIGS + [
         (32, 128, 4),
     )
 ]
-
-
-def graph_us(fn, copies: int, reps: int) -> float:
-    """Microseconds per call of `fn(i)` for i cycling over `copies`, replayed as one graph."""
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(reps):
-            fn(r % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
 
 
 def main() -> None:
@@ -114,19 +93,19 @@ def probe(weights: list[torch.Tensor], norm_w: torch.Tensor, kind: str, m: int, 
 
     ref = unfused(0).float()
     scale = ref.abs().max().item()
-    row = {"unfused_us": round(graph_us(unfused, copies, reps), 2)}
+    row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
     configs = {}
     for config in SWEEP if m == 1 else triton_gemv.GEMV_CONFIGS:
         kw = config.kwargs
         label = f"{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}"
         try:
             err = (ours(0, config).float() - ref).abs().max().item() / scale
-            us = graph_us(lambda i, c=config: ours(i, c), copies, reps)
+            us = graph_us(lambda i, c=config: ours(i, c), reps, copies)
             configs[label] = [round(us, 2), round(err, 5)]
         except Exception as exc:  # a config that does not compile or fit: say why
             configs[label] = repr(exc)[:200]
     ours(0)  # autotune, outside the capture
-    row["tuned_us"] = round(graph_us(ours, copies, reps), 2)
+    row["tuned_us"] = round(graph_us(ours, reps, copies), 2)
     row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
     row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
     row["tuned_tbps"] = round(nbytes / row["tuned_us"] / 1e6, 3)
