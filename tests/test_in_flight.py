@@ -140,3 +140,37 @@ def test_a_full_pool_keeps_overlapping_while_the_queue_waits(tiny_llama_dir):
     _same(plain, overlapped)
     assert [len(r.token_ids) for r in overlapped] == [6, 4, 6]
     assert steps >= 4
+
+
+def test_greedy_picks_come_from_the_models_backend(tiny_llama_dir, monkeypatch):
+    """Both loops take their greedy picks from `model.backend.greedy_picks` (the Triton kernel
+    on the triton and flashinfer backends), not the sampler's torch ops directly: every decode
+    step's picks go through it, and its answer is what the requests get."""
+    for overlap in (False, True):
+        engine = _engine(tiny_llama_dir, overlap)
+        backend = engine.model.backend
+        calls = []
+        real = backend.greedy_picks
+
+        def counted(logits, real=real, calls=calls):
+            calls.append(logits.shape[0])
+            return real(logits)
+
+        monkeypatch.setattr(backend, "greedy_picks", counted)
+        engine._picks = backend.greedy_picks  # what __init__ took, now counted
+        prompts = random_prompts(256, [5, 9], seed=21)
+        results = engine.generate(prompts, [greedy(4), greedy(6)])
+        assert [len(r.token_ids) for r in results] == [4, 6]
+        # one pick per step: the prefill's and each decode step's (speculated ones included)
+        assert len(calls) >= 6 and sum(calls) >= 10, calls
+
+        # and what they pick is what the requests get: a backend that picks token 7 everywhere
+        def sevens(logits, real=real):
+            tokens, picked = real(logits)
+            picked[:, 0] = 7.0
+            return tokens.fill_(7), picked
+
+        engine = _engine(tiny_llama_dir, overlap)
+        engine._picks = sevens
+        out = engine.generate([prompts[0]], greedy(3))[0].token_ids
+        assert list(out) == [7, 7, 7], (overlap, out)
