@@ -32,8 +32,7 @@ class TorchBackend(Backend):
         return apply_rotary(q, cos, sin, interleaved)
 
     def silu_mul(self, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul(gate_up)
 
     def store_kv(self, cache, values, batch):
         flat = cache.view(-1, *cache.shape[2:])
@@ -151,6 +150,12 @@ def apply_rotary(
 
 def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if t is None else t[e]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation of a fused `gate | up` projection: `silu(gate) * up`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def causal_attention(

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import QuantConfig, RopeConfig
 from ..kernels import Backend
-from ..kernels.torch_ref import apply_rotary, rms_norm
+from ..kernels.torch_ref import apply_rotary, rms_norm, silu_mul
 from ..quant import FP8_DTYPE, scale_shape
 
 
@@ -122,10 +122,7 @@ class RMSNorm(nn.Module):
         normed, h = self.add(x, residual)
         out = linear(normed)
         if swiglu:
-            gate, up = out.chunk(2, dim=-1)
-            out = (
-                self.backend.silu_mul(out) if self.backend else torch.nn.functional.silu(gate) * up
-            )
+            out = silu_mul(out) if self.backend is None else self.backend.silu_mul(out)
         return out, h
 
 
