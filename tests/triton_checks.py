@@ -102,6 +102,14 @@ GEMV_SHAPE = (72, 300)
 # reference's two roundings of the normed row skipped (relative 2^-9 each)
 GEMV_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
 
+# DSA indexer prefill, one request's chunk: (queries, first query's position, indexer heads,
+# head dim, topk): a whole prompt, a later chunk (some queries with fewer keys than topk), ties
+INDEXER_PREFILL_SHAPES = {
+    "prompt": (37, 0, 4, 32, 16),
+    "chunk": (20, 45, 8, 64, 48),
+    "ties": (30, 10, 4, 32, 24),  # zero keys: exact ties at 0, the earlier key first
+}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -118,6 +126,8 @@ CASES = (
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill")]  # the 16- and 64-row tiles
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
+    + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
+    + [f"backend_indexer_prefill-{d}" for d in DTYPES]
     + [
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
@@ -142,6 +152,7 @@ AUTOTUNED_KERNELS = {
     "_chunk_kernel": 1,  # greedy picks
     "_row_kernel": 1,
     "_index_scores_kernel": 1,
+    "_index_scores_prefill_kernel": 1,
 }
 
 
@@ -552,6 +563,82 @@ def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
     return {"max_abs_err": float((got_scores - want_scores).nan_to_num(0.0).abs().max())}
 
 
+def _indexer_inputs(q_len: int, num_keys: int, heads: int, dim: int, seed: int, ties: bool):
+    """Positive queries and keys (relu keeps every score), float32 head weights. Each key is
+    scaled by its own factor (1, 1.25, 1.5, ... shuffled) so that scores are far apart: random
+    keys of equal size give near-ties at the top-k cut, which a reordered float32 sum may flip."""
+    gen = torch.Generator().manual_seed(seed)
+    factors = 1 + 0.25 * torch.randperm(num_keys, generator=gen).float()
+    k = (0.5 + 0.05 * torch.rand(num_keys, dim, generator=gen)) * factors[:, None]
+    if ties:
+        k[::3] = 0.0  # every third key scores exactly 0
+    q = torch.rand(q_len, heads, dim, generator=gen)
+    return q, torch.rand(q_len, heads, generator=gen) * heads**-0.5, k
+
+
+def _assert_no_near_tie(scores: torch.Tensor, topk: int) -> None:
+    ranked = scores.sort(dim=-1, descending=True).values
+    cut = min(topk, ranked.shape[1] - 1)
+    gaps = (ranked[:, cut - 1] - ranked[:, cut]).abs()
+    near_tie = (gaps < 1e-4) & torch.isfinite(ranked[:, cut]) & (ranked[:, cut] != 0)
+    assert not near_tie.any(), f"test data too close to a tie at the cut: {gaps}"
+
+
+def _check_indexer_prefill(name: str, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels.torch_ref import index_scores_one_seq, pick_causal_topk
+
+    q_len, q_offset, heads, dim, topk = INDEXER_PREFILL_SHAPES[name]
+    q, weights, k = _indexer_inputs(
+        q_len, q_offset + q_len, heads, dim, q_len * dim, name == "ties"
+    )
+    q, k = q.to(dtype), k.to(dtype)
+    scale = dim**-0.5
+    got = ti.index_scores_prefill(q.to(device), weights.to(device), k.to(device), q_offset, scale)
+    want = index_scores_one_seq(q.float(), weights, k.float(), q_offset, scale)
+    got = got.cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), "the causal mask differs"
+    _check_close("index_scores_prefill", got, want, (1e-5, 1e-5))
+    _assert_no_near_tie(want, topk)
+    picked, want_picked = (pick_causal_topk(s, q_offset, topk) for s in (got, want))
+    assert torch.equal(picked, want_picked), f"picks differ:\n{picked}\n{want_picked}"
+    return {"max_abs_err": float((got - want).nan_to_num(0.0).abs().max())}
+
+
+def _check_backend_indexer_prefill(dtype: torch.dtype, device: str) -> dict:
+    """The triton backend's `dsa_topk` over a prefill batch (a whole prompt and a later chunk
+    of another request) equals the torch backend's, through the kernel only when
+    `prefill_indexer` is on."""
+    from snapfn.handler.llm.engine.batch import ForwardBatch
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton_backend import TritonBackend
+
+    heads, dim, page, topk = 4, 32, 4, 12
+    # request 0: 9 new tokens at 0..8; request 1: 6 new tokens at 14..19 (14 cached)
+    batch = ForwardBatch.build(
+        [[1] * 9, [2] * 6], [0, 14], [[3, 0, 7], [1, 5, 2, 6, 8]], page, device
+    )
+    q, weights, _ = _indexer_inputs(15, 1, heads, dim, 11, ties=False)
+    k_cache = _indexer_inputs(1, 9 * page, heads, dim, 12, ties=True)[2].view(9, page, dim)
+    q, k_cache = q.to(dtype).to(device), k_cache.to(dtype).to(device)
+    weights = weights.to(device)
+    want = TorchBackend().dsa_topk(q.float(), weights, k_cache.float(), batch, topk, dim**-0.5)
+    calls = []
+    real = ti.index_scores_prefill
+    ti.index_scores_prefill = lambda *a: calls.append(1) or real(*a)
+    try:
+        for mode, expected in (("off", 0), ("auto", 2)):
+            got = TritonBackend(prefill_indexer=mode).dsa_topk(
+                q, weights, k_cache, batch, topk, dim**-0.5
+            )
+            assert torch.equal(got.cpu(), want.cpu()), f"{mode}: picks differ"
+            assert len(calls) == expected, f"{mode}: the kernel ran {len(calls)} times"
+    finally:
+        ti.index_scores_prefill = real
+    return {"picked": int((want >= 0).sum())}
+
+
 def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
     """Every config the MoE kernels may be tuned to, forced in turn: each tile must lie in one
     FP8 scale block and cover the rows, whichever the GPU's timing picks. A config the GPU
@@ -676,6 +763,7 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
     seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
     ti.index_scores_decode(q, weights, k_cache, page_table, seq_lens, 0.1)
+    ti.index_scores_prefill(q, weights, _randn(200, 128, device=device), 196, 0.1)
     gate, up = (_random_fp8_on(8, 2048, 6144, device=device) for _ in "gu")
     down = _random_fp8_on(8, 6144, 2048, device=device)
     experts = ExpertWeights(gate[0], up[0], down[0], gate[1], up[1], down[1])
@@ -705,6 +793,10 @@ def run_case(case: str, device: str) -> dict:
         return _check_linear(dtype, device)
     if kind == "engine_greedy":
         return _check_engine_greedy("-".join(rest[:-1]), rest[-1], device)
+    if kind == "indexer_prefill":
+        return _check_indexer_prefill(rest[0], dtype, device)
+    if kind == "backend_indexer_prefill":
+        return _check_backend_indexer_prefill(dtype, device)
     if kind == "indexer":
         return _check_indexer(rest[0], dtype, device)
     if kind == "moe":

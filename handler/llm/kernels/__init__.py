@@ -9,7 +9,9 @@ Under "triton" and "flashinfer", DeepGEMM (`deepgemm.py`) runs the prefill-sized
 where it is importable on an SM90 GPU; `SNAPFN_DEEPGEMM=off` keeps them on the Triton path.
 `SNAPFN_GEMV=off` keeps one-row projections of 16-bit weights on cuBLAS, with the norm and
 SwiGLU kernels around them (`triton_gemv` fuses them in); `SNAPFN_DECODE_ATTENTION` picks who
-runs the flashinfer backend's decode attention (`flashinfer_backend.DECODE_ATTENTION`).
+runs the flashinfer backend's decode attention (`flashinfer_backend.DECODE_ATTENTION`);
+`SNAPFN_PREFILL_INDEXER=auto` scores the DSA indexer's prefill chunks in Triton (off until its
+GPU checks have run).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _triton_modes() -> dict[str, str]:
     return {
         "deepgemm": os.environ.get("SNAPFN_DEEPGEMM", "auto"),
         "gemv": os.environ.get("SNAPFN_GEMV", "auto"),
+        "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "off"),
     }
 
 

@@ -150,9 +150,13 @@ class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
     def __init__(
-        self, deepgemm: str = "auto", gemv: str = "auto", decode_attention: str = DECODE_ATTENTION
+        self,
+        deepgemm: str = "auto",
+        gemv: str = "auto",
+        prefill_indexer: str = "off",
+        decode_attention: str = DECODE_ATTENTION,
     ) -> None:
-        super().__init__(deepgemm, gemv)
+        super().__init__(deepgemm, gemv, prefill_indexer)
         if decode_attention not in ("auto", "flashinfer", "triton"):
             raise ValueError(
                 f"decode_attention must be 'auto', 'flashinfer' or 'triton', not "

@@ -83,10 +83,15 @@ class TorchBackend(Backend):
             zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
         ):
             k = self.gather_seq(k_cache, batch, b)  # [L, Di]
-            rows = slice(start, start + q_len)
-            out[rows] = _topk_one_seq(q[rows], weights[rows], k, seq_len - q_len, topk, scale)
+            rows, q_offset = slice(start, start + q_len), seq_len - q_len
+            scores = self._prefill_index_scores(q[rows], weights[rows], k, q_offset, scale)
+            out[rows] = pick_causal_topk(scores, q_offset, topk)
             start += q_len
         return out
+
+    def _prefill_index_scores(self, q, weights, k, q_offset, scale):
+        """`index_scores_one_seq`: the indexer's scores of one request's prefill chunk."""
+        return index_scores_one_seq(q, weights, k, q_offset, scale)
 
     def mla_attention(
         self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
@@ -180,18 +185,32 @@ def causal_attention(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _topk_one_seq(q, weights, k, q_offset, topk, scale):
+def index_scores_one_seq(
+    q: torch.Tensor,  # [q, Hi, Di] one request's chunk of rotated indexer queries
+    weights: torch.Tensor,  # [q, Hi] float32
+    k: torch.Tensor,  # [L, Di] the request's keys
+    q_offset: int,  # the chunk's first position
+    scale: float,
+) -> torch.Tensor:  # [q, L] float32, -inf at keys after each query
+    """The DSA indexer's scores of one request's prefill chunk: `sum_h weights[t, h] *
+    relu(scale * q[t, h] . k[l])` (the oracle of `triton_indexer.index_scores_prefill`)."""
     # op order as Hugging Face's GlmMoeDsaIndexer, so near-ties resolve alike
     scores = torch.matmul(q.float(), k.float().T) * scale  # [q, Hi, L]
     scores = F.relu(scores)
     index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [q, L]
     causal = _causal_mask(q.shape[0], k.shape[0], q_offset, q.device)  # [q, L]
-    index_scores = index_scores.masked_fill(~causal, float("-inf"))
+    return index_scores.masked_fill(~causal, float("-inf"))
+
+
+def pick_causal_topk(index_scores: torch.Tensor, q_offset: int, topk: int) -> torch.Tensor:
+    """`[q, L]` scores of one request's chunk (-inf after each query) → `[q, topk]` int32 key
+    positions, highest first, the earlier key first among equals, -1 where keys run out."""
+    causal = _causal_mask(*index_scores.shape, q_offset, index_scores.device)  # [q, L]
     # NOTE: exact ties are common (relu zeroes every head's score of many keys); torch.topk
     # breaks them by row length, so chunking would change the selection. A stable sort keeps
     # the earliest tied keys, whatever the chunking. Without ties it picks what topk picks.
     order = index_scores.sort(dim=-1, descending=True, stable=True).indices
-    picked = order[:, : min(topk, k.shape[0])]  # [q, k']
+    picked = order[:, : min(topk, index_scores.shape[1])]  # [q, k']
     # rows with fewer causal keys than topk pick masked keys too: drop them
     picked = picked.masked_fill(~causal.gather(1, picked), -1)
     return F.pad(picked, (0, topk - picked.shape[1]), value=-1).to(torch.int32)  # [q, topk]

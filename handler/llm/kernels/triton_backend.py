@@ -56,12 +56,19 @@ class TritonBackend(TorchBackend):
     name = "triton"
     capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
-    def __init__(self, deepgemm: str = "auto", gemv: str = "auto") -> None:
-        if deepgemm not in ("auto", "off"):
-            raise ValueError(f"deepgemm must be 'auto' or 'off', not {deepgemm!r}")
-        if gemv not in ("auto", "off"):
-            raise ValueError(f"gemv must be 'auto' or 'off', not {gemv!r}")
+    def __init__(
+        self, deepgemm: str = "auto", gemv: str = "auto", prefill_indexer: str = "off"
+    ) -> None:
+        for name, value in (
+            ("deepgemm", deepgemm),
+            ("gemv", gemv),
+            ("prefill_indexer", prefill_indexer),
+        ):
+            if value not in ("auto", "off"):
+                raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
+        # NOTE: off by default until its GPU checks have run (docs/kernels.md)
+        self._prefill_indexer = prefill_indexer == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -141,6 +148,12 @@ class TritonBackend(TorchBackend):
         return ti.indexer_topk_decode(
             q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale
         )
+
+    def _prefill_index_scores(self, q, weights, k, q_offset, scale):
+        ti = _kernels(q, "triton_indexer") if self._prefill_indexer else None
+        if ti is None:
+            return super()._prefill_index_scores(q, weights, k, q_offset, scale)
+        return ti.index_scores_prefill(q, weights, k, q_offset, scale)
 
     def rms_norm(self, x, weight, eps):
         tk = _kernels(x)

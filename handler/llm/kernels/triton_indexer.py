@@ -1,6 +1,8 @@
-"""The DSA indexer's decode scoring in Triton, matching `torch_ref._topk_decode`'s scores.
+"""The DSA indexer's scoring in Triton: decode (`torch_ref._topk_decode`'s scores) and prefill
+(`torch_ref.index_scores_one_seq`'s).
 
     picked = indexer_topk_decode(q, weights, k_cache, page_table, seq_lens, topk, scale)
+    scores = index_scores_prefill(q, weights, k, q_offset, scale)   # one request's chunk
 
 Per request, every cached key `l` scores `sum_h weights[h] * relu(scale * q[h] . k[l])`; the
 `topk` best keys are then picked as the reference does (`torch_ref.select_topk`: stable sort,
@@ -12,6 +14,13 @@ the request's last key). Fixed grid, no host sync: capturable in decode graphs.
 The block of positions (`BLOCK_L`) and the warps are autotuned on GPUs once per (indexer
 heads, head dim, page size, dtypes), never per batch or row width, with triton's results cache
 on (`triton_kernels.autotuned`); the interpreter runs `INTERPRETED_BLOCK_L` = 32 positions.
+
+Prefill: one program per (block of queries, block of keys) sums `weights[t, h] * relu(scale *
+q[t, h] . k[l])` over the heads in registers; the reference materialises the `[q, Hi, L]`
+float32 scores (twice: the products, then their relu) before it sums them. A key block wholly
+after the block's last query is written -inf without being read. Both kernels multiply in IEEE
+float32 (bf16 inputs are exact in it), so the scores differ from the reference's only in the
+order of the sums.
 
 NOTE: imports triton at import time, like triton_kernels.py.
 """
@@ -118,3 +127,98 @@ def indexer_topk_decode(q, weights, k_cache, page_table, seq_lens, topk: int, sc
     """`[B, topk]` int32 key positions per request (see the module docstring)."""
     scores = index_scores_decode(q, weights, k_cache, page_table, seq_lens, scale)
     return select_topk(scores, seq_lens, topk)
+
+
+@triton.jit
+def _index_scores_prefill_kernel(
+    q_ptr,  # [T, Hi, Di]
+    weights_ptr,  # [T, Hi] float32
+    k_ptr,  # [L, Di]
+    out_ptr,  # [T, L] float32
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kl,
+    num_tokens,
+    num_keys,
+    q_offset,
+    num_heads,
+    head_dim,
+    BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    keys = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    dims = tl.arange(0, BLOCK_D)
+    token_mask = tokens < num_tokens
+    positions = q_offset + tokens  # each query's own position: it sees keys up to it
+    visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < num_keys)
+    index = tl.zeros((BLOCK_Q, BLOCK_L), dtype=tl.float32)
+    last = q_offset + tl.minimum(tl.program_id(0) * BLOCK_Q + BLOCK_Q, num_tokens) - 1
+    if tl.program_id(1) * BLOCK_L <= last:  # else every key of the block is in the future
+        k_mask = (keys[:, None] < num_keys) & (dims[None, :] < head_dim)
+        k_offsets = keys.to(tl.int64)[:, None] * stride_kl + dims[None, :]
+        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)  # [L, D]
+        q_mask = token_mask[:, None] & (dims[None, :] < head_dim)
+        for h in range(0, num_heads):
+            q_offsets = tokens.to(tl.int64)[:, None] * stride_qt + h * stride_qh + dims[None, :]
+            q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [Q, D]
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [Q, L]
+            w = tl.load(
+                weights_ptr + tokens.to(tl.int64) * stride_wt + h, mask=token_mask, other=0.0
+            )
+            index += w.to(tl.float32)[:, None] * tl.maximum(scores, 0.0)
+    index = tl.where(visible, index, float("-inf"))
+    out_offsets = tokens.to(tl.int64)[:, None] * num_keys + keys[None, :]
+    out_mask = token_mask[:, None] & (keys[None, :] < num_keys)
+    tl.store(out_ptr + out_offsets, index, mask=out_mask)
+
+
+_index_scores_prefill_tuned = autotuned(
+    _index_scores_prefill_kernel,
+    [
+        triton.Config({"BLOCK_Q": bq, "BLOCK_L": bl}, num_warps=warps)
+        for bq, bl, warps in ((16, 64, 4), (32, 64, 4), (32, 128, 8), (64, 64, 8), (64, 128, 8))
+    ],
+    key=["num_heads", "head_dim"],
+)
+
+
+def index_scores_prefill(
+    q: torch.Tensor,  # [T, Hi, Di] one request's rotated indexer queries, positions q_offset..
+    weights: torch.Tensor,  # [T, Hi] float32
+    k: torch.Tensor,  # [L, Di] the request's keys, position order (L >= q_offset + T)
+    q_offset: int,
+    scale: float,
+) -> torch.Tensor:  # [T, L] float32, -inf at keys after each query
+    """`torch_ref.index_scores_one_seq`: `sum_h weights[t, h] * relu(scale * q[t, h] . k[l])`
+    for every query `t` of one request's chunk and key `l` up to its position."""
+    _check_device(q, weights, k)
+    num_tokens, num_heads, head_dim = q.shape
+    num_keys = k.shape[0]
+    if k.shape[1] != head_dim or weights.shape != (num_tokens, num_heads):
+        raise ValueError(
+            f"q {tuple(q.shape)}, weights {tuple(weights.shape)} and k {tuple(k.shape)} do not "
+            "line up"
+        )
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("the last dim of q and of k must be contiguous")
+    weights = weights.float().contiguous()
+    out = torch.empty(num_tokens, num_keys, dtype=torch.float32, device=q.device)
+    if num_tokens and num_keys:
+        kernel, fixed = tuned_or_fixed(_index_scores_prefill_tuned, BLOCK_Q=16, BLOCK_L=32)
+
+        def grid(meta):
+            return (
+                triton.cdiv(num_tokens, meta["BLOCK_Q"]),
+                triton.cdiv(num_keys, meta["BLOCK_L"]),
+            )
+
+        kernel[grid](
+            q, weights, k, out, scale, q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
+            num_tokens, num_keys, q_offset, num_heads, head_dim,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **fixed,
+        )  # fmt: skip
+    return out
