@@ -12,7 +12,7 @@ activation, cuBLAS's split-K reductions) adds a launch of a few microseconds ins
 | — | `x @ W.T (+ b)` | `F.linear` |
 | `norm_weight` | `rms_norm(x) @ W.T (+ b)` | `rms_norm` then `F.linear` |
 | `norm_weight`, `residual` | `h = x + residual`; `rms_norm(h) @ W.T (+ b)`; `h` written out | `add_rms_norm` then `F.linear` |
-| `swiglu` | `silu(gate) * up` of `W = gate | up`'s product, `[M, N/2]` | `silu_mul` of the above |
+| `swiglu` | `silu(gate) * up` of `W = gate | up`'s product, `[1, N/2]` | `silu_mul` of the above |
 
 The norm's statistic is a sum over all of K that the program gathers while it walks K for the
 product, so nothing runs before the weight streams: `rms_norm(h) @ W.T` is computed as
@@ -21,9 +21,9 @@ roundings of the normed row to the input dtype (bf16: relative 2^-9 each, the si
 difference any two summation orders of a bf16 GEMM show); the output is rounded where the
 reference rounds it (the projection, then SwiGLU's activation and its product).
 
-Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`);
-the block sizes, warps and pipeline depth are autotuned per shape (`GEMV_CONFIGS`), the results
-cached into the snapshot like the other kernels' (`triton_kernels.autotuned`).
+Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`); the block
+sizes and warps are autotuned per shape (`GEMV_CONFIGS`), the results cached into the snapshot
+like the other kernels' (`triton_kernels.autotuned`).
 """
 
 from __future__ import annotations
