@@ -33,7 +33,10 @@ MAX_SPLITS = 64  # what one combine program holds
 BLOCK_T = 64  # tokens a split program scores at a time
 
 
-@triton.jit
+# NOTE: the split count and blocks per split follow the batch and the page-row width, so they are
+# plain arguments, not specialised on: an eager batch of a new size or width (past the graphs)
+# must not compile a new variant in a request
+@triton.jit(do_not_specialize=["num_splits", "blocks_per_split"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -54,15 +57,15 @@ def _decode_split_kernel(
     stride_pt,
     num_q_heads,
     page_size,
+    num_splits,
+    blocks_per_split,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -82,8 +85,8 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_DV], tl.float32)
     # NOTE: a fixed trip count, a function of shapes (triton's interpreter cannot loop to a
     # loaded bound); tokens past the request's last are masked and never read
-    for i in range(0, BLOCKS_PER_SPLIT):
-        first = (split * BLOCKS_PER_SPLIT + i) * BLOCK_T
+    for i in range(0, blocks_per_split):
+        first = (split * blocks_per_split + i) * BLOCK_T
         # NOTE: the trip count is fixed by shapes, the work is not: a block past the
         # request's last token is skipped whole (a branch, no loads, no products)
         if first < seq_len:
@@ -119,7 +122,7 @@ def _decode_split_kernel(
     has_keys = l_i > 0  # a split past the request's last token scored nothing
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    row = (b.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split  # [G] of [B, Hq, splits]
+    row = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [G] of [B, Hq, splits]
     live = g < GROUP
     tl.store(lse_ptr + row, lse, mask=live)
     tl.store(
@@ -136,12 +139,12 @@ _decode_split_tuned = autotuned(
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -150,13 +153,13 @@ def _combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS_PAD)
     dv = tl.arange(0, BLOCK_DV)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
     weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits: 0
     total = tl.sum(weights, axis=0)
     live = weights > 0  # only splits that scored a key are read
     parts = tl.load(
-        part_ptr + (row * NUM_SPLITS + s)[:, None] * DV + dv[None, :],
+        part_ptr + (row * num_splits + s)[:, None] * DV + dv[None, :],
         mask=live[:, None] & (dv < DV)[None, :],
         other=0.0,
     )
@@ -164,16 +167,16 @@ def _combine_kernel(
     tl.store(out_ptr + row * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
+# keyed by the value width alone: the split count follows the batch (see the split kernel)
 _combine_tuned = autotuned(
-    _combine_kernel, [triton.Config({}, num_warps=w) for w in (1, 2, 4)], key=["NUM_SPLITS", "DV"]
+    _combine_kernel, [triton.Config({}, num_warps=w) for w in (1, 2, 4)], key=["DV"]
 )
 
 
-def num_splits(batch: int, num_kv_heads: int, width: int, page_size: int = 16) -> int:
-    """Splits of a page row of `width` pages: enough programs to fill the GPU, each at least
-    one `BLOCK_T` block of tokens, at most `MAX_SPLITS`. A function of shapes only, so a
-    captured graph keeps its grid."""
-    blocks = -(-width * page_size // BLOCK_T)
+def num_splits(batch: int, num_kv_heads: int, blocks: int) -> int:
+    """Splits of a page row of `blocks` `BLOCK_T`-token blocks: enough programs to fill the GPU,
+    each at least one block, at most `MAX_SPLITS`. A function of shapes only, so a captured
+    graph keeps its grid."""
     wanted = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
     return max(1, min(blocks, wanted, MAX_SPLITS))
 
@@ -185,7 +188,7 @@ def paged_decode_attention(
     page_table: torch.Tensor,  # [B, W] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
-    splits: int | None = None,  # default: num_splits(B, Hkv, W)
+    splits: int | None = None,  # default: num_splits(B, Hkv, the row's BLOCK_T blocks)
 ) -> torch.Tensor:  # [B, Hq, Dv] in v_cache's dtype; a request with no tokens gets zeros
     _check_device(q, k_cache, v_cache, page_table, seq_lens)
     b, hq, d = q.shape
@@ -199,8 +202,8 @@ def paged_decode_attention(
         if t.stride(-1) != 1:
             raise ValueError("the last dim of q and of the caches must be contiguous")
     width = page_table.shape[1]
-    blocks = -(-width * page_size // BLOCK_T)
-    splits = max(1, min(blocks, MAX_SPLITS, splits or num_splits(b, hkv, width, page_size)))
+    blocks = -(-width * page_size // BLOCK_T)  # of the page row
+    splits = max(1, min(blocks, MAX_SPLITS, splits or num_splits(b, hkv, blocks)))
     part = torch.empty(b, hq, splits, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, dv, dtype=v_cache.dtype, device=q.device)
@@ -227,15 +230,15 @@ def paged_decode_attention(
             page_table.stride(0),
             hq,
             page_size,
+            splits,
+            -(-blocks // splits),
             GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot's least rows
             D=d,
             DV=dv,
             BLOCK_D=max(16, triton.next_power_of_2(d)),
             BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            NUM_SPLITS=splits,
             BLOCK_T=BLOCK_T,
-            BLOCKS_PER_SPLIT=-(-blocks // splits),
             DOT_FP32=dot_in_fp32(q.dtype),
             **fixed,
         )
@@ -244,7 +247,7 @@ def paged_decode_attention(
             part,
             lse,
             out,
-            NUM_SPLITS=splits,
+            splits,
             SPLITS_PAD=triton.next_power_of_2(splits),
             DV=dv,
             BLOCK_DV=triton.next_power_of_2(dv),
