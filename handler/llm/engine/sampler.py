@@ -24,14 +24,14 @@ def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sample(
     logits: torch.Tensor,
     requests: list[Request],
-    picks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    picks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_picks,
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of `logits [B, V]` (float32) for each request; an all-greedy
     batch through `picks` (default `greedy_picks`; a backend's kernel, same contract)."""
     if all(req.params.greedy for req in requests):
         # NOTE: one copy to the host for the tokens and their logprobs together: each copy
         # waits for the GPU, and a decode step's host time adds to its latency
-        rows = (picks or greedy_picks)(logits)[1].tolist()  # float64 holds every token id exactly
+        rows = picks(logits)[1].tolist()  # float64 holds every token id exactly
         return [int(t) for t, _ in rows], [lp for _, lp in rows]
     logprobs_all = torch.log_softmax(logits, dim=-1)
     greedy_host = logits.argmax(dim=-1).tolist()

@@ -58,12 +58,10 @@ def _triton_factory() -> Backend:
 
 def _flashinfer_factory() -> Backend:
     # imports flashinfer (InitFailed, saying how to install it, where it cannot)
-    from .flashinfer_backend import FlashInferBackend
+    from .flashinfer_backend import DECODE_ATTENTION, FlashInferBackend
 
-    modes = _triton_modes()
-    if "SNAPFN_DECODE_ATTENTION" in os.environ:
-        modes["decode_attention"] = os.environ["SNAPFN_DECODE_ATTENTION"]
-    return FlashInferBackend(**modes)
+    decode_attention = os.environ.get("SNAPFN_DECODE_ATTENTION", DECODE_ATTENTION)
+    return FlashInferBackend(**_triton_modes(), decode_attention=decode_attention)
 
 
 register_backend("torch", _torch_factory)
