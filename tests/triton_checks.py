@@ -10,6 +10,7 @@ model's shapes (the autotune cache test runs it twice over one `TRITON_CACHE_DIR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -366,6 +367,17 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     return _check_close(f"gemv {kind}", got, want, GEMV_TOL[dtype])
 
 
+@contextlib.contextmanager
+def _counting(module, name: str):
+    """Calls to `module.name` counted (a list, one entry per call) while the block runs."""
+    calls, real = [], getattr(module, name)
+    setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
+
+
 def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
     """The triton backend's `add_norm_linear` and `linear` against the torch backend's: a
     16-bit row through the fused GEMV (counted), two rows or float32 through the unfused ops."""
@@ -377,10 +389,7 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
     n, k = GEMV_SHAPE
     weight = (torch.randn(2 * n, k, generator=gen) / k**0.5).to(dtype).to(device)
     norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
-    calls = []
-    real = tg.gemv
-    tg.gemv = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    try:
+    with _counting(tg, "gemv") as calls:
         errors = []
         for rows in (1, 2):
             x, residual = (torch.randn(rows, k, generator=gen).to(dtype).to(device) for _ in "xr")
@@ -400,8 +409,6 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
                     f"linear {rows} rows", got, torch_ref.linear(x, weight), GEMV_TOL[dtype]
                 )["max_abs_err"]
             )
-    finally:
-        tg.gemv = real
     want_calls = 3 if dtype != torch.float32 else 0  # one row: two add_norm_linear, one linear
     assert len(calls) == want_calls, f"gemv ran {len(calls)} times, expected {want_calls}"
     return {"max_abs_err": max(errors)}
@@ -621,18 +628,13 @@ def _check_backend_indexer_prefill(dtype: torch.dtype, device: str) -> dict:
     q, k_cache = q.to(dtype).to(device), k_cache.to(dtype).to(device)
     weights = weights.to(device)
     want = TorchBackend().dsa_topk(q.float(), weights, k_cache.float(), batch, topk, dim**-0.5)
-    calls = []
-    real = ti.index_scores_prefill
-    ti.index_scores_prefill = lambda *a: calls.append(1) or real(*a)
-    try:
+    with _counting(ti, "index_scores_prefill") as calls:
         for mode, expected in (("off", 0), ("auto", 2)):
             got = TritonBackend(prefill_indexer=mode).dsa_topk(
                 q, weights, k_cache, batch, topk, dim**-0.5
             )
             assert torch.equal(got.cpu(), want.cpu()), f"{mode}: picks differ"
             assert len(calls) == expected, f"{mode}: the kernel ran {len(calls)} times"
-    finally:
-        ti.index_scores_prefill = real
     return {"picked": int((want >= 0).sum())}
 
 
