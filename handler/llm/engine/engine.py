@@ -29,7 +29,7 @@ from .graphs import DecodeGraphs, GraphStats
 from .in_flight import InFlightStep, PickBuffers
 from .kv_pool import KVPool
 from .request import GenerationResult, Request, RequestOutput, SamplingParams
-from .sampler import greedy_picks, make_generator, sample
+from .sampler import make_generator, sample
 from .scheduler import Scheduler
 
 
@@ -75,8 +75,7 @@ class Engine:
         self._pick_buffers: PickBuffers | None = None
         self.overlapped_steps = 0  # decode steps launched before the previous one landed
         # greedy picks on the device: the backend's kernel where it has one (`Backend.greedy_picks`)
-        backend = getattr(model, "backend", None)
-        self._picks = backend.greedy_picks if backend is not None else greedy_picks
+        self._picks = model.backend.greedy_picks
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
