@@ -35,7 +35,7 @@ import triton.language as tl
 from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 
 # NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
-# row, ran 1.5-3x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
+# row, ran 1.07-2.9x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
 GEMV_MAX_ROWS = 1
 
 
