@@ -111,6 +111,20 @@ def test_registry_lists_triton():
     assert get_backend("triton").name == "triton"
 
 
+def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatch):
+    for name in ("SNAPFN_GEMV", "SNAPFN_PREFILL_INDEXER", "SNAPFN_DEEPGEMM"):
+        monkeypatch.delenv(name, raising=False)
+    backend = get_backend("triton")
+    assert backend._gemv and backend._prefill_indexer and backend._deepgemm_mode == "auto"
+    monkeypatch.setenv("SNAPFN_GEMV", "off")
+    monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "off")
+    backend = get_backend("triton")
+    assert not backend._gemv and not backend._prefill_indexer
+    monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "on")  # only auto | off
+    with pytest.raises(ValueError, match="prefill_indexer must be 'auto' or 'off'"):
+        get_backend("triton")
+
+
 def test_auto_is_torch_on_cpu():
     assert get_backend("auto", "cpu").name == "torch"
 

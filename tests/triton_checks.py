@@ -69,6 +69,10 @@ MOE_SHAPES = {
     "ep_rank1": (20, 3, 4, 4, 8, 32, 24),  # experts 4-7 of 8: about half the pairs are elsewhere
     "fp8": (9, 2, 4, 0, 4, 160, 136),  # FP8 experts: partial 128-blocks both ways
     "fp8_prefill": (25, 2, 2, 0, 3, 160, 136),  # FP8, 64-row tiles, a third of pairs elsewhere
+    # one token: `moe_gemv`, each slot's expert read as matrix-vector products
+    "gemv": (1, 4, 8, 0, 8, 48, 40),
+    "gemv_ep": (1, 4, 4, 4, 8, 32, 24),  # experts 4-7 of 8: some slots elsewhere
+    "gemv_fp8": (1, 4, 6, 0, 6, 160, 136),  # partial 128-blocks both ways
 }
 MOE_PREFILL_SIZED = {"prefill", "fp8_prefill"}  # > 16 pairs per local expert: 64-row tiles
 MOE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 0.0)}  # bf16: x max|out|
@@ -83,6 +87,12 @@ ROPE_SHAPES = {
 }
 # (atol, rtol): the reference rounds each product and the sum to the dtype, the kernel once
 ROPE_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 3 * BF16_ULP)}
+# partial RoPE: (tokens, heads, head dim, first rotated dim, rotated dims, interleaved)
+ROPE_PART_SHAPES = {
+    "mla_q": (3, 4, 48, 32, 16, True),  # q_nope | rope(q_rope): the last dims
+    "indexer": (2, 8, 64, 0, 16, True),  # rope(q_rot) | q_pass: the first dims
+    "middle": (3, 2, 40, 8, 24, False),  # half-split, dims on both sides, 12 pairs (masked lanes)
+}
 SILU_SHAPES = {"decode": (1, 14336), "odd": (5, 100), "tiny": (9, 64)}  # (rows, intermediate)
 SILU_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 3 * BF16_ULP)}
 
@@ -97,8 +107,11 @@ INDEXER_SHAPES = {
 PICKS_SHAPES = {"vocab": (3, 128256), "ties": (2, 9000), "small": (4, 50)}
 
 # fused GEMV (one row): (N, K) and the work fused in; K off the block grid
-GEMV_KINDS = ("plain", "bias", "norm", "add_norm", "swiglu")
+GEMV_KINDS = ("plain", "bias", "norm", "add_norm", "swiglu", "fp8", "fp8_add_norm", "fp8_swiglu")
 GEMV_SHAPE = (72, 300)
+# FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
+# with SwiGLU, gate's rows a whole block (the up half must start on one)
+GEMV_FP8_SHAPES = {"fp8": (200, 300), "fp8_add_norm": (200, 300), "fp8_swiglu": (128, 300)}
 # (atol, rtol) against the unfused reference ops: float32 sums in another order, and in bf16 the
 # reference's two roundings of the normed row skipped (relative 2^-9 each)
 GEMV_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
@@ -115,6 +128,7 @@ CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"rope_store-{s}-{d}" for s in ROPE_SHAPES for d in DTYPES]
+    + [f"rope_part-{s}-{d}" for s in ROPE_PART_SHAPES for d in DTYPES]
     + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
@@ -125,7 +139,8 @@ CASES = (
     + [f"gemv-{k}-{d}" for k in GEMV_KINDS for d in DTYPES]
     + [f"backend_gemv-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
-    + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill")]  # the 16- and 64-row tiles
+    # the 16- and 64-row tiles, and one token's GEMVs
+    + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill", "gemv_fp8")]
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
@@ -144,12 +159,15 @@ AUTOTUNED_KERNELS = {
     "_dequant_fp8_block_kernel": 1,
     "_fp8_block_linear_kernel": 1,
     "_rope_store_kernel": 1,
+    "_rope_part_kernel": 1,
     "_silu_mul_kernel": 1,
     "_gate_up_kernel": 2,  # a decode-sized and a prefill-sized batch: BLOCK_M 16 and 64
     "_down_kernel": 2,
     "_decode_split_kernel": 1,
     "_combine_kernel": 1,
-    "_gemv_kernel": 1,
+    "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
+    "_gate_up_gemv_kernel": 1,  # one token's experts
+    "_down_gemv_kernel": 1,
     "_chunk_kernel": 1,  # greedy picks
     "_row_kernel": 1,
     "_index_scores_kernel": 1,
@@ -240,6 +258,25 @@ def _check_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     _check_close("rope_store k_cache", caches[0], want_caches[0], tol)
     _check_close("rope_store v_cache", caches[1], want_caches[1], EXACT)  # copied
     return _check_close("rope_store q", got, want, tol)
+
+
+def _check_rope_part(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.torch_ref import rope_part
+
+    tokens, heads, dim, start, rope_dim, interleaved = shape
+    g = torch.Generator().manual_seed(5)
+    # a strided view: the heads of a wider projection's output, as the models pass them
+    wide = torch.randn(tokens, heads * dim + 24, generator=g).to(dtype).to(device)
+    x = wide[:, 24:].unflatten(-1, (heads, dim))
+    angles = torch.rand(tokens, rope_dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    want = rope_part(x, cos, sin, interleaved, start)
+    got = tk.rope_part(x, cos, sin, interleaved, start)
+    end = start + rope_dim
+    _check_close("rope_part copied", got[..., :start], want[..., :start], EXACT)
+    _check_close("rope_part copied", got[..., end:], want[..., end:], EXACT)
+    return _check_close("rope_part", got, want, ROPE_TOL[dtype])
 
 
 def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
@@ -340,16 +377,21 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
 
     ref = TorchBackend()
-    n, k = GEMV_SHAPE
+    n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
-    rows = 2 * n if kind == "swiglu" else n
+    swiglu = kind.endswith("swiglu")
+    rows = 2 * n if swiglu else n
     x, residual = (torch.randn(1, k, generator=gen).to(dtype).to(device) for _ in "xr")
-    weight = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype).to(device)
+    scale_inv = None
+    if kind.startswith("fp8"):
+        weight, scale_inv = _random_fp8((rows, k), device)
+    else:
+        weight = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype).to(device)
     bias = torch.randn(rows, generator=gen).to(dtype).to(device) if kind == "bias" else None
     norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
     fused = {}
     h = x
-    if kind in ("norm", "add_norm", "swiglu"):
+    if kind in ("norm", "add_norm", "swiglu", "fp8_add_norm", "fp8_swiglu"):
         fused = {"norm_weight": norm, "eps": 1e-6}
         if kind == "norm":
             normed = ref.rms_norm(x, norm, 1e-6)
@@ -358,13 +400,24 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
             normed, h = ref.add_rms_norm(x, residual, norm, 1e-6)
     else:
         normed = x
-    want = ref.linear(normed, weight, bias)
-    if kind == "swiglu":
+    want = ref.linear(normed, weight, bias, scale_inv)
+    if swiglu:
         want = ref.silu_mul(want)
-    got, total = tg.gemv(x, weight, bias, swiglu=kind == "swiglu", **fused)
+    got, total = tg.gemv(x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, **fused)
     if "residual" in fused:
         _check_close("gemv residual sum", total, h, (BF16_ULP * 8, BF16_ULP))
-    return _check_close(f"gemv {kind}", got, want, GEMV_TOL[dtype])
+    return _check_close(f"gemv {kind}", got, want, _gemv_tol(want, scale_inv is not None))
+
+
+def _gemv_tol(want: torch.Tensor, fp8: bool) -> tuple[float, float]:
+    """GEMV_TOL; for an FP8 weight in 16-bit, the absolute part scaled to the output: the
+    reference rounds each dequantized weight to the input dtype (the kernel does not), and the
+    weights' mixed block scales make outputs of ~30 (one bf16 ulp there: 0.125) whose
+    cancellations leave some near 0."""
+    atol, rtol = GEMV_TOL[want.dtype]
+    if fp8 and want.dtype != torch.float32:
+        atol = max(atol, 2**-7 * want.float().abs().max().item())
+    return atol, rtol
 
 
 @contextlib.contextmanager
@@ -409,7 +462,18 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
                     f"linear {rows} rows", got, torch_ref.linear(x, weight), GEMV_TOL[dtype]
                 )["max_abs_err"]
             )
-    want_calls = 3 if dtype != torch.float32 else 0  # one row: two add_norm_linear, one linear
+            # FP8: gate | up (2 x 128 rows) with the norm and SwiGLU, then a plain product
+            fp8, fp8_scale = _random_fp8((256, k), device)
+            got, _ = triton.add_norm_linear(x, residual, norm, 1e-6, fp8, None, fp8_scale, True)
+            want, _ = torch_ref.add_norm_linear(x, residual, norm, 1e-6, fp8, None, fp8_scale, True)
+            tol = _gemv_tol(want, True)
+            errors.append(_check_close(f"fp8 swiglu {rows} rows", got, want, tol)["max_abs_err"])
+            got = triton.linear(x, fp8, None, fp8_scale)
+            want = torch_ref.linear(x, fp8, None, fp8_scale)
+            tol = _gemv_tol(want, True)
+            errors.append(_check_close(f"fp8 linear {rows} rows", got, want, tol)["max_abs_err"])
+    # one 16-bit row: two add_norm_linear and one linear, then the FP8 swiglu and linear
+    want_calls = 5 if dtype != torch.float32 else 0
     assert len(calls) == want_calls, f"gemv ran {len(calls)} times, expected {want_calls}"
     return {"max_abs_err": max(errors)}
 
@@ -498,8 +562,9 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
     from snapfn.handler.llm.kernels import triton_moe as tm
 
     tokens, topk, num_local, first, num_all, hidden, inter = MOE_SHAPES[name]
+    gemv = name.startswith("gemv")
     want_block_m = tm.PREFILL_BLOCK_M if name in MOE_PREFILL_SIZED else tm.DECODE_BLOCK_M
-    assert tm.block_m_for(tokens * topk, num_local) == want_block_m, f"{name}: row tile"
+    assert gemv or tm.block_m_for(tokens * topk, num_local) == want_block_m, f"{name}: row tile"
     gen = torch.Generator().manual_seed(tokens * hidden + inter)
     x = torch.randn(tokens, hidden, generator=gen)
     gate, up = (torch.randn(num_local, inter, hidden, generator=gen) * 0.2 for _ in range(2))
@@ -507,7 +572,7 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
     ids = torch.stack([torch.randperm(num_all, generator=gen)[:topk] for _ in range(tokens)])
     weights = torch.rand(tokens, topk, generator=gen)
 
-    if name.startswith("fp8"):  # quantized weights and their scales; else plain
+    if "fp8" in name:  # quantized weights and their scales; else plain
         quantized = [quantize_fp8_block(w) for w in (gate, up, down)]
         stored = [q for q, _ in quantized] + [s for _, s in quantized]
     else:
@@ -518,7 +583,7 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
 
     on = [None if w is None else w.to(device) for w in stored]
     args = (x.to(dtype).to(device), experts(on), ids.to(device), weights.to(device))
-    got = tm.fused_moe(*args, config=config)
+    got = (tm.moe_gemv if gemv else tm.fused_moe)(*args, config=config)
     if stored[3] is None:  # the float32 reference on the same (rounded) weights
         plain = [w.float() for w in stored[:3]] + [None] * 3
     else:  # dequantized as the reference does it in `dtype`, then upcast
@@ -647,7 +712,7 @@ def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels import triton_moe as tm
 
     errors, skipped = [], 0
-    for config in tm.MOE_CONFIGS:
+    for config in tm.MOE_GEMV_CONFIGS if name.startswith("gemv") else tm.MOE_CONFIGS:
         try:
             errors.append(_check_moe(name, dtype, device, config)["max_abs_err"])
         except (OutOfResources, PTXASError):
@@ -742,6 +807,7 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
     slots = torch.arange(tokens, device=device)
     tk.rope_store_kv(q_heads, k_heads, v_heads, cos, sin, False, k_cache, v_cache, slots)
     tk.silu_mul(_randn(tokens, 2 * 14336, device=device))
+    tk.rope_part(q_heads, cos[:, :32], sin[:, :32], True, 64)  # MLA's q_nope | rope(q_rope)
     page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
     seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
     q_new = _randn(tokens, 32, 128, device=device)
@@ -754,6 +820,7 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
 
 def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     from snapfn.handler.llm.kernels import ExpertWeights
+    from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels import triton_moe as tm
 
@@ -770,6 +837,9 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
         ids = torch.rand(num_tokens, 8, device=device).argsort(dim=-1)  # top-8 of 8 experts
         x = _randn(num_tokens, 6144, device=device)
         tm.fused_moe(x, experts, ids, torch.rand(num_tokens, 8, device=device))
+    tm.moe_gemv(x[:1], experts, ids[:1], torch.rand(1, 8, device=device))  # one token
+    q_a, q_a_scale = _random_fp8_on(2048, 6144, device=device)  # an FP8 projection of one row
+    tg.gemv(x[:1], q_a, weight_scale_inv=q_a_scale)
 
 
 def run_case(case: str, device: str) -> dict:
@@ -782,6 +852,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")
     if kind == "rope_store":
         return _check_rope_store(ROPE_SHAPES[rest[0]], dtype, device)
+    if kind == "rope_part":
+        return _check_rope_part(ROPE_PART_SHAPES[rest[0]], dtype, device)
     if kind == "silu_mul":
         return _check_silu_mul(SILU_SHAPES[rest[0]], dtype, device)
     if kind == "dequant_fp8":

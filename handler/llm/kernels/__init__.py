@@ -7,11 +7,12 @@ and on CPU always, the torch reference. A backend enters `AUTO_CUDA` only once i
 passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks one by name.
 Under "triton" and "flashinfer", DeepGEMM (`deepgemm.py`) runs the prefill-sized FP8 GEMMs
 where it is importable on an SM90 GPU; `SNAPFN_DEEPGEMM=off` keeps them on the Triton path.
-`SNAPFN_GEMV=off` keeps one-row projections of 16-bit weights on cuBLAS, with the norm and
-SwiGLU kernels around them (`triton_gemv` fuses them in); `SNAPFN_DECODE_ATTENTION` picks who
-runs the flashinfer backend's decode attention (`flashinfer_backend.DECODE_ATTENTION`);
-`SNAPFN_PREFILL_INDEXER=auto` scores the DSA indexer's prefill chunks in Triton (off until its
-GPU checks have run).
+`SNAPFN_GEMV=off` keeps one-row projections on cuBLAS (16-bit weights) or the FP8 tile kernel,
+with the norm and SwiGLU kernels around them (`triton_gemv` fuses them in), and a one-token
+MoE on the sorted-pairs kernels (`triton_moe.moe_gemv` reads its experts as GEMVs);
+`SNAPFN_DECODE_ATTENTION` picks who runs the flashinfer backend's decode attention
+(`flashinfer_backend.DECODE_ATTENTION`); `SNAPFN_PREFILL_INDEXER=off` scores the DSA indexer's
+prefill chunks with the reference's float32 GEMM instead of Triton.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _triton_modes() -> dict[str, str]:
     return {
         "deepgemm": os.environ.get("SNAPFN_DEEPGEMM", "auto"),
         "gemv": os.environ.get("SNAPFN_GEMV", "auto"),
-        "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "off"),
+        "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "auto"),
     }
 
 

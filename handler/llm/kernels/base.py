@@ -120,6 +120,18 @@ class Backend:
         caches at `batch.slot_mapping` and return the rotated `q`."""
         raise NotImplementedError
 
+    def rope_part(
+        self,
+        x: torch.Tensor,  # [T, H, D], may be a strided view (of a projection's output)
+        cos: torch.Tensor,  # [T, R/2]
+        sin: torch.Tensor,  # [T, R/2]
+        interleaved: bool,
+        start: int,
+    ) -> torch.Tensor:  # [T, H, D], contiguous
+        """`x` with dims `start : start + R` of each head rotated by RoPE (`apply_rotary`) and
+        the rest copied: MLA's `q_nope | rope(q_rope)`, DSA's `rope(q_rot) | q_pass`."""
+        raise NotImplementedError
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's activation: `silu(gate) * up` for `gate_up [T, 2I]` = `gate | up`."""
         raise NotImplementedError

@@ -153,7 +153,7 @@ class FlashInferBackend(TritonBackend):
         self,
         deepgemm: str = "auto",
         gemv: str = "auto",
-        prefill_indexer: str = "off",
+        prefill_indexer: str = "auto",
         decode_attention: str = DECODE_ATTENTION,
     ) -> None:
         super().__init__(deepgemm, gemv, prefill_indexer)

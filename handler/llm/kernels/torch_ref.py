@@ -31,6 +31,9 @@ class TorchBackend(Backend):
         self.store_kv(v_cache, v, batch)
         return apply_rotary(q, cos, sin, interleaved)
 
+    def rope_part(self, x, cos, sin, interleaved, start):
+        return rope_part(x, cos, sin, interleaved, start)
+
     def silu_mul(self, gate_up):
         return silu_mul(gate_up)
 
@@ -151,6 +154,16 @@ def apply_rotary(
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_part(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, start: int
+) -> torch.Tensor:
+    """`x [T, H, D]` with dims `start : start + dim` rotated by `apply_rotary` (`cos/sin
+    [T, dim/2]`) and the others as they were: MLA's and DSA's partial RoPE."""
+    end = start + 2 * cos.shape[-1]
+    rotated = apply_rotary(x[..., start:end], cos, sin, interleaved)
+    return torch.cat([x[..., :start], rotated, x[..., end:]], dim=-1)
 
 
 def _row(t: torch.Tensor | None, e: int) -> torch.Tensor | None:

@@ -1,5 +1,8 @@
 """Triton backend: the torch reference with our own Triton kernels where they cover an op.
 
+- `linear` and `add_norm_linear` of one 16-bit row (a batch-1 decode step), 16-bit or FP8
+  weight: `triton_gemv`, with the norm before and SwiGLU after fused in (`SNAPFN_GEMV=off`, or
+  `gemv="off"`, turns it off);
 - `linear` with an FP8 weight: up to `FP8_FUSED_MAX_ROWS` input rows (decode steps) by
   `fp8_block_linear`, which dequantizes the 128x128 block-scaled weight tile by tile in
   registers (a step reads each weight byte once); more rows (prefill, compute-bound) by
@@ -8,17 +11,23 @@
   a Triton kernel, then multiplied by `F.linear` like the reference does;
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
-- `add_rms_norm`, `rope_store_kv`, `silu_mul`: the decode step's elementwise work, one launch
-  each where the reference launches five to fifteen small kernels (the residual add and the
-  norm; RoPE of q and k and both cache writes; SwiGLU's activation);
+- `add_rms_norm`, `rope_store_kv`, `rope_part`, `silu_mul`: the decode step's elementwise work,
+  one launch each where the reference launches five to fifteen small kernels (the residual add
+  and the norm; RoPE of q and k and both cache writes; MLA's and DSA's partial RoPE with its
+  concatenation; SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
-  from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts. FP8 experts of more
+  from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts; one token (and the
+  GEMV on) by `triton_moe.moe_gemv`, its experts as matrix-vector products. FP8 experts of more
   than `FP8_FUSED_MAX_ROWS` tokens (prefill) run DeepGEMM's grouped GEMM where it is usable;
-- `dsa_topk` for decode batches: `triton_indexer.indexer_topk_decode` scores only each
-  request's own keys, then picks like the reference (checked under the interpreter only);
+- `dsa_topk`: for decode batches `triton_indexer.indexer_topk_decode` scores only each
+  request's own keys, then picks like the reference; a prefill chunk's scores by
+  `triton_indexer.index_scores_prefill` (`prefill_indexer="off"`, or
+  SNAPFN_PREFILL_INDEXER=off, keeps the reference's float32 GEMM), picked by the reference;
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
-  only each request's own pages (checked against the reference under triton's interpreter;
-  not yet run on a GPU).
+  only each request's own pages.
+
+Each kernel is checked against the reference on the H200 and under triton's interpreter
+(tests/triton_checks.py).
 
 Everything else is inherited from `TorchBackend`, which stays the oracle (docs/kernels.md).
 Tensors off the GPU run the reference too, unless `TRITON_INTERPRET=1` (set before triton is
@@ -57,7 +66,7 @@ class TritonBackend(TorchBackend):
     capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
     def __init__(
-        self, deepgemm: str = "auto", gemv: str = "auto", prefill_indexer: str = "off"
+        self, deepgemm: str = "auto", gemv: str = "auto", prefill_indexer: str = "auto"
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -67,7 +76,6 @@ class TritonBackend(TorchBackend):
             if value not in ("auto", "off"):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
-        # NOTE: off by default until its GPU checks have run (docs/kernels.md)
         self._prefill_indexer = prefill_indexer == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
@@ -84,34 +92,46 @@ class TritonBackend(TorchBackend):
         """Whether DeepGEMM was found usable for a device this backend ran on."""
         return any(gemm is not None for gemm in self._deepgemm.values())
 
-    def _gemv_kernels(self, x: torch.Tensor, weight: torch.Tensor, scale_inv) -> ModuleType | None:
-        """`triton_gemv` where it takes this product: on, one input row, a 16-bit 2-D weight
-        of x's dtype (FP8 weights have `fp8_block_linear`)."""
-        if not self._gemv or scale_inv is not None or weight.dim() != 2:
+    def _gemv_kernels(
+        self, x: torch.Tensor, weight: torch.Tensor, scale_inv, swiglu: bool = False
+    ) -> ModuleType | None:
+        """`triton_gemv` where it takes this product: on, one 16-bit input row, and a 2-D
+        weight of x's dtype or an FP8 one that `triton_gemv.takes_fp8`."""
+        if not self._gemv or weight.dim() != 2 or x.numel() != x.shape[-1]:  # one row only
             return None
-        if weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16):
+        if x.dtype not in (torch.float16, torch.bfloat16):
             return None
-        if x.numel() != x.shape[-1]:  # more than one row
+        if scale_inv is None and weight.dtype != x.dtype:
             return None
-        return _kernels(x, "triton_gemv")
+        tg = _kernels(x, "triton_gemv")
+        if tg is not None and scale_inv is not None and not tg.takes_fp8(weight, scale_inv, swiglu):
+            return None
+        return tg
 
     def add_norm_linear(
         self, x, residual, norm_weight, eps, weight, bias=None, weight_scale_inv=None, swiglu=False
     ):
-        tg = self._gemv_kernels(x, weight, weight_scale_inv)
+        tg = self._gemv_kernels(x, weight, weight_scale_inv, swiglu)
         if tg is None:
             return super().add_norm_linear(
                 x, residual, norm_weight, eps, weight, bias, weight_scale_inv, swiglu
             )
         out, total = tg.gemv(
-            x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, swiglu=swiglu
+            x,
+            weight,
+            bias,
+            norm_weight=norm_weight,
+            eps=eps,
+            residual=residual,
+            swiglu=swiglu,
+            weight_scale_inv=weight_scale_inv,
         )
         return out, x if total is None else total
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
         tg = self._gemv_kernels(x, weight, weight_scale_inv)
         if tg is not None:
-            return tg.gemv(x, weight, bias)[0]
+            return tg.gemv(x, weight, bias, weight_scale_inv=weight_scale_inv)[0]
         tk = _kernels(x)
         fused = x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2
         if weight_scale_inv is not None and not fused:
@@ -139,6 +159,8 @@ class TritonBackend(TorchBackend):
         tm = _kernels(x, "triton_moe")
         if tm is None:
             return super().moe(x, experts, topk_ids, topk_weights)
+        if self._gemv and x.shape[0] == 1:  # a batch-1 decode step: its experts as GEMVs
+            return tm.moe_gemv(x, experts, topk_ids, topk_weights)
         return tm.fused_moe(x, experts, topk_ids, topk_weights)
 
     def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
@@ -172,6 +194,12 @@ class TritonBackend(TorchBackend):
         return tk.rope_store_kv(
             q, k, v, cos, sin, interleaved, k_cache, v_cache, batch.slot_mapping
         )
+
+    def rope_part(self, x, cos, sin, interleaved, start):
+        tk = _kernels(x)
+        if tk is None:
+            return super().rope_part(x, cos, sin, interleaved, start)
+        return tk.rope_part(x, cos, sin, interleaved, start)
 
     def greedy_picks(self, logits):
         ts = _kernels(logits, "triton_sampling")

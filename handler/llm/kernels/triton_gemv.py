@@ -13,6 +13,7 @@ activation, cuBLAS's split-K reductions) adds a launch of a few microseconds ins
 | `norm_weight` | `rms_norm(x) @ W.T (+ b)` | `rms_norm` then `F.linear` |
 | `norm_weight`, `residual` | `h = x + residual`; `rms_norm(h) @ W.T (+ b)`; `h` written out | `add_rms_norm` then `F.linear` |
 | `swiglu` | `silu(gate) * up` of `W = gate | up`'s product, `[1, N/2]` | `silu_mul` of the above |
+| `weight_scale_inv` | any of the above for an FP8 weight with 128x128 block scales | `linear` on the dequantized weight |
 
 The norm's statistic is a sum over all of K that the program gathers while it walks K for the
 product, so nothing runs before the weight streams: `rms_norm(h) @ W.T` is computed as
@@ -20,6 +21,13 @@ product, so nothing runs before the weight streams: `rms_norm(h) @ W.T` is compu
 roundings of the normed row to the input dtype (bf16: relative 2^-9 each, the size of the
 difference any two summation orders of a bf16 GEMM show); the output is rounded where the
 reference rounds it (the projection, then SwiGLU's activation and its product).
+
+An FP8 weight is read as its bytes (a fifth of what the unfused path reads: the fp8 weight, then
+a dequantized bf16 copy written and read back) and scaled in registers: every column of a
+program lies in one 128-row scale block (`BLOCK_N` divides 128), so the scale of a K element is
+its block's, and it multiplies the input row rather than the weight tile
+(`(w * s) . x = w . (s * x)`, one multiply per K element instead of one per weight). That skips
+the reference's rounding of the dequantized weight to the input dtype (relative 2^-9 in bf16).
 
 Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`); the block
 sizes and warps are autotuned per shape (`GEMV_CONFIGS`), the results cached into the snapshot
@@ -32,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 
 # NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
@@ -46,12 +55,16 @@ def _gemv_kernel(
     sum_ptr,
     norm_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     out_ptr,
     n,
     k,
+    num_k_blocks,
     eps,
     NORM: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -59,7 +72,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # `x`, `residual`, `sum`: [k]; `w`: [n, k] (with SWIGLU, [2n, k] = gate | up); `out`: [n]
-    # (all contiguous). One program per BLOCK_N output columns, K walked BLOCK_K at a time; the
+    # (all contiguous); SCALED: `w` fp8 with `scale` [ceil(rows / SCALE_BLOCK), num_k_blocks]. One program per BLOCK_N output columns, K walked BLOCK_K at a time; the
     # products summed over K once, after the loop.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,6 +84,12 @@ def _gemv_kernel(
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if NORM:
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    if SCALED:
+        # this program's columns share one scale row (BLOCK_N divides SCALE_BLOCK; with SWIGLU,
+        # n is a multiple of it, so the up rows' block is as aligned)
+        scale_row = scale_ptr + (pid * BLOCK_N // SCALE_BLOCK) * num_k_blocks
+        if SWIGLU:
+            up_scale_row = scale_ptr + ((pid * BLOCK_N + n) // SCALE_BLOCK) * num_k_blocks
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
@@ -87,10 +106,15 @@ def _gemv_kernel(
             xf = xf * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        acc += w.to(tl.float32) * xf[None, :]
+        xw = xf
+        if SCALED:
+            xw = xf * tl.load(scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * xw[None, :]
         if SWIGLU:
             up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
-            acc_up += up.to(tl.float32) * xf[None, :]
+            if SCALED:
+                xw = xf * tl.load(up_scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)
+            acc_up += up.to(tl.float32) * xw[None, :]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if SWIGLU:
         out_up = tl.sum(acc_up, axis=1)
@@ -125,11 +149,27 @@ GEMV_CONFIGS = [
         (8, 512, 4),
         (16, 512, 8),  # q | k | v with the norm
         (32, 128, 4),  # gate | up with the norm and SwiGLU
+        (4, 1024, 4),  # FP8 weights: a byte per weight, so wider K steps (untimed so far)
+        (8, 1024, 8),
     )
 ]
 _gemv_tuned = autotuned(
-    _gemv_kernel, GEMV_CONFIGS, key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS"]
+    _gemv_kernel,
+    GEMV_CONFIGS,
+    key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED"],
 )
+# every config's BLOCK_N divides the FP8 scale block (the kernel's SCALED path needs it)
+assert all(FP8_BLOCK % c.kwargs["BLOCK_N"] == 0 for c in GEMV_CONFIGS)
+
+
+def takes_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, swiglu: bool) -> bool:
+    """Whether `gemv` takes this FP8 weight: 2-D, 128x128 block scales of its shape, and with
+    `swiglu` the up half starting on a scale block (gate's rows a multiple of 128)."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        return False
+    if tuple(weight_scale_inv.shape) != scale_shape(tuple(weight.shape)):
+        return False
+    return not swiglu or weight.shape[0] % (2 * FP8_BLOCK) == 0
 
 
 def gemv(
@@ -141,19 +181,28 @@ def gemv(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
+    weight_scale_inv: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`:
-    `y` as the module docstring's table gives it for the flags, `h = x + residual` when
-    `residual` is given (else None). `config` runs one config untuned (probes, tests)."""
-    _check_device(x, weight, bias, norm_weight, residual)
+    """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
+    of x's dtype, or an FP8 one with its `weight_scale_inv` (`takes_fp8`): `y` as the module
+    docstring's table gives it for the flags, `h = x + residual` when `residual` is given
+    (else None). `config` runs one config untuned (probes, tests)."""
+    _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype:
+    want_dtype = x.dtype if weight_scale_inv is None else FP8_DTYPE
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != want_dtype:
         raise ValueError(
-            f"gemv needs a [N, {k}] weight of x's dtype {x.dtype}, "
+            f"gemv needs a [N, {k}] weight of dtype {want_dtype}, "
             f"got {tuple(weight.shape)} {weight.dtype}"
+        )
+    if weight_scale_inv is not None and not takes_fp8(weight, weight_scale_inv, swiglu):
+        raise ValueError(
+            f"an FP8 weight {tuple(weight.shape)} needs scales "
+            f"{scale_shape(tuple(weight.shape))}, got {tuple(weight_scale_inv.shape)}"
+            + (f"; with swiglu, rows a multiple of {2 * FP8_BLOCK}" if swiglu else "")
         )
     if not 0 < m <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
@@ -176,6 +225,8 @@ def gemv(
         kernel, params = tuned_or_fixed(_gemv_tuned, BLOCK_N=8, BLOCK_K=128)
     flags = dict(
         NORM=norm_weight is not None,
+        SCALED=weight_scale_inv is not None,
+        SCALE_BLOCK=FP8_BLOCK,
         RESIDUAL=residual is not None,
         SWIGLU=swiglu,
         HAS_BIAS=bias is not None,
@@ -190,10 +241,12 @@ def gemv(
         total if total is not None else rows,  # unwritten without a residual
         norm_weight if norm_weight is not None else rows,  # unread without a norm
         weight.contiguous(),
+        weight_scale_inv.contiguous() if weight_scale_inv is not None else rows,  # unread if 16-bit
         bias if bias is not None else rows,  # unread without a bias
         out,
         n,
         k,
+        triton.cdiv(k, FP8_BLOCK),
         eps,
         **flags,
         **params,

@@ -18,9 +18,10 @@ on (`triton_kernels.autotuned`); the interpreter runs `INTERPRETED_BLOCK_L` = 32
 Prefill: one program per (block of queries, block of keys) sums `weights[t, h] * relu(scale *
 q[t, h] . k[l])` over the heads in registers; the reference materialises the `[q, Hi, L]`
 float32 scores (twice: the products, then their relu) before it sums them. A key block wholly
-after the block's last query is written -inf without being read. Both kernels multiply in IEEE
-float32 (bf16 inputs are exact in it), so the scores differ from the reference's only in the
-order of the sums.
+after the block's last query is written -inf without being read. Both kernels multiply 16-bit
+queries and keys on tensor cores with float32 sums (their products are exact in float32, as in
+the reference's float32 matmul), float32 ones in IEEE float32 (`dot_acc`), so the scores
+differ from the reference's only in the order of the sums.
 
 NOTE: imports triton at import time, like triton_kernels.py.
 """
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .torch_ref import select_topk
-from .triton_kernels import _check_device, autotuned, tuned_or_fixed
+from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
 
 INTERPRETED_BLOCK_L = 32  # positions per program under the interpreter (the tuned one on GPUs)
 
@@ -56,6 +57,7 @@ def _index_scores_kernel(
     head_dim,
     width_tokens,
     PAGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -70,15 +72,15 @@ def _index_scores_kernel(
     dims = tl.arange(0, BLOCK_D)
     q_offsets = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q_mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [H, D]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)  # [H, D]
     w_offsets = b.to(tl.int64) * stride_wb + heads
     w = tl.load(weights_ptr + w_offsets, mask=heads < num_heads, other=0.0).to(tl.float32)
     page_offsets = b.to(tl.int64) * stride_pt + pos // PAGE
     pages = tl.load(page_table_ptr + page_offsets, mask=valid, other=0).to(tl.int64)
     k_offsets = pages[:, None] * stride_kp + (pos % PAGE)[:, None] * stride_ks + dims[None, :]
     k_mask = valid[:, None] & (dims[None, :] < head_dim)
-    k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)  # [L, D]
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [H, L]
+    k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)  # [L, D]
+    scores = dot_acc(tl.zeros((BLOCK_H, BLOCK_L), tl.float32), q, tl.trans(k), DOT_FP32) * scale
     scores = tl.maximum(scores, 0.0)
     index = tl.sum(w[:, None] * scores, axis=0)  # [L]
     index = tl.where(valid, index, float("-inf"))
@@ -117,7 +119,8 @@ def index_scores_decode(
             q, weights, k_cache, page_table, seq_lens, out, scale,
             q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
             page_table.stride(0), num_heads, head_dim, width_tokens,
-            PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+            PAGE=page, DOT_FP32=dot_in_fp32(q.dtype) or q.dtype != k_cache.dtype,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **fixed,
         )  # fmt: skip
     return out
@@ -145,6 +148,7 @@ def _index_scores_prefill_kernel(
     q_offset,
     num_heads,
     head_dim,
+    DOT_FP32: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -156,16 +160,17 @@ def _index_scores_prefill_kernel(
     positions = q_offset + tokens  # each query's own position: it sees keys up to it
     visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < num_keys)
     index = tl.zeros((BLOCK_Q, BLOCK_L), dtype=tl.float32)
+    zeros = tl.zeros((BLOCK_Q, BLOCK_L), dtype=tl.float32)
     last = q_offset + tl.minimum(tl.program_id(0) * BLOCK_Q + BLOCK_Q, num_tokens) - 1
     if tl.program_id(1) * BLOCK_L <= last:  # else every key of the block is in the future
         k_mask = (keys[:, None] < num_keys) & (dims[None, :] < head_dim)
         k_offsets = keys.to(tl.int64)[:, None] * stride_kl + dims[None, :]
-        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)  # [L, D]
+        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)  # [L, D]
         q_mask = token_mask[:, None] & (dims[None, :] < head_dim)
         for h in range(0, num_heads):
             q_offsets = tokens.to(tl.int64)[:, None] * stride_qt + h * stride_qh + dims[None, :]
-            q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [Q, D]
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [Q, L]
+            q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)  # [Q, D]
+            scores = dot_acc(zeros, q, tl.trans(k), DOT_FP32) * scale  # [Q, L]
             w = tl.load(
                 weights_ptr + tokens.to(tl.int64) * stride_wt + h, mask=token_mask, other=0.0
             )
@@ -219,6 +224,7 @@ def index_scores_prefill(
         kernel[grid](
             q, weights, k, out, scale, q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
             num_tokens, num_keys, q_offset, num_heads, head_dim,
+            DOT_FP32=dot_in_fp32(q.dtype) or q.dtype != k.dtype,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **fixed,
         )  # fmt: skip
     return out

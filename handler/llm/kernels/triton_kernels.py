@@ -379,6 +379,69 @@ _rope_store_tuned = autotuned(
 )
 
 
+@triton.jit
+def _rope_part_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    x_stride_t,
+    x_stride_h,
+    num_heads,
+    dim,
+    start,
+    half,
+    INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # one program per (token, head): dims [start, start + 2 * half) rotated, the rest copied
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    src = x_ptr + t * x_stride_t + head * x_stride_h
+    dst = out_ptr + (t * num_heads + head) * dim
+    d = tl.arange(0, BLOCK_D)
+    kept = (d < dim) & ((d < start) | (d >= start + 2 * half))
+    tl.store(dst + d, tl.load(src + d, mask=kept), mask=kept)
+    i = tl.arange(0, BLOCK)
+    mask = i < half
+    cos = tl.load(cos_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    _rotate_row(src + start, dst + start, cos, sin, i, mask, half, INTERLEAVED)
+
+
+_rope_part_tuned = autotuned(
+    _rope_part_kernel, warps_configs(1, 2, 4), key=["num_heads", "dim", "half", "INTERLEAVED"]
+)
+
+
+def rope_part(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, start: int
+) -> torch.Tensor:
+    """`torch_ref.rope_part`: `x [T, H, D]` (head rows contiguous, any token and head strides)
+    with dims `start : start + 2 * half` rotated by `cos/sin [T, half]`, the rest copied, into
+    a new contiguous tensor: one launch where the reference runs a slice's rotation (seven
+    kernels) and a concatenation."""
+    _check_device(x, cos, sin)
+    tokens, num_heads, dim = x.shape
+    half = cos.shape[-1]
+    if cos.shape != (tokens, half) or sin.shape != cos.shape or start + 2 * half > dim:
+        raise ValueError(
+            f"x {tuple(x.shape)}: cos/sin {tuple(cos.shape)} do not fit from dim {start}"
+        )
+    if x.stride(2) != 1:
+        raise ValueError(f"x's head rows must be contiguous, got strides {x.stride()}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if tokens and num_heads:
+        kernel, fixed = tuned_or_fixed(_rope_part_tuned)
+        kernel[(tokens, num_heads)](
+            x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), num_heads,
+            dim, start, half, INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(dim), **fixed,
+        )  # fmt: skip
+    return out
+
+
 def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
     """A `[P, S, H, D]` cache's stride per slot (page * S + offset) and per head."""
     if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):

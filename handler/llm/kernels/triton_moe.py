@@ -291,3 +291,173 @@ def _launch_params(tuned: triton.runtime.Autotuner, config: triton.Config | None
     if config is not None:
         return tuned.fn, config.all_kwargs()
     return tuned_or_fixed(tuned, **INTERPRETED_TILE)
+
+
+# ---------------------------------------------------------------------------------------------
+# One token (a batch-1 decode step): its `k` experts as matrix-vector products, no sorting.
+
+
+@triton.jit
+def _scaled_row(x, scale_ptr, expert, col0, ks, k_mask, num_out, num_in, SCALED: tl.constexpr):
+    """`x` (float32, inputs `ks`) times each input's 128x128 block scale for output columns
+    from `col0` of expert `expert`'s `[num_out, num_in]` weight (BLOCK_N divides 128: the
+    columns share one scale row); unscaled for 16-bit weights."""
+    if SCALED:
+        num_in_blocks = tl.cdiv(num_in, 128)
+        row = (expert.to(tl.int64) * tl.cdiv(num_out, 128) + col0 // 128) * num_in_blocks
+        return x * tl.load(scale_ptr + row + ks // 128, mask=k_mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr,  # [H]
+    gate_ptr,  # [E, I, H]
+    up_ptr,  # [E, I, H]
+    gate_scale_ptr,  # [E, ceil(I/128), ceil(H/128)] when FP8
+    up_scale_ptr,
+    topk_ids_ptr,  # [TOPK] global expert ids
+    act_ptr,  # [TOPK, I]
+    first_expert,
+    num_local,
+    hidden,
+    inter,
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one program per (slot, BLOCK_N columns of I); a slot routed off this rank does nothing
+    slot = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64) - first_expert
+    if (expert >= 0) & (expert < num_local):
+        col0 = tl.program_id(1) * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        rows = expert * inter * hidden + cols.to(tl.int64)[:, None] * hidden  # [BLOCK_N, 1]
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < hidden
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            gate = tl.load(gate_ptr + rows + ks[None, :], mask=w_mask, other=0.0)
+            up = tl.load(up_ptr + rows + ks[None, :], mask=w_mask, other=0.0)
+            xg = _scaled_row(x, gate_scale_ptr, expert, col0, ks, k_mask, inter, hidden, FP8)
+            xu = _scaled_row(x, up_scale_ptr, expert, col0, ks, k_mask, inter, hidden, FP8)
+            acc_gate += gate.to(tl.float32) * xg[None, :]
+            acc_up += up.to(tl.float32) * xu[None, :]
+        # rounded where the reference rounds: each projection, silu's output, the product
+        dtype = act_ptr.dtype.element_ty
+        gate_r = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+        up_r = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        silu = (gate_r / (1.0 + tl.exp(-gate_r))).to(dtype).to(tl.float32)
+        tl.store(act_ptr + slot * inter + cols, (silu * up_r).to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    act_ptr,  # [TOPK, I]
+    down_ptr,  # [E, H, I]
+    down_scale_ptr,  # [E, ceil(H/128), ceil(I/128)] when FP8
+    topk_ids_ptr,  # [TOPK]
+    weights_ptr,  # [TOPK] router weights
+    out_ptr,  # [H] in x's dtype
+    first_expert,
+    num_local,
+    hidden,
+    inter,
+    TOPK: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one program per BLOCK_N columns of H, over every slot: the slots' sum stays in registers
+    col0 = tl.program_id(0) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    dtype = act_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(0, TOPK):
+        expert = tl.load(topk_ids_ptr + slot).to(tl.int64) - first_expert
+        if (expert >= 0) & (expert < num_local):
+            rows = expert * hidden * inter + cols.to(tl.int64)[:, None] * inter
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < inter
+                act = tl.load(act_ptr + slot * inter + ks, mask=k_mask, other=0.0)
+                act = _scaled_row(
+                    act.to(tl.float32), down_scale_ptr, expert, col0, ks, k_mask, hidden, inter, FP8
+                )
+                w_mask = col_mask[:, None] & k_mask[None, :]
+                w = tl.load(down_ptr + rows + ks[None, :], mask=w_mask, other=0.0)
+                acc += w.to(tl.float32) * act[None, :]
+            y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # the down projection, in x's dtype
+            y = y * tl.load(weights_ptr + slot).to(tl.float32)
+            if ROUND_PRODUCT:  # router weights in x's dtype: the reference rounds the product
+                y = y.to(dtype).to(tl.float32)
+            total += y
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# NOTE: (columns, K step, warps), as the dense GEMV's (`triton_gemv.GEMV_CONFIGS`); BLOCK_N
+# divides 128, so a program's columns share one FP8 scale row
+MOE_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+    for bn, bk, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 8), (16, 256, 8))
+]
+MOE_GEMV_INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 64}
+_gate_up_gemv_tuned = autotuned(
+    _gate_up_gemv_kernel, MOE_GEMV_CONFIGS, key=["hidden", "inter", "FP8"]
+)
+_down_gemv_tuned = autotuned(
+    _down_gemv_kernel, MOE_GEMV_CONFIGS, key=["hidden", "inter", "TOPK", "FP8"]
+)
+
+
+def moe_gemv(
+    x: torch.Tensor,  # [1, H]
+    experts: ExpertWeights,
+    topk_ids: torch.Tensor,  # [1, k] global expert ids
+    topk_weights: torch.Tensor,  # [1, k]
+    config: triton.Config | None = None,  # default: tuned (interpreter: MOE_GEMV_INTERPRETED)
+) -> torch.Tensor:  # [1, H] in x's dtype: this rank's experts' contributions
+    """`fused_moe` for one token: each of its `k` experts' SwiGLU MLP as matrix-vector
+    products, each weight byte read once. Two launches: gate | up with the activation per
+    (slot, column block), then down for every slot with the router-weighted sum over the slots
+    in registers. No sorting by expert, no padding, no float32 `[k, H]` buffer to sum."""
+    _check_device(x, experts.gate, topk_ids, topk_weights)
+    if x.shape[0] != 1 or topk_ids.shape[0] != 1:
+        raise ValueError(f"moe_gemv takes one token, got {x.shape[0]}")
+    fp8 = experts.gate_scale_inv is not None
+    hidden, inter, topk = x.shape[1], experts.gate.shape[1], topk_ids.shape[1]
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    if not experts.num_local:
+        return out.zero_()
+    act = torch.empty(topk, inter, dtype=x.dtype, device=x.device)
+    gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
+    scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
+    gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread if 16-bit
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    local = (experts.first_expert, experts.num_local)
+    if config is not None:
+        (gate_up, gate_up_tile), (down_k, down_tile) = (
+            (_gate_up_gemv_kernel, config.all_kwargs()),
+            (_down_gemv_kernel, config.all_kwargs()),
+        )
+    else:
+        gate_up, gate_up_tile = tuned_or_fixed(_gate_up_gemv_tuned, **MOE_GEMV_INTERPRETED)
+        down_k, down_tile = tuned_or_fixed(_down_gemv_tuned, **MOE_GEMV_INTERPRETED)
+    gate_up[lambda meta: (topk, triton.cdiv(inter, meta["BLOCK_N"]))](
+        x.contiguous(), gate, up, gate_s, up_s, ids, act, *local, hidden, inter, FP8=fp8,
+        **gate_up_tile,
+    )  # fmt: skip
+    down_k[lambda meta: (triton.cdiv(hidden, meta["BLOCK_N"]),)](
+        act, down, down_s, ids, weights, out, *local, hidden, inter, TOPK=topk,
+        ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32, FP8=fp8,
+        **down_tile,
+    )  # fmt: skip
+    return out
