@@ -15,6 +15,7 @@ KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -62,11 +63,17 @@ class GlmDecoderLayer(nn.Module):
             else MoE(model, f"{prefix}.mlp")
         )
 
-    def forward(self, h, cos, sin, rotary, batch, kv, prev_topk):
-        """`h [T, H]` -> (`h [T, H]`, this step's top-k `[T, index_topk]` for shared layers)."""
-        attn, topk = self.self_attn(self.input_layernorm(h), cos, sin, rotary, batch, kv, prev_topk)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), topk
+    def forward(self, h, residual, cos, sin, rotary, batch, kv, prev_topk):
+        """`h [T, H]`: the last layer's output, not yet added to `residual` (None before the
+        first layer, where `h` is the embedding). Returns (this layer's output, the residual,
+        this step's top-k `[T, index_topk]` for shared layers)."""
+        x, residual = self.input_layernorm.add(h, residual)
+        attn, topk = self.self_attn(x, cos, sin, rotary, batch, kv, prev_topk)
+        if isinstance(self.mlp, SwiGLUMLP):  # the norm runs inside gate | up's GEMV
+            out, residual = self.mlp.norm_forward(attn, residual, self.post_attention_layernorm)
+            return out, residual, topk
+        x, residual = self.post_attention_layernorm.add(attn, residual)
+        return self.mlp(x), residual, topk
 
 
 class SharedHead(nn.Module):
@@ -119,6 +126,11 @@ class GlmMoeDsaForCausalLM(CausalLM):
         )
         self.model = GlmModel(self)
         self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
+        # an MTP layer's fused projections were registered under its checkpoint prefix
+        self._fused_targets = {
+            name: dataclasses.replace(target, param=self._mtp_param_name(target.param))
+            for name, target in self._fused_targets.items()
+        }
         self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
         self.add_lm_head()
 
@@ -135,11 +147,14 @@ class GlmMoeDsaForCausalLM(CausalLM):
         h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, Dr/2]
         topk = None  # the last full indexer layer's selection, reused by shared layers
+        residual = None  # kept apart so that each residual add runs inside the next norm
         for layer in self.model.layers:
-            h, topk = layer(h, cos, sin, self.rotary, batch, kv, topk)
-        return self.final_logits(h, batch)
+            h, residual, topk = layer(h, residual, cos, sin, self.rotary, batch, kv, topk)
+        return self.final_logits(h, batch, residual)
 
     def map_weight(self, name: str) -> WeightTarget | None:
+        if name in self._fused_targets:  # keyed by the checkpoint's name
+            return self._fused_targets[name]
         name = self._mtp_param_name(name)
         expert = EXPERT_WEIGHT.fullmatch(name)
         if expert is None:

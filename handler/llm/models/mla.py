@@ -79,11 +79,12 @@ class DSAIndexer(nn.Module):
 
     def forward(self, x, q_resid, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
         """`x [T, H]`, `q_resid [T, q_lora]` -> top-k key positions `[T, index_topk]` int32."""
-        t, split = x.shape[0], [self.rope_dim, self.head_dim - self.rope_dim]
-        q_rot, q_pass = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim).split(split, -1)
-        k_rot, k_pass = self.k_norm(self.wk(x)).view(t, 1, self.head_dim).split(split, -1)
-        q = torch.cat([rotary.apply(q_rot, cos, sin), q_pass], dim=-1)  # [T, Hi, Di]
-        k = torch.cat([rotary.apply(k_rot, cos, sin), k_pass], dim=-1)[:, 0]  # [T, Di]
+        t, rope = x.shape[0], self.backend.rope_part
+        # the first rope_dim dims of each query and key rotated: rope(q_rot) | q_pass
+        q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
+        q = rope(q, cos, sin, rotary.interleaved, 0)  # [T, Hi, Di]
+        k = self.k_norm(self.wk(x)).view(t, 1, self.head_dim)
+        k = rope(k, cos, sin, rotary.interleaved, 0)[:, 0]  # [T, Di]
         cache = kv.layer("index_k", self.slot)
         self.backend.store_kv(cache, k, batch)
         weights = self.weights_proj(x.float()).float() * self.num_heads**-0.5  # [T, Hi]
@@ -132,9 +133,11 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        k_rope = rotary.apply(k_rope.view(t, 1, self.rope_dim), cos, sin)[:, 0]  # [T, Dr]
+        k_rope = self.backend.rope_part(
+            k_rope.view(t, 1, self.rope_dim), cos, sin, rotary.interleaved, 0
+        )
+        k_rope = k_rope[:, 0]  # [T, Dr]
         cache = kv.layer("latent", self.layer_id)
         self.backend.store_kv(
             cache, torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1), batch
@@ -144,7 +147,7 @@ class MLAttention(nn.Module):
         else:
             assert prev_topk is not None, "config guarantees layer 0 is a full indexer layer"
             topk = prev_topk
-        q = torch.cat([q_nope, rotary.apply(q_rope, cos, sin)], dim=-1)  # [T, Hl, Dn + Dr]
+        q = self.backend.rope_part(q, cos, sin, rotary.interleaved, self.nope_dim)  # q_nope | rope
         w = self.kv_b_proj
         out = self.backend.mla_attention(
             q, cache, w.weight, w.weight_scale_inv, batch, self.scale, topk
