@@ -219,18 +219,29 @@ def _first_token(engine, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def distinct_prompts(batch: int, vocab: int) -> list[list[int]]:
+    """`batch` prompts as long as `PROMPT_IDS`, each of other tokens, so that a MoE model's
+    rows route to different experts as the roofline (`memory.step_weights`) assumes."""
+    return [[(t + 7919 * row) % vocab for t in PROMPT_IDS] for row in range(batch)]
+
+
 def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
     """Steady-state decode ms per step at each batch size (after one warm-up generation): a
     generation of `decode_tokens` tokens less one of a single token, over the steps between,
-    so that the prompt's prefill (in both) is not counted as decode. NOTE: until session 5's
-    device runs the figure was one whole generation over its tokens, the prefill included."""
+    so that the prompt's prefill (in both) is not counted as decode. The rows are distinct
+    prompts (`distinct_prompts`). NOTE: until session 5's device runs the figure was one whole
+    generation over its tokens, the prefill included; until session 10's run 3 every row was
+    the same prompt, so a MoE model's rows all read the same experts (its batch 8-64 figures
+    beat a roofline that counts the experts a uniform router would touch)."""
     from .engine.request import SamplingParams
+
+    vocab = engine.model.config.vocab_size
 
     def timed(batch: int, tokens: int) -> float:
         params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
         _sync(args.device)
         t0 = time.perf_counter()
-        engine.generate([PROMPT_IDS] * batch, params)
+        engine.generate(distinct_prompts(batch, vocab), params)
         _sync(args.device)
         return time.perf_counter() - t0
 
