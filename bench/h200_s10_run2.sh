@@ -13,13 +13,7 @@ set -uo pipefail
 . bench/device-env.sh
 res=/tmp/s10run2; mkdir -p $res
 t0=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
-export FLASHINFER_DISABLE_VERSION_CHECK=1
-cache="$work/steady-flashinfer/cache/compile/flashinfer"
-mkdir -p "$cache"
-if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
-export FLASHINFER_WORKSPACE_BASE="$cache"
+. bench/device-flashinfer.sh
 finish() { tar -czf "$out/h200-s10run2.tgz" -C $res . ; }
 trap finish EXIT
 (snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda --out "$work/glm5" \
