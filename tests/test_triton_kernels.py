@@ -112,14 +112,16 @@ def test_registry_lists_triton():
 
 
 def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatch):
-    for name in ("SNAPFN_GEMV", "SNAPFN_PREFILL_INDEXER", "SNAPFN_DEEPGEMM"):
+    for name in ("SNAPFN_GEMV", "SNAPFN_PREFILL_INDEXER", "SNAPFN_DEEPGEMM", "SNAPFN_MOE_ROUTER"):
         monkeypatch.delenv(name, raising=False)
     backend = get_backend("triton")
     assert backend._gemv and backend._prefill_indexer and backend._deepgemm_mode == "auto"
+    assert not backend._router  # off until its GPU checks have run
     monkeypatch.setenv("SNAPFN_GEMV", "off")
     monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "off")
+    monkeypatch.setenv("SNAPFN_MOE_ROUTER", "auto")
     backend = get_backend("triton")
-    assert not backend._gemv and not backend._prefill_indexer
+    assert not backend._gemv and not backend._prefill_indexer and backend._router
     monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "on")  # only auto | off
     with pytest.raises(ValueError, match="prefill_indexer must be 'auto' or 'off'"):
         get_backend("triton")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -96,6 +97,14 @@ ROPE_PART_SHAPES = {
 SILU_SHAPES = {"decode": (1, 14336), "odd": (5, 100), "tiny": (9, 64)}  # (rows, intermediate)
 SILU_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 3 * BF16_ULP)}
 
+# MoE router: (tokens, experts, groups, groups kept, experts per token, renormalised, scaling)
+ROUTE_SHAPES = {
+    "glm5": (5, 256, 8, 4, 8, True, 2.5),  # GLM-5's / DeepSeek-V3's routing
+    "tiny": (7, 8, 2, 1, 2, True, 2.5),  # glm-tiny's
+    "one_group": (3, 64, 1, 1, 6, False, 1.0),  # odd widths: 6 of 64, no renormalising
+    "ties": (4, 16, 4, 2, 3, True, 1.0),  # tied logits: the lower group and expert id win
+}
+
 # DSA indexer decode: (requests, indexer heads, head dim, page size, row width, seq lens, topk)
 INDEXER_SHAPES = {
     "glm": (3, 4, 32, 16, 5, (70, 9, 33), 16),  # fewer keys than topk in one request
@@ -141,6 +150,7 @@ CASES = (
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
     # the 16- and 64-row tiles, and one token's GEMVs
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill", "gemv_fp8")]
+    + [f"route-{s}-fp32" for s in ROUTE_SHAPES]  # router logits are float32
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
@@ -148,6 +158,7 @@ CASES = (
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
         "engine_greedy-glm-tiny-bf16ckpt-fp32",
+        "engine_greedy-glm-tiny-router-fp32",
         "autotuned",
     ]
 )
@@ -166,6 +177,7 @@ AUTOTUNED_KERNELS = {
     "_decode_split_kernel": 1,
     "_combine_kernel": 1,
     "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
+    "_route_kernel": 1,
     "_gate_up_gemv_kernel": 1,  # one token's experts
     "_down_gemv_kernel": 1,
     "_chunk_kernel": 1,  # greedy picks
@@ -520,6 +532,28 @@ def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy token
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
+    # -router: with the Triton router (SNAPFN_MOE_ROUTER=auto, read when the backend is built)
+    router = preset.endswith("-router")
+    preset = preset.removesuffix("-router")
+    checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
+    preset = preset.removesuffix("-bf16ckpt")
+    before = os.environ.pop("SNAPFN_MOE_ROUTER", None)
+    if router:
+        os.environ["SNAPFN_MOE_ROUTER"] = "auto"
+    from snapfn.handler.llm.kernels import triton_moe as tm
+
+    try:
+        with _counting(tm, "route") as calls:
+            result = _engine_greedy(preset, checkpoint, dtype, device)
+        assert bool(calls) == router, f"the Triton router ran {len(calls)} times"
+        return result
+    finally:
+        os.environ.pop("SNAPFN_MOE_ROUTER", None)
+        if before is not None:
+            os.environ["SNAPFN_MOE_ROUTER"] = before
+
+
+def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dict:
     import tempfile
     from pathlib import Path
 
@@ -528,8 +562,6 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.make_model import make_model
 
-    checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
-    preset = preset.removesuffix("-bf16ckpt")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(preset, Path(tmp) / preset, dtype=checkpoint, seed=3)
         results, graphs = {}, None
@@ -596,6 +628,57 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
     atol, rtol = MOE_TOL[dtype]
     scale = float(want.abs().max())
     return _check_close("moe", got.float().cpu(), want, (atol * max(1.0, scale), rtol))
+
+
+def _check_route(name: str, device: str) -> dict:
+    """`triton_moe.route` against `torch_ref.noaux_tc_route`: per token the same set of experts
+    with the same weights (the reference's slot order is unspecified), best first; with tied
+    logits, the lower-id experts and groups, as a stable descending sort picks them."""
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.kernels import triton_moe as tm
+    from snapfn.handler.llm.kernels.torch_ref import noaux_tc_route
+    from snapfn.handler.llm.kernels.triton_backend import TritonBackend
+
+    tokens, experts, groups, kept, topk, norm, scaling = ROUTE_SHAPES[name]
+    moe = SimpleNamespace(
+        n_routed_experts=experts, n_group=groups, topk_group=kept, num_experts_per_tok=topk,
+        norm_topk_prob=norm, routed_scaling_factor=scaling,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(experts + topk)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    bias = torch.randn(experts, generator=gen) * 0.2
+    if name == "ties":  # every expert's logit one of two values, no bias: ties everywhere
+        logits = (logits > 0).float()
+        bias = torch.zeros(experts)
+    ids, weights = (t.cpu() for t in tm.route(logits.to(device), bias.to(device), moe))
+    assert ids.shape == weights.shape == (tokens, topk) and ids.dtype == torch.int64
+    choice = logits.sigmoid() + bias
+    if name == "ties":  # the reference by a stable sort: the earliest of equals first
+        grouped = choice.view(tokens, groups, -1)
+        group_score = grouped.sort(dim=-1, descending=True, stable=True)[0][..., :2].sum(-1)
+        keep = group_score.sort(dim=-1, descending=True, stable=True)[1][:, :kept]
+        mask = torch.zeros(tokens, groups, dtype=torch.bool).scatter_(1, keep, True)
+        masked = choice.masked_fill(~mask.repeat_interleave(experts // groups, 1), float("-inf"))
+        want_ids = masked.sort(dim=-1, descending=True, stable=True)[1][:, :topk]
+        assert torch.equal(ids, want_ids), f"tie-break: {ids.tolist()} != {want_ids.tolist()}"
+        # the reference's topk breaks these ties its own way: its sets are not comparable
+        return {"max_abs_err": 0.0}
+    want_ids, want_weights = noaux_tc_route(logits, bias, moe)
+    with _counting(tm, "route") as calls:  # through the backend: the kernel only when on
+        for mode, expected in (("off", 0), ("auto", 1)):
+            backend = TritonBackend(router=mode)
+            got = backend.route(logits.to(device), bias.to(device), moe)[0].cpu()
+            assert torch.equal(got.sort(dim=-1).values, want_ids.sort(dim=-1).values), mode
+            assert len(calls) == expected, f"router {mode}: the kernel ran {len(calls)} times"
+    order = want_ids.sort(dim=-1)
+    mine = ids.sort(dim=-1)
+    assert torch.equal(mine.values, order.values), f"experts: {ids.tolist()} vs {want_ids.tolist()}"
+    got_w = weights.gather(1, mine.indices)
+    want_w = want_weights.gather(1, order.indices)
+    picked = choice.gather(1, ids)
+    assert bool((picked[:, :-1] >= picked[:, 1:]).all()), "slots are not best first"
+    return _check_close("route weights", got_w, want_w, (1e-6, 1e-6))
 
 
 def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
@@ -819,6 +902,8 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
 
 
 def _run_glm_kernels(device: str, tokens: int = 4) -> None:
+    from types import SimpleNamespace
+
     from snapfn.handler.llm.kernels import ExpertWeights
     from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.kernels import triton_indexer as ti
@@ -838,6 +923,9 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
         x = _randn(num_tokens, 6144, device=device)
         tm.fused_moe(x, experts, ids, torch.rand(num_tokens, 8, device=device))
     tm.moe_gemv(x[:1], experts, ids[:1], torch.rand(1, 8, device=device))  # one token
+    glm5_routing = dict(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8)
+    routing = SimpleNamespace(**glm5_routing, norm_topk_prob=True, routed_scaling_factor=2.5)
+    tm.route(torch.randn(tokens, 256, device=device), torch.zeros(256, device=device), routing)
     q_a, q_a_scale = _random_fp8_on(2048, 6144, device=device)  # an FP8 projection of one row
     tg.gemv(x[:1], q_a, weight_scale_inv=q_a_scale)
 
@@ -852,6 +940,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")
     if kind == "rope_store":
         return _check_rope_store(ROPE_SHAPES[rest[0]], dtype, device)
+    if kind == "route":
+        return _check_route(rest[0], device)
     if kind == "rope_part":
         return _check_rope_part(ROPE_PART_SHAPES[rest[0]], dtype, device)
     if kind == "silu_mul":

@@ -12,7 +12,8 @@ with the norm and SwiGLU kernels around them (`triton_gemv` fuses them in), and 
 MoE on the sorted-pairs kernels (`triton_moe.moe_gemv` reads its experts as GEMVs);
 `SNAPFN_DECODE_ATTENTION` picks who runs the flashinfer backend's decode attention
 (`flashinfer_backend.DECODE_ATTENTION`); `SNAPFN_PREFILL_INDEXER=off` scores the DSA indexer's
-prefill chunks with the reference's float32 GEMM instead of Triton.
+prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_ROUTER=auto` routes
+MoE tokens with one Triton kernel (`triton_moe.route`; off until its GPU checks have run).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _triton_modes() -> dict[str, str]:
         "deepgemm": os.environ.get("SNAPFN_DEEPGEMM", "auto"),
         "gemv": os.environ.get("SNAPFN_GEMV", "auto"),
         "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "auto"),
+        "router": os.environ.get("SNAPFN_MOE_ROUTER", "off"),
     }
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import MoEConfig
 from ..engine.batch import ForwardBatch
 from ..engine.sampler import greedy_picks
 
@@ -163,6 +164,17 @@ class Backend:
         topk_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H], contributions of the local experts only
         """Routed-expert SwiGLU MLPs weighted by the router; experts off this rank add nothing."""
+        raise NotImplementedError
+
+    def route(
+        self,
+        logits: torch.Tensor,  # [T, E] float32 router logits
+        correction_bias: torch.Tensor,  # [E] float32 e_score_correction_bias
+        moe: MoEConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] int64 global expert ids, [T, k] float32)
+        """The MoE router's choice (DeepSeek-V3's `noaux_tc`, `torch_ref.noaux_tc_route`): each
+        token's `num_experts_per_tok` experts and their weights. Which order the `k` slots
+        come in is not part of the contract (the reference's `topk(sorted=False)`)."""
         raise NotImplementedError
 
     def dsa_topk(

@@ -154,9 +154,10 @@ class FlashInferBackend(TritonBackend):
         deepgemm: str = "auto",
         gemv: str = "auto",
         prefill_indexer: str = "auto",
+        router: str = "off",
         decode_attention: str = DECODE_ATTENTION,
     ) -> None:
-        super().__init__(deepgemm, gemv, prefill_indexer)
+        super().__init__(deepgemm, gemv, prefill_indexer, router)
         if decode_attention not in ("auto", "flashinfer", "triton"):
             raise ValueError(
                 f"decode_attention must be 'auto', 'flashinfer' or 'triton', not "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..config import MoEConfig
 from ..quant import dequantize_fp8_block
 from .base import Backend, ExpertWeights
 
@@ -30,6 +31,9 @@ class TorchBackend(Backend):
         self.store_kv(k_cache, apply_rotary(k, cos, sin, interleaved), batch)
         self.store_kv(v_cache, v, batch)
         return apply_rotary(q, cos, sin, interleaved)
+
+    def route(self, logits, correction_bias, moe):
+        return noaux_tc_route(logits, correction_bias, moe)
 
     def rope_part(self, x, cos, sin, interleaved, start):
         return rope_part(x, cos, sin, interleaved, start)
@@ -154,6 +158,28 @@ def apply_rotary(
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def noaux_tc_route(
+    logits: torch.Tensor, correction_bias: torch.Tensor, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's `noaux_tc` routing of router `logits [T, E]` (float32), as Hugging Face
+    runs it: sigmoid scores plus `correction_bias` choose the experts (the best `topk_group` of
+    `n_group` groups, each group ranked by its two best experts), while the weights are the
+    unbiased scores, renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`."""
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + correction_bias
+    grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    group_idx = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, moe.n_routed_experts)
+    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    topk_ids = choice.topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
+    topk_weights = scores.gather(1, topk_ids)
+    if moe.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids, topk_weights * moe.routed_scaling_factor
 
 
 def rope_part(

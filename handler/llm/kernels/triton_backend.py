@@ -66,17 +66,24 @@ class TritonBackend(TorchBackend):
     capturable_moe = True  # fused_moe and the decode indexer never wait for the host
 
     def __init__(
-        self, deepgemm: str = "auto", gemv: str = "auto", prefill_indexer: str = "auto"
+        self,
+        deepgemm: str = "auto",
+        gemv: str = "auto",
+        prefill_indexer: str = "auto",
+        router: str = "off",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
             ("gemv", gemv),
             ("prefill_indexer", prefill_indexer),
+            ("router", router),
         ):
             if value not in ("auto", "off"):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._prefill_indexer = prefill_indexer == "auto"
+        # NOTE: off by default until its GPU checks have run (docs/kernels.md)
+        self._router = router == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -162,6 +169,12 @@ class TritonBackend(TorchBackend):
         if self._gemv and x.shape[0] == 1:  # a batch-1 decode step: its experts as GEMVs
             return tm.moe_gemv(x, experts, topk_ids, topk_weights)
         return tm.fused_moe(x, experts, topk_ids, topk_weights)
+
+    def route(self, logits, correction_bias, moe):
+        tm = _kernels(logits, "triton_moe") if self._router else None
+        if tm is None:
+            return super().route(logits, correction_bias, moe)
+        return tm.route(logits, correction_bias, moe)
 
     def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
         ti = _kernels(q, "triton_indexer")

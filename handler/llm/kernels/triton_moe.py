@@ -461,3 +461,107 @@ def moe_gemv(
         **down_tile,
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The router (`torch_ref.noaux_tc_route`) in one launch.
+
+
+@triton.jit
+def _first_max(values, index, BIG: tl.constexpr):
+    """The largest of `values` and the smallest `index` holding it (a 2-D tile)."""
+    best = tl.max(tl.max(values, axis=1), axis=0)
+    return best, tl.min(tl.min(tl.where(values == best, index, BIG), axis=1), axis=0)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E] float32
+    bias_ptr,  # [E] float32
+    ids_ptr,  # [T, TOPK] int64
+    weights_ptr,  # [T, TOPK] float32
+    num_experts,
+    per_group,
+    num_groups,
+    scaling,
+    TOPK: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one program per token; its experts laid out [group, expert in group]
+    t = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, BLOCK_G)[:, None]
+    within = tl.arange(0, BLOCK_E)[None, :]
+    live = (groups < num_groups) & (within < per_group)
+    expert = groups * per_group + within  # [G, E/G]
+    logits = tl.load(logits_ptr + t * num_experts + expert, mask=live, other=0.0)
+    scores = tl.sigmoid(logits)
+    choice = scores + tl.load(bias_ptr + expert, mask=live, other=0.0)
+    choice = tl.where(live, choice, float("-inf"))
+    # each group ranked by the sum of its two best choices (a tie for best counts twice)
+    first = tl.max(choice, axis=1)
+    first_at = tl.min(tl.where(choice == first[:, None], within, BLOCK_E), axis=1)
+    second = tl.max(tl.where(within == first_at[:, None], float("-inf"), choice), axis=1)
+    group_score = tl.where(tl.arange(0, BLOCK_G) < num_groups, first + second, float("-inf"))
+    # the best TOPK_GROUP groups, the lowest index first among equals
+    group_ids = tl.arange(0, BLOCK_G)
+    picked = tl.zeros((BLOCK_G,), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        left = tl.where(picked != 0, float("-inf"), group_score)
+        best = tl.max(left, axis=0)
+        at = tl.min(tl.where(left == best, group_ids, BLOCK_G), axis=0)
+        picked = tl.where(group_ids == at, 1, picked)
+    choice = tl.where(picked[:, None] != 0, choice, float("-inf"))
+    # the TOPK best experts of those groups, the lowest id first among equals, best first
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        _, at = _first_max(choice, expert, 1 << 30)
+        weight = tl.sum(tl.sum(tl.where(expert == at, scores, 0.0), axis=1), axis=0)
+        ids = tl.where(slots == slot, at.to(tl.int64), ids)
+        weights = tl.where(slots == slot, weight, weights)
+        choice = tl.where(expert == at, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    tl.store(ids_ptr + t * TOPK + slots, ids, mask=slots < TOPK)
+    tl.store(weights_ptr + t * TOPK + slots, weights * scaling, mask=slots < TOPK)
+
+
+_route_tuned = autotuned(
+    _route_kernel,
+    [triton.Config({}, num_warps=w) for w in (1, 2, 4)],
+    key=["num_experts", "num_groups", "TOPK", "TOPK_GROUP"],
+)
+
+
+def route(
+    logits: torch.Tensor, correction_bias: torch.Tensor, moe
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_ref.noaux_tc_route` in one launch per batch (one program per token): the reference
+    runs some fifteen small kernels. The slots come best first; among exactly equal choices
+    the lower group and expert id win (the reference's `topk` leaves that open)."""
+    _check_device(logits, correction_bias)
+    tokens, num_experts = logits.shape
+    if num_experts != moe.n_routed_experts or num_experts % moe.n_group:
+        raise ValueError(
+            f"router logits {tuple(logits.shape)} do not fit {moe.n_routed_experts} experts"
+        )
+    topk = moe.num_experts_per_tok
+    ids = torch.empty(tokens, topk, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, topk, dtype=torch.float32, device=logits.device)
+    if tokens:
+        per_group = num_experts // moe.n_group
+        kernel, fixed = tuned_or_fixed(_route_tuned)
+        kernel[(tokens,)](
+            logits.float().contiguous(), correction_bias.float().contiguous(), ids, weights,
+            num_experts, per_group, moe.n_group, float(moe.routed_scaling_factor), TOPK=topk,
+            TOPK_GROUP=moe.topk_group, NORM=bool(moe.norm_topk_prob),
+            BLOCK_G=max(2, triton.next_power_of_2(moe.n_group)),
+            BLOCK_E=max(2, triton.next_power_of_2(per_group)),
+            BLOCK_K=max(2, triton.next_power_of_2(topk)), **fixed,
+        )  # fmt: skip
+    return ids, weights

@@ -1,6 +1,7 @@
 """GLM-5 feed-forward blocks: the dense SwiGLU MLP and the sigmoid-routed MoE.
 
-The router is DeepSeek-V3's `noaux_tc`, in float32 as Hugging Face runs it: sigmoid scores plus
+The router is DeepSeek-V3's `noaux_tc`, in float32 as Hugging Face runs it
+(`Backend.route`; the reference is `torch_ref.noaux_tc_route`): sigmoid scores plus
 `e_score_correction_bias` choose the experts (the best `topk_group` of `n_group` groups, each
 group ranked by its two best experts), while the weights are the unbiased sigmoid scores,
 renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`.
@@ -66,6 +67,7 @@ class TopkRouter(nn.Module):
         super().__init__()
         moe, device = model.config.moe, model.device
         self.moe = moe
+        self.backend = model.backend
         self.weight = _empty(
             (moe.n_routed_experts, model.config.hidden_size), torch.float32, device
         )
@@ -73,20 +75,8 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, H]` -> (global expert ids `[T, k]`, float32 weights `[T, k]`)."""
-        moe = self.moe
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)  # [T, G, E/G]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-        group_idx = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, moe.n_routed_experts)
-        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-        topk_ids = choice.topk(moe.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
-        topk_weights = scores.gather(1, topk_ids)
-        if moe.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_ids, topk_weights * moe.routed_scaling_factor
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return self.backend.route(logits, self.e_score_correction_bias, self.moe)
 
 
 class StackedExperts(nn.Module):
