@@ -105,6 +105,13 @@ ROUTE_SHAPES = {
     "ties": (4, 16, 4, 2, 3, True, 1.0),  # tied logits: the lower group and expert id win
 }
 
+# the DSA indexer's decode pick: (row width, seq lens, topk)
+SELECT_SHAPES = {
+    "ties": (40, (40, 7, 0), 16),  # five distinct values, -0.0 and 0.0; an empty request
+    "wide": (1000, (1000, 613), 64),
+    "short": (12, (12, 5), 32),  # fewer keys than topk: -1 padded
+}
+
 # DSA indexer decode: (requests, indexer heads, head dim, page size, row width, seq lens, topk)
 INDEXER_SHAPES = {
     "glm": (3, 4, 32, 16, 5, (70, 9, 33), 16),  # fewer keys than topk in one request
@@ -151,6 +158,7 @@ CASES = (
     # the 16- and 64-row tiles, and one token's GEMVs
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill", "gemv_fp8")]
     + [f"route-{s}-fp32" for s in ROUTE_SHAPES]  # router logits are float32
+    + [f"select-{s}-fp32" for s in SELECT_SHAPES]  # index scores are float32
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
@@ -158,7 +166,7 @@ CASES = (
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
         "engine_greedy-glm-tiny-bf16ckpt-fp32",
-        "engine_greedy-glm-tiny-router-fp32",
+        "engine_greedy-glm-tiny-offkernels-fp32",
         "autotuned",
     ]
 )
@@ -178,6 +186,7 @@ AUTOTUNED_KERNELS = {
     "_combine_kernel": 1,
     "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
     "_route_kernel": 1,
+    "_select_topk_kernel": 1,
     "_gate_up_gemv_kernel": 1,  # one token's experts
     "_down_gemv_kernel": 1,
     "_chunk_kernel": 1,  # greedy picks
@@ -532,25 +541,29 @@ def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy token
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
-    # -router: with the Triton router (SNAPFN_MOE_ROUTER=auto, read when the backend is built)
-    router = preset.endswith("-router")
-    preset = preset.removesuffix("-router")
+    # -offkernels: with the kernels that are off by default turned on (the switches are read
+    # when the backend is built): the Triton MoE router and the indexer's decode pick
+    switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT")
+    on = preset.endswith("-offkernels")
+    preset = preset.removesuffix("-offkernels")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
-    before = os.environ.pop("SNAPFN_MOE_ROUTER", None)
-    if router:
-        os.environ["SNAPFN_MOE_ROUTER"] = "auto"
+    before = {name: os.environ.pop(name, None) for name in switches}
+    if on:
+        os.environ.update(dict.fromkeys(switches, "auto"))
+    from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels import triton_moe as tm
 
     try:
-        with _counting(tm, "route") as calls:
+        with _counting(tm, "route") as routed, _counting(ti, "select_topk_decode") as picked:
             result = _engine_greedy(preset, checkpoint, dtype, device)
-        assert bool(calls) == router, f"the Triton router ran {len(calls)} times"
+        assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
         return result
     finally:
-        os.environ.pop("SNAPFN_MOE_ROUTER", None)
-        if before is not None:
-            os.environ["SNAPFN_MOE_ROUTER"] = before
+        for name, value in before.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dict:
@@ -710,7 +723,30 @@ def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
     got = ti.indexer_topk_decode(*args, topk, scale).cpu()
     want = _topk_decode(q.float(), weights, k_cache.float(), page_table, lens, topk, scale)
     assert torch.equal(got, want), f"picks differ:\n{got}\n{want}"
+    got = ti.indexer_topk_decode(*args, topk, scale, select=True).cpu()  # the Triton pick
+    assert torch.equal(got, want), f"picks (select_topk_decode) differ:\n{got}\n{want}"
     return {"max_abs_err": float((got_scores - want_scores).nan_to_num(0.0).abs().max())}
+
+
+def _check_select(name: str, device: str) -> dict:
+    """`triton_indexer.select_topk_decode` against `torch_ref.select_topk` on the same scores:
+    the same picks exactly, ties (-0.0 and 0.0 among them) to the earlier key."""
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels.torch_ref import select_topk
+
+    width, seq_lens, topk = SELECT_SHAPES[name]
+    gen = torch.Generator().manual_seed(width + topk)
+    if name == "ties":
+        values = torch.tensor([-1.5, -0.0, 0.0, 0.5, 2.0])
+        scores = values[torch.randint(0, 5, (len(seq_lens), width), generator=gen)]
+    else:
+        scores = torch.randn(len(seq_lens), width, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scores = scores.masked_fill(torch.arange(width)[None, :] >= lens[:, None], float("-inf"))
+    got = ti.select_topk_decode(scores.to(device), lens.to(device), topk).cpu()
+    want = select_topk(scores, lens, topk)
+    assert torch.equal(got, want), f"{name}: picks differ:\n{got}\n{want}"
+    return {"picked": int((got >= 0).sum())}
 
 
 def _indexer_inputs(q_len: int, num_keys: int, heads: int, dim: int, seed: int, ties: bool):
@@ -913,7 +949,8 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     k_cache = _randn(64, 16, 128, device=device)
     page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
     seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
-    ti.index_scores_decode(q, weights, k_cache, page_table, seq_lens, 0.1)
+    scores = ti.index_scores_decode(q, weights, k_cache, page_table, seq_lens, 0.1)
+    ti.select_topk_decode(scores, seq_lens, 2048)  # GLM-5's index_topk
     ti.index_scores_prefill(q, weights, _randn(200, 128, device=device), 196, 0.1)
     gate, up = (_random_fp8_on(8, 2048, 6144, device=device) for _ in "gu")
     down = _random_fp8_on(8, 6144, 2048, device=device)
@@ -942,6 +979,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_rope_store(ROPE_SHAPES[rest[0]], dtype, device)
     if kind == "route":
         return _check_route(rest[0], device)
+    if kind == "select":
+        return _check_select(rest[0], device)
     if kind == "rope_part":
         return _check_rope_part(ROPE_PART_SHAPES[rest[0]], dtype, device)
     if kind == "silu_mul":

@@ -155,9 +155,10 @@ class FlashInferBackend(TritonBackend):
         gemv: str = "auto",
         prefill_indexer: str = "auto",
         router: str = "off",
+        indexer_select: str = "off",
         decode_attention: str = DECODE_ATTENTION,
     ) -> None:
-        super().__init__(deepgemm, gemv, prefill_indexer, router)
+        super().__init__(deepgemm, gemv, prefill_indexer, router, indexer_select)
         if decode_attention not in ("auto", "flashinfer", "triton"):
             raise ValueError(
                 f"decode_attention must be 'auto', 'flashinfer' or 'triton', not "

@@ -71,19 +71,22 @@ class TritonBackend(TorchBackend):
         gemv: str = "auto",
         prefill_indexer: str = "auto",
         router: str = "off",
+        indexer_select: str = "off",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
             ("gemv", gemv),
             ("prefill_indexer", prefill_indexer),
             ("router", router),
+            ("indexer_select", indexer_select),
         ):
             if value not in ("auto", "off"):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._prefill_indexer = prefill_indexer == "auto"
-        # NOTE: off by default until its GPU checks have run (docs/kernels.md)
+        # NOTE: off by default until their GPU checks have run (docs/kernels.md)
         self._router = router == "auto"
+        self._indexer_select = indexer_select == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -181,7 +184,7 @@ class TritonBackend(TorchBackend):
         if not batch.is_decode or ti is None:
             return super().dsa_topk(q, weights, k_cache, batch, topk, scale)
         return ti.indexer_topk_decode(
-            q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale
+            q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale, self._indexer_select
         )
 
     def _prefill_index_scores(self, q, weights, k, q_offset, scale):

@@ -126,10 +126,63 @@ def index_scores_decode(
     return out
 
 
-def indexer_topk_decode(q, weights, k_cache, page_table, seq_lens, topk: int, scale: float):
-    """`[B, topk]` int32 key positions per request (see the module docstring)."""
+def indexer_topk_decode(
+    q, weights, k_cache, page_table, seq_lens, topk: int, scale: float, select: bool = False
+):
+    """`[B, topk]` int32 key positions per request (see the module docstring); `select`: picked
+    by `select_topk_decode` where the row fits it, else (and by default) by the reference."""
     scores = index_scores_decode(q, weights, k_cache, page_table, seq_lens, scale)
+    if select and select_width(scores.shape[1], topk) <= SELECT_MAX_WIDTH:
+        return select_topk_decode(scores, seq_lens, topk)
     return select_topk(scores, seq_lens, topk)
+
+
+# NOTE: a row is sorted in one program's registers: 8192 int64 keys over 8 warps, 32 a thread
+SELECT_MAX_WIDTH = 8192
+
+
+def select_width(width: int, topk: int) -> int:
+    """The sorted row's length for `width` scores and `topk` picks: a power of two."""
+    return triton.next_power_of_2(max(width, topk, 2))
+
+
+@triton.jit
+def _select_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, topk, N: tl.constexpr):
+    # one program per request: its row's scores made int64 keys that order as (score, -position)
+    # (unique, so the sort needs no stability), sorted descending in registers
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, N)
+    score = tl.load(scores_ptr + b * width + pos, mask=pos < width, other=float("-inf"))
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as in float compares
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as int32 order
+    low = 0xFFFFFFFF - pos.to(tl.int64)  # the earlier position, the larger key
+    key = tl.sort((ordered.to(tl.int64) << 32) | low, descending=True)
+    picked = 0xFFFFFFFF - (key & 0xFFFFFFFF)
+    seq_len = tl.load(seq_lens_ptr + b)
+    picked = tl.where(picked < seq_len, picked, -1)
+    tl.store(out_ptr + b * topk + pos, picked.to(tl.int32), mask=pos < topk)
+
+
+_select_topk_tuned = autotuned(
+    _select_topk_kernel, [triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["N"]
+)
+
+
+def select_topk_decode(scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """`torch_ref.select_topk` in one launch, for rows of up to `SELECT_MAX_WIDTH` scores: the
+    same picks (highest first, the earlier key first among equals, -1 past the keys), where the
+    reference pads, sorts with a stable radix sort, slices and masks."""
+    _check_device(scores, seq_lens)
+    rows, width = scores.shape
+    n = select_width(width, topk)
+    if n > SELECT_MAX_WIDTH:
+        raise ValueError(f"rows of {width} scores and topk {topk} exceed {SELECT_MAX_WIDTH}")
+    out = torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
+    if rows:
+        kernel, fixed = tuned_or_fixed(_select_topk_tuned, num_warps=4)
+        kernel[(rows,)](scores.float().contiguous(), seq_lens, out, width, topk, N=n, **fixed)
+    return out
 
 
 @triton.jit
