@@ -149,16 +149,9 @@ class AttentionShape:
 class FlashInferBackend(TritonBackend):
     name = "flashinfer"
 
-    def __init__(
-        self,
-        deepgemm: str = "auto",
-        gemv: str = "auto",
-        prefill_indexer: str = "auto",
-        router: str = "off",
-        indexer_select: str = "off",
-        decode_attention: str = DECODE_ATTENTION,
-    ) -> None:
-        super().__init__(deepgemm, gemv, prefill_indexer, router, indexer_select)
+    def __init__(self, decode_attention: str = DECODE_ATTENTION, **triton_modes: str) -> None:
+        """`triton_modes`: `TritonBackend`'s switches (deepgemm, gemv, ...), its defaults."""
+        super().__init__(**triton_modes)
         if decode_attention not in ("auto", "flashinfer", "triton"):
             raise ValueError(
                 f"decode_attention must be 'auto', 'flashinfer' or 'triton', not "
