@@ -880,6 +880,12 @@ def _check_autotuned() -> dict:
         for config in tuner.configs:
             assert set(config.kwargs) <= set(tuner.arg_names), f"{name}: config {config}"
         assert tuner.cache_results or interpreted(), f"{name}: results not cached"
+    # the fused GEMV times its wider FP8 configs for FP8 weights only
+    from snapfn.handler.llm.kernels import triton_gemv as tg
+
+    prune = tuners["_gemv_kernel"].early_config_prune
+    assert prune(tg.GEMV_FP8_CONFIGS, {}, SCALED=False) == tg.GEMV_CONFIGS
+    assert prune(tg.GEMV_FP8_CONFIGS, {}, SCALED=True) == tg.GEMV_FP8_CONFIGS
     return {"kernels": len(tuners)}
 
 

@@ -31,7 +31,9 @@ import triton.language as tl
 from ..quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 
 
-def autotuned(kernel, configs: list[triton.Config], key: list[str]) -> triton.runtime.Autotuner:
+def autotuned(
+    kernel, configs: list[triton.Config], key: list[str], prune=None
+) -> triton.runtime.Autotuner:
     """`kernel` timed over `configs` once per value of `key` (and of its tensors' dtypes), the
     choice written to `TRITON_CACHE_DIR` so that a restored snapshot reuses it.
 
@@ -39,8 +41,11 @@ def autotuned(kernel, configs: list[triton.Config], key: list[str]) -> triton.ru
     token count: tuning launches a kernel many times and syncs, so it must happen in warmup and
     never inside a CUDA graph capture (the engine runs each bucket eagerly before capturing it).
     A kernel that updated an input in place would need `restore_value` for the timing runs;
-    ours write fresh outputs, or (KV cache slots, each MoE pair's row) the same values each run."""
-    return triton.autotune(configs, key=key, cache_results=True)(kernel)
+    ours write fresh outputs, or (KV cache slots, each MoE pair's row) the same values each run.
+    `prune(configs, named_args, **kwargs)`: the configs worth timing for a call (triton's
+    `early_config_prune`), e.g. by a constexpr flag."""
+    prune_by = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(configs, key=key, cache_results=True, prune_configs_by=prune_by)(kernel)
 
 
 def tuned_or_fixed(tuned: triton.runtime.Autotuner, **fixed) -> tuple[object, dict]:
