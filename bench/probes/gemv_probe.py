@@ -1,7 +1,8 @@
 """Decode-sized projections (device probe): `triton_gemv.gemv`, config by config and autotuned,
-against what the engine runs without it (cuBLAS's `F.linear`, with the Triton `add_rms_norm`
-before it and `silu_mul` after it where the fused kernel takes them on), on the shapes of the
-8B llama and the GLM-5-shaped model's bf16 `lm_head`.
+against what the engine runs without it (cuBLAS's `F.linear`, or for FP8 weights the Triton
+`fp8_block_linear`, with the Triton `add_rms_norm` before it and `silu_mul` after it where the
+fused kernel takes them on), on the shapes of the 8B llama and the GLM-5-shaped model (its bf16
+`lm_head`, its FP8 projections: `glm5.fp8.*`).
 
 python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
 
@@ -23,6 +24,7 @@ import triton
 from graph_timing import graph_us
 
 from snapfn.handler.llm.kernels import triton_gemv, triton_kernels
+from snapfn.handler.llm.quant import quantize_fp8_block
 
 # (name, weight rows, K, kind): kind "add_norm" = add + RMSNorm before, "swiglu" = and SwiGLU
 SHAPES = [
@@ -32,21 +34,31 @@ SHAPES = [
     ("llama8b.down", 4096, 14336, "plain"),
     ("llama8b.lm_head", 128256, 4096, "plain"),
     ("glm5.lm_head", 154880, 6144, "plain"),
+    # the GLM-5-shaped model's FP8 projections of a decode step (session 10)
+    ("glm5.fp8.q_a", 2048, 6144, "fp8"),
+    ("glm5.fp8.q_b", 16384, 2048, "fp8"),
+    ("glm5.fp8.kv_a", 576, 6144, "fp8"),
+    ("glm5.fp8.o", 6144, 16384, "fp8"),
+    ("glm5.fp8.indexer_wq_b", 4096, 2048, "fp8"),
+    ("glm5.fp8.gate_up", 24576, 6144, "fp8_swiglu"),  # the dense layer's, with the norm
+    ("glm5.fp8.down", 6144, 12288, "fp8"),
+    ("glm5.fp8.shared_gate_up", 4096, 6144, "fp8"),  # the shared expert's (no norm)
+    ("glm5.fp8.shared_down", 6144, 2048, "fp8"),
 ]
 L2_BYTES = 60 << 20
 # the sweep at one row: the autotuned configs and more around them
-SWEEP = triton_gemv.GEMV_CONFIGS + [
+SWEEP = triton_gemv.GEMV_FP8_CONFIGS + [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
         (1, 2048, 4),
         (1, 4096, 8),
         (2, 256, 1),
         (4, 256, 2),
-        (4, 1024, 4),
         (8, 256, 4),
-        (8, 1024, 8),
         (16, 256, 8),
-        (32, 128, 4),
+        (16, 1024, 8),
+        (32, 256, 4),
+        (2, 4096, 8),
     )
 ]
 
@@ -62,40 +74,52 @@ def main() -> None:
     for name, rows_w, k, kind in SHAPES:
         if args.only and name not in args.only.split(","):
             continue
-        copies = max(2, -(-4 * L2_BYTES // (rows_w * k * 2)))
+        fp8 = kind.startswith("fp8")
+        copies = max(2, -(-4 * L2_BYTES // (rows_w * k * (1 if fp8 else 2))))
         weights = [torch.randn(rows_w, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+        scales = [None] * copies
+        if fp8:  # block-quantized, as make-model writes them
+            pairs = [quantize_fp8_block(w) for w in weights]
+            weights, scales = [q for q, _ in pairs], [s for _, s in pairs]
         norm_w = torch.rand(k, device=dev, dtype=dt) + 0.5
         for m in [int(r) for r in args.rows.split(",")]:
             row = {"shape": name, "n": rows_w, "k": k, "kind": kind, "rows": m}
-            row.update(probe(weights, norm_w, kind, m, args.reps))
+            row.update(probe(weights, scales, norm_w, kind, m, args.reps))
             print(json.dumps(row), flush=True)
         del weights
         torch.cuda.empty_cache()
 
 
-def probe(weights: list[torch.Tensor], norm_w: torch.Tensor, kind: str, m: int, reps: int) -> dict:
+def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, reps: int) -> dict:
     """One shape at `m` rows: the unfused sequence, each config, the tuned kernel."""
     rows_w, k = weights[0].shape
-    nbytes, copies = rows_w * k * 2, len(weights)
+    nbytes, copies = rows_w * k * weights[0].element_size(), len(weights)
     x = torch.randn(m, k, device=norm_w.device, dtype=norm_w.dtype)
     res = torch.randn_like(x)
-    fused = dict(norm_weight=norm_w, eps=1e-5, residual=res) if kind != "plain" else {}
+    normed = kind in ("add_norm", "swiglu", "fp8_swiglu")
+    swiglu = kind.endswith("swiglu")
+    fused = dict(norm_weight=norm_w, eps=1e-5, residual=res) if normed else {}
 
     def unfused(i):
         h = x
-        if kind != "plain":
+        if normed:
             h, _ = triton_kernels.add_rms_norm(x, res, norm_w, 1e-5)
-        y = F.linear(h, weights[i])
-        return triton_kernels.silu_mul(y) if kind == "swiglu" else y
+        if scales[i] is None:
+            y = F.linear(h, weights[i])
+        else:
+            y = triton_kernels.fp8_block_linear(h, weights[i], scales[i])
+        return triton_kernels.silu_mul(y) if swiglu else y
 
     def ours(i, config=None):
-        return triton_gemv.gemv(x, weights[i], swiglu=kind == "swiglu", config=config, **fused)[0]
+        return triton_gemv.gemv(
+            x, weights[i], swiglu=swiglu, weight_scale_inv=scales[i], config=config, **fused
+        )[0]
 
     ref = unfused(0).float()
     scale = ref.abs().max().item()
     row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
     configs = {}
-    for config in SWEEP if m == 1 else triton_gemv.GEMV_CONFIGS:
+    for config in SWEEP if m == 1 else triton_gemv.GEMV_FP8_CONFIGS:
         kw = config.kwargs
         label = f"{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}"
         try:
