@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import QuantConfig, RopeConfig
 from ..kernels import Backend
-from ..kernels.torch_ref import apply_rotary, rms_norm, silu_mul
+from ..kernels.torch_ref import rms_norm, silu_mul
 from ..quant import FP8_DTYPE, scale_shape
 
 
@@ -180,7 +180,9 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position, computed once; applied half-split or interleaved."""
+    """A model's RoPE: each step's cos/sin from the inverse frequencies, and its layout
+    (`interleaved` or half-split), which the backend's RoPE ops (`rope_store_kv`,
+    `rope_part`) apply."""
 
     def __init__(
         self,
@@ -204,7 +206,3 @@ class Rotary(nn.Module):
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
         return cos, sin
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x [T, H, dim]` by per-token `cos/sin [T, dim/2]` (`apply_rotary`)."""
-        return apply_rotary(x, cos, sin, self.interleaved)
