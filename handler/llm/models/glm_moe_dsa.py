@@ -28,9 +28,9 @@ from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..errors import UnsupportedModel
 from ..sharding import local_expert_range
 from .base import CausalLM, WeightTarget
-from .layers import Rotary
+from .layers import Rotary, SwiGLUMLP
 from .mla import MLAttention
-from .moe import MoE, SwiGLUMLP
+from .moe import MoE
 
 EXPERT_WEIGHT = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"

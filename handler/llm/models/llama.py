@@ -18,7 +18,7 @@ from torch import nn
 from ..engine.batch import ForwardBatch
 from ..engine.kv_pool import KVBufferSpec, KVPool
 from .base import CausalLM
-from .layers import Rotary
+from .layers import Rotary, SwiGLUMLP
 
 
 class LlamaAttention(nn.Module):
@@ -63,22 +63,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1)), residual
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, model: LlamaForCausalLM, prefix: str) -> None:
-        super().__init__()
-        cfg, tp = model.config, model.parallel.tp_size
-        inter = cfg.intermediate_size // tp
-        parts = [("gate_proj", inter), ("up_proj", inter)]
-        self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, cfg.hidden_size)
-        self.down_proj = model.linear(f"{prefix}.down_proj", inter, cfg.hidden_size)
-        self.backend = model.backend
-
-    def forward(self, h, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """SwiGLU MLP of `norm(h + residual)`: returns `(out, h + residual)`."""
-        act, residual = norm.add_linear(h, residual, self.gate_up_proj, swiglu=True)
-        return self.down_proj(act), residual
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, model: LlamaForCausalLM, layer_id: int) -> None:
         super().__init__()
@@ -86,13 +70,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = model.norm(model.config.hidden_size)
         self.self_attn = LlamaAttention(model, f"{prefix}.self_attn", layer_id)
         self.post_attention_layernorm = model.norm(model.config.hidden_size)
-        self.mlp = LlamaMLP(model, f"{prefix}.mlp")
+        self.mlp = SwiGLUMLP(model, f"{prefix}.mlp", model.config.intermediate_size)
 
     def forward(self, h, residual, cos, sin, rotary, batch, kv):
         """`h`: the last layer's output, not yet added to `residual` (None before the first
         layer, where `h` is the embedding). Returns this layer's output and the residual."""
         h, residual = self.self_attn(h, residual, self.input_layernorm, cos, sin, rotary, batch, kv)
-        return self.mlp(h, residual, self.post_attention_layernorm)
+        return self.mlp.norm_forward(h, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

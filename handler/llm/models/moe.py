@@ -1,4 +1,4 @@
-"""GLM-5 feed-forward blocks: the dense SwiGLU MLP and the sigmoid-routed MoE.
+"""GLM-5's sigmoid-routed MoE (its dense layers and shared experts are `layers.SwiGLUMLP`).
 
 The router is DeepSeek-V3's `noaux_tc`, in float32 as Hugging Face runs it
 (`Backend.route`; the reference is `torch_ref.noaux_tc_route`): sigmoid scores plus
@@ -23,7 +23,7 @@ from ..errors import BadRequest
 from ..kernels import ExpertWeights
 from ..quant import FP8_DTYPE, scale_shape
 from ..sharding import ParallelConfig
-from .layers import RMSNorm, is_quantized
+from .layers import SwiGLUMLP, is_quantized
 
 if TYPE_CHECKING:
     from .glm_moe_dsa import GlmMoeDsaForCausalLM
@@ -33,31 +33,6 @@ EXPERT_PROJS = ("gate", "up", "down")
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class SwiGLUMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))`: the dense layers' MLP and the shared experts. `gate_proj`
-    and `up_proj` fill one fused `gate_up_proj` (`CausalLM.fused_linear`): one GEMM, and on a
-    dense layer's decode step one GEMV with the norm before it and SwiGLU after it
-    (`norm_forward`)."""
-
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, intermediate_size: int) -> None:
-        super().__init__()
-        hidden, inter = model.config.hidden_size, intermediate_size // model.parallel.tp_size
-        parts = [("gate_proj", inter), ("up_proj", inter)]
-        self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, hidden)
-        self.down_proj = model.linear(f"{prefix}.down_proj", inter, hidden)
-        self.backend = model.backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
-
-    def norm_forward(
-        self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of `norm(h + residual)`: returns `(out, h + residual)`."""
-        act, residual = norm.add_linear(h, residual, self.gate_up_proj, swiglu=True)
-        return self.down_proj(act), residual
 
 
 class TopkRouter(nn.Module):
