@@ -234,10 +234,7 @@ def gemv(
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     total = torch.empty_like(rows) if residual is not None else None
-    if config is not None:
-        kernel, params = _gemv_kernel, dict(config.all_kwargs())
-    else:
-        kernel, params = tuned_or_fixed(_gemv_tuned, BLOCK_N=8, BLOCK_K=128)
+    kernel, params = tuned_or_fixed(_gemv_tuned, config, BLOCK_N=8, BLOCK_K=128)
     flags = dict(
         NORM=norm_weight is not None,
         SCALED=weight_scale_inv is not None,

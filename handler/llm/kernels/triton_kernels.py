@@ -48,9 +48,14 @@ def autotuned(
     return triton.autotune(configs, key=key, cache_results=True, prune_configs_by=prune_by)(kernel)
 
 
-def tuned_or_fixed(tuned: triton.runtime.Autotuner, **fixed) -> tuple[object, dict]:
+def tuned_or_fixed(
+    tuned: triton.runtime.Autotuner, config: triton.Config | None = None, **fixed
+) -> tuple[object, dict]:
     """(kernel, launch parameters): `tuned`, which picks its own, on GPUs; under the
-    interpreter, which cannot time configs, the untuned kernel with `fixed`."""
+    interpreter, which cannot time configs, the untuned kernel with `fixed`; the untuned kernel
+    with `config` where one is forced (probes, and the checks that run every config)."""
+    if config is not None:
+        return tuned.fn, config.all_kwargs()
     if triton.knobs.runtime.interpret:
         return tuned.fn, fixed
     return tuned, {}

@@ -269,28 +269,20 @@ def fused_moe(
         gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
         scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
         gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread
-        gate_up_kernel, gate_up_tile = _launch_params(_gate_up_tuned, config)
+        gate_up_kernel, gate_up_tile = tuned_or_fixed(_gate_up_tuned, config, **INTERPRETED_TILE)
         gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
             x, gate, up, gate_s, up_s, act, pair_of_row, expert_of_block, num_pairs, hidden,
             inter, TOPK=topk, FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m,
             **gate_up_tile,
         )  # fmt: skip
         weights = topk_weights.reshape(-1).contiguous()
-        down_kernel, down_tile = _launch_params(_down_tuned, config)
+        down_kernel, down_tile = tuned_or_fixed(_down_tuned, config, **INTERPRETED_TILE)
         down_kernel[lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
             act, down, down_s, weights, out, pair_of_row, expert_of_block, num_pairs, hidden,
             inter, ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32,
             FP8=fp8, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, **down_tile,
         )  # fmt: skip
     return out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
-
-
-def _launch_params(tuned: triton.runtime.Autotuner, config: triton.Config | None):
-    """(kernel, launch parameters): `config` forced on the untuned kernel (the checks run each
-    of `MOE_CONFIGS` so), else `tuned_or_fixed`'s."""
-    if config is not None:
-        return tuned.fn, config.all_kwargs()
-    return tuned_or_fixed(tuned, **INTERPRETED_TILE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,14 +435,8 @@ def moe_gemv(
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     local = (experts.first_expert, experts.num_local)
-    if config is not None:
-        (gate_up, gate_up_tile), (down_k, down_tile) = (
-            (_gate_up_gemv_kernel, config.all_kwargs()),
-            (_down_gemv_kernel, config.all_kwargs()),
-        )
-    else:
-        gate_up, gate_up_tile = tuned_or_fixed(_gate_up_gemv_tuned, **MOE_GEMV_INTERPRETED)
-        down_k, down_tile = tuned_or_fixed(_down_gemv_tuned, **MOE_GEMV_INTERPRETED)
+    gate_up, gate_up_tile = tuned_or_fixed(_gate_up_gemv_tuned, config, **MOE_GEMV_INTERPRETED)
+    down_k, down_tile = tuned_or_fixed(_down_gemv_tuned, config, **MOE_GEMV_INTERPRETED)
     gate_up[lambda meta: (topk, triton.cdiv(inter, meta["BLOCK_N"]))](
         x.contiguous(), gate, up, gate_s, up_s, ids, act, *local, hidden, inter, FP8=fp8,
         **gate_up_tile,
