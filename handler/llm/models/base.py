@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
                 spans["weight_scale_inv"] = (start // FP8_BLOCK, (start + rows) // FP8_BLOCK)
             for suffix, span in spans.items():
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = WeightTarget(
-                    f"{prefix}.{name}.{suffix}", rows=span
+                    self.param_name(f"{prefix}.{name}.{suffix}"), rows=span
                 )
             start += rows
         return self.linear(f"{prefix}.{name}", in_features, start, bias, fp8=fp8)
@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
         for part, rows in parts:
             linears[part] = self.linear(f"{prefix}.{part}", in_features, rows, bias)
             for suffix, _ in linears[part].named_parameters():
-                target = WeightTarget(f"{prefix}.{name}.parts.{part}.{suffix}")
+                target = WeightTarget(self.param_name(f"{prefix}.{name}.parts.{part}.{suffix}"))
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = target
         return ConcatLinear(linears)
 
@@ -171,10 +171,17 @@ class CausalLM(nn.Module):
 
     def map_weight(self, name: str) -> WeightTarget | None:
         """Default: a part of a fused projection fills its rows (`fused_linear`); any other
-        checkpoint tensor fills the parameter of the same name, if there is one."""
+        checkpoint tensor fills its parameter (`param_name`), if there is one."""
         if name in self._fused_targets:
             return self._fused_targets[name]
+        name = self.param_name(name)
         return WeightTarget(name) if name in self._param_names() else None
+
+    def param_name(self, name: str) -> str:
+        """The parameter name of checkpoint name `name` (module prefixes included), for a model
+        whose modules sit elsewhere than the checkpoint says (GLM-5's MTP layers). Default: the
+        same name."""
+        return name
 
     def is_not_loaded(self, name: str) -> bool:
         return any(re.fullmatch(p, name) for p in self.not_loaded)

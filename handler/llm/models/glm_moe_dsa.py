@@ -15,7 +15,6 @@ KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -126,11 +125,6 @@ class GlmMoeDsaForCausalLM(CausalLM):
         )
         self.model = GlmModel(self)
         self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
-        # an MTP layer's fused projections were registered under its checkpoint prefix
-        self._fused_targets = {
-            name: dataclasses.replace(target, param=self._mtp_param_name(target.param))
-            for name, target in self._fused_targets.items()
-        }
         self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
         self.add_lm_head()
 
@@ -153,10 +147,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         return self.final_logits(h, batch, residual)
 
     def map_weight(self, name: str) -> WeightTarget | None:
-        if name in self._fused_targets:  # keyed by the checkpoint's name
-            return self._fused_targets[name]
-        name = self._mtp_param_name(name)
-        expert = EXPERT_WEIGHT.fullmatch(name)
+        expert = EXPERT_WEIGHT.fullmatch(self.param_name(name))
         if expert is None:
             return super().map_weight(name)
         param = f"{expert['prefix']}.{expert['proj']}{expert['scale'] or ''}"
@@ -167,7 +158,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         # (`shard_tensor` returns None) before it touches the target.
         return WeightTarget(param, index - self.local_experts.start)
 
-    def _mtp_param_name(self, name: str) -> str:
+    def param_name(self, name: str) -> str:
         """`model.layers.{num_layers + j}.X` -> `mtp.{j}.X`; other names unchanged."""
         match = LAYER_PREFIX.match(name)
         if match is None or int(match[1]) < self.config.num_layers:
