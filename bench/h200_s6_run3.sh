@@ -7,13 +7,7 @@
 set -uo pipefail
 . bench/device-env.sh
 t0=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
-export FLASHINFER_DISABLE_VERSION_CHECK=1
-cache="$work/steady-flashinfer/cache/compile/flashinfer"
-mkdir -p "$cache"
-if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
-export FLASHINFER_WORKSPACE_BASE="$cache"
+. bench/device-flashinfer.sh
 timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer.py \
   > "$out/h200-gpu-tests-s6run3.log" 2>&1
 grep -E "^E  |^FAILED|^ERROR|passed|failed" "$out/h200-gpu-tests-s6run3.log" | tail -20

@@ -9,13 +9,7 @@
 set -uo pipefail
 . bench/device-env.sh
 t0=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
-export FLASHINFER_DISABLE_VERSION_CHECK=1
-cache="$work/steady-flashinfer/cache/compile/flashinfer"
-mkdir -p "$cache"
-if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
-export FLASHINFER_WORKSPACE_BASE="$cache"
+. bench/device-flashinfer.sh
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flashinfer.py \
   -k "engine_greedy-glm-graphs" > "$out/h200-gpu-tests-s8run4-flashinfer.log" 2>&1
 grep -E "^E  |^FAILED|^ERROR|passed|failed" "$out/h200-gpu-tests-s8run4-flashinfer.log" | tail -6

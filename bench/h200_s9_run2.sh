@@ -12,13 +12,7 @@
 set -uo pipefail
 . bench/device-env.sh
 t0=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
-export FLASHINFER_DISABLE_VERSION_CHECK=1
-cache="$work/steady-flashinfer/cache/compile/flashinfer"
-mkdir -p "$cache"
-if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
-export FLASHINFER_WORKSPACE_BASE="$cache"
+. bench/device-flashinfer.sh
 (snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" > "$out/h200-s9run2-make-model.log" 2>&1; echo "model rc $?") &
 timeout 150 python3 bench/probes/gemv_probe.py > "$out/h200-s9run2-gemv.jsonl" 2> "$out/h200-s9run2-gemv.err"
 echo "gemv probe rc $?"; tail -2 "$out/h200-s9run2-gemv.err"

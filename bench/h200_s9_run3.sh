@@ -12,13 +12,7 @@
 set -uo pipefail
 . bench/device-env.sh
 t0=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
-export FLASHINFER_DISABLE_VERSION_CHECK=1
-cache="$work/steady-flashinfer/cache/compile/flashinfer"
-mkdir -p "$cache"
-if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
-export FLASHINFER_WORKSPACE_BASE="$cache"
+. bench/device-flashinfer.sh
 (snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" > "$out/h200-s9run3-make-model.log" 2>&1; echo "model rc $?") &
 timeout 60 python3 bench/probes/decode_step_probe.py --batches 1,2,4,8 \
   > "$out/h200-s9run3-decode-step.jsonl" 2> "$out/h200-s9run3-decode-step.err"
