@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -548,22 +549,18 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     preset = preset.removesuffix("-offkernels")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
-    before = {name: os.environ.pop(name, None) for name in switches}
-    if on:
-        os.environ.update(dict.fromkeys(switches, "auto"))
     from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels import triton_moe as tm
 
-    try:
+    with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
+        for name in switches:
+            os.environ.pop(name, None)
+        if on:
+            os.environ.update(dict.fromkeys(switches, "auto"))
         with _counting(tm, "route") as routed, _counting(ti, "select_topk_decode") as picked:
             result = _engine_greedy(preset, checkpoint, dtype, device)
-        assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
-        return result
-    finally:
-        for name, value in before.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
+    assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
+    return result
 
 
 def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dict:
