@@ -112,20 +112,23 @@ def test_registry_lists_triton():
 
 
 def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatch):
-    on_by_default = ("SNAPFN_GEMV", "SNAPFN_PREFILL_INDEXER", "SNAPFN_DEEPGEMM")
-    off_by_default = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT")  # until GPU-checked
-    for name in on_by_default + off_by_default:
+    on_by_default = (
+        "SNAPFN_GEMV",
+        "SNAPFN_PREFILL_INDEXER",
+        "SNAPFN_DEEPGEMM",
+        "SNAPFN_MOE_ROUTER",
+        "SNAPFN_INDEXER_SELECT",
+    )
+    for name in on_by_default:
         monkeypatch.delenv(name, raising=False)
     backend = get_backend("triton")
     assert backend._gemv and backend._prefill_indexer and backend._deepgemm_mode == "auto"
-    assert not backend._router and not backend._indexer_select
+    assert backend._router and backend._indexer_select
     for name in on_by_default:
         monkeypatch.setenv(name, "off")
-    for name in off_by_default:
-        monkeypatch.setenv(name, "auto")
     backend = get_backend("triton")
     assert not backend._gemv and not backend._prefill_indexer and backend._deepgemm_mode == "off"
-    assert backend._router and backend._indexer_select
+    assert not backend._router and not backend._indexer_select
     monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "on")  # only auto | off
     with pytest.raises(ValueError, match="prefill_indexer must be 'auto' or 'off'"):
         get_backend("triton")

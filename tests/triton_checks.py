@@ -141,6 +141,14 @@ INDEXER_PREFILL_SHAPES = {
     "ties": (30, 10, 4, 32, 24),  # zero keys: exact ties at 0, the earlier key first
 }
 
+# MLA key slots from the top-k: (rows, topk, page size, page-row width, each row's positions,
+# each row's planned count); -1 pads a row with fewer keys, a plan below a row's keys cuts it
+FILL_KV_SHAPES = {
+    "decode": (3, 16, 4, 12, (40, 9, 16), (16, 9, 16)),
+    "prefill": (5, 64, 16, 6, (70, 1, 33, 64, 90), (64, 1, 33, 64, 64)),
+    "cut": (2, 8, 2, 10, (20, 6), (5, 6)),  # row 0 planned 5 of its 8 picks
+}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -160,6 +168,7 @@ CASES = (
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill", "gemv_fp8")]
     + [f"route-{s}-fp32" for s in ROUTE_SHAPES]  # router logits are float32
     + [f"select-{s}-fp32" for s in SELECT_SHAPES]  # index scores are float32
+    + [f"fill_kv-{s}-int32" for s in FILL_KV_SHAPES]
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
@@ -167,7 +176,7 @@ CASES = (
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
         "engine_greedy-glm-tiny-bf16ckpt-fp32",
-        "engine_greedy-glm-tiny-offkernels-fp32",
+        "engine_greedy-glm-tiny-switchesoff-fp32",
         "autotuned",
     ]
 )
@@ -188,6 +197,7 @@ AUTOTUNED_KERNELS = {
     "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
     "_route_kernel": 1,
     "_select_topk_kernel": 1,
+    "_fill_kv_indices_kernel": 1,
     "_gate_up_gemv_kernel": 1,  # one token's experts
     "_down_gemv_kernel": 1,
     "_chunk_kernel": 1,  # greedy picks
@@ -542,11 +552,11 @@ def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy token
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
-    # -offkernels: with the kernels that are off by default turned on (the switches are read
-    # when the backend is built): the Triton MoE router and the indexer's decode pick
+    # -switchesoff: with the Triton MoE router and the indexer's decode pick switched off (the
+    # switches are read when the backend is built), so their reference paths run instead
     switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT")
-    on = preset.endswith("-offkernels")
-    preset = preset.removesuffix("-offkernels")
+    on = not preset.endswith("-switchesoff")
+    preset = preset.removesuffix("-switchesoff")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
     from snapfn.handler.llm.kernels import triton_indexer as ti
@@ -555,11 +565,12 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
         for name in switches:
             os.environ.pop(name, None)
-        if on:
-            os.environ.update(dict.fromkeys(switches, "auto"))
+        if not on:
+            os.environ.update(dict.fromkeys(switches, "off"))
         with _counting(tm, "route") as routed, _counting(ti, "select_topk_decode") as picked:
             result = _engine_greedy(preset, checkpoint, dtype, device)
-    assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
+    if preset.startswith("glm"):
+        assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
     return result
 
 
@@ -744,6 +755,32 @@ def _check_select(name: str, device: str) -> dict:
     want = select_topk(scores, lens, topk)
     assert torch.equal(got, want), f"{name}: picks differ:\n{got}\n{want}"
     return {"picked": int((got >= 0).sum())}
+
+
+def _check_fill_kv(name: str, device: str) -> dict:
+    """`triton_indexer.fill_kv_indices` against `flashinfer_mla.fill_kv_indices`: the same
+    slots wherever a row reads them (`kv_indices[:kv_indptr[-1]]`)."""
+    from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels.flashinfer_mla import fill_kv_indices
+
+    rows, topk, page, width, positions, planned = FILL_KV_SHAPES[name]
+    gen = torch.Generator().manual_seed(rows * topk)
+    topk_indices = torch.full((rows, topk), -1, dtype=torch.int32)
+    for t, n in enumerate(positions):  # a row's picks: distinct positions below n, any order
+        picks = torch.randperm(n, generator=gen)[:topk].int()
+        topk_indices[t, : len(picks)] = picks
+    page_table = torch.randperm(rows * width, generator=gen).int().view(rows, width)
+    kv_indptr = torch.tensor([0, *torch.tensor(planned).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(kv_indptr[-1])
+    want = torch.full((rows * topk + 1,), -7, dtype=torch.int32)
+    fill_kv_indices(want, topk_indices, page_table, kv_indptr, page)
+    got = torch.full((rows * topk + 1,), -7, dtype=torch.int32, device=device)
+    args = (topk_indices, page_table, kv_indptr)
+    ti.fill_kv_indices(got, *(a.to(device) for a in args), page)
+    got = got.cpu()
+    assert torch.equal(got[:total], want[:total]), f"{name}: slots differ:\n{got}\n{want}"
+    assert (got[total:] == -7).all(), f"{name}: wrote past the planned keys: {got[total:]}"
+    return {"slots": total}
 
 
 def _indexer_inputs(q_len: int, num_keys: int, heads: int, dim: int, seed: int, ties: bool):
@@ -953,7 +990,10 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     page_table = torch.arange(tokens * 16, device=device, dtype=torch.int32).view(tokens, 16)
     seq_lens = torch.full((tokens,), 200, device=device, dtype=torch.int32)
     scores = ti.index_scores_decode(q, weights, k_cache, page_table, seq_lens, 0.1)
-    ti.select_topk_decode(scores, seq_lens, 2048)  # GLM-5's index_topk
+    picked = ti.select_topk_decode(scores, seq_lens, 2048)  # GLM-5's index_topk
+    kv_indptr = torch.arange(tokens + 1, device=device, dtype=torch.int32) * 200
+    kv_indices = torch.empty(tokens * 2048 + 1, device=device, dtype=torch.int32)
+    ti.fill_kv_indices(kv_indices, picked, page_table, kv_indptr, 16)
     ti.index_scores_prefill(q, weights, _randn(200, 128, device=device), 196, 0.1)
     gate, up = (_random_fp8_on(8, 2048, 6144, device=device) for _ in "gu")
     down = _random_fp8_on(8, 6144, 2048, device=device)
@@ -975,6 +1015,8 @@ def run_case(case: str, device: str) -> dict:
     if case == "autotuned":
         return _check_autotuned()
     kind, *rest = case.split("-")
+    if kind == "fill_kv":
+        return _check_fill_kv(rest[0], device)
     dtype = DTYPES[rest[-1]]
     if kind in ("rms_norm", "add_rms_norm"):
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")

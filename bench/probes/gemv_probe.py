@@ -59,6 +59,12 @@ SWEEP = triton_gemv.GEMV_FP8_CONFIGS + [
         (16, 1024, 8),
         (32, 256, 4),
         (2, 4096, 8),
+        # wider tiles for FP8 weights (a byte per weight: more bytes in flight per program)
+        (4, 2048, 8),
+        (16, 2048, 8),
+        (8, 1024, 4),
+        (16, 512, 4),
+        (32, 512, 8),
     )
 ]
 

@@ -12,10 +12,10 @@ with the norm and SwiGLU kernels around them (`triton_gemv` fuses them in), and 
 MoE on the sorted-pairs kernels (`triton_moe.moe_gemv` reads its experts as GEMVs);
 `SNAPFN_DECODE_ATTENTION` picks who runs the flashinfer backend's decode attention
 (`flashinfer_backend.DECODE_ATTENTION`); `SNAPFN_PREFILL_INDEXER=off` scores the DSA indexer's
-prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_ROUTER=auto` routes
-MoE tokens with one Triton kernel (`triton_moe.route`), and `SNAPFN_INDEXER_SELECT=auto` picks
-the DSA indexer's decode top-k with one (`triton_indexer.select_topk_decode`); both off until
-their GPU checks have run.
+prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_ROUTER=off`
+routes MoE tokens with the reference's torch ops instead of one Triton kernel
+(`triton_moe.route`), and `SNAPFN_INDEXER_SELECT=off` picks the DSA indexer's decode top-k
+with the reference's sort instead of one (`triton_indexer.select_topk_decode`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _triton_modes() -> dict[str, str]:
         "deepgemm": os.environ.get("SNAPFN_DEEPGEMM", "auto"),
         "gemv": os.environ.get("SNAPFN_GEMV", "auto"),
         "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "auto"),
-        "router": os.environ.get("SNAPFN_MOE_ROUTER", "off"),
-        "indexer_select": os.environ.get("SNAPFN_INDEXER_SELECT", "off"),
+        "router": os.environ.get("SNAPFN_MOE_ROUTER", "auto"),
+        "indexer_select": os.environ.get("SNAPFN_INDEXER_SELECT", "auto"),
     }
 
 

@@ -187,9 +187,10 @@ class Backend:
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int32 key positions within the request, -1 = no key
         """DSA indexer: per query, the `topk` causal keys scoring highest on
-        `sum_h weights[h] * relu(scale * q[h] . k)`; a query with fewer causal keys gets them
-        all, padded with -1 (the FlashMLA sparse-index layout). Among equal scores the earlier
-        key wins, so a query's selection never depends on how its prompt was chunked."""
+        `sum_h weights[h] * relu(scale * q[h] . k)`, highest first; a query with at most
+        `topk` causal keys gets them all, in position order, padded with -1 (the FlashMLA
+        sparse-index layout; attention reads a selection as a set). Among equal scores the
+        earlier key wins, so a query's selection never depends on how its prompt was chunked."""
         raise NotImplementedError
 
     def mla_attention(

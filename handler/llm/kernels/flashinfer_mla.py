@@ -11,8 +11,9 @@ This serves prefill (each token its own selection) and decode alike.
 
 Planning (host): each row's key count `n = min(position + 1, topk)` (the indexer selects every
 causal key up to `topk`; `dsa_topk` documents it) gives `kv_indptr`; flashinfer's `plan()`
-splits the work. The key slots themselves are data: `fill_kv_indices` writes them from the
-top-k on the GPU, compacted by `kv_indptr`, on every layer (the full indexer layers select
+splits the work. The key slots themselves are data: `fill_kv_indices` (the reference; on
+CUDA its one-launch Triton twin in `triton_indexer`) writes them from the top-k on the GPU,
+compacted by `kv_indptr`, on every layer (the full indexer layers select
 anew), so decode CUDA graphs capture it; the plan is redone before each replay, into the
 graph's fixed buffers (flashinfer's CUDA-graph mode), like the llama decode plan.
 
@@ -143,7 +144,10 @@ class FlashInferMLA:
         `[H * (Dn + Dv), R]` weight (the caller dequantizes an FP8 one)."""
         wrapper, buffers = self._forward.for_call(batch, shape)
         rank, rope = shape.rank, shape.rope_dim
-        fill_kv_indices(
+        fill = fill_kv_indices
+        if q.is_cuda:  # one Triton launch (`triton_indexer.fill_kv_indices`); triton is here
+            from .triton_indexer import fill_kv_indices as fill
+        fill(
             buffers.kv_indices, topk_indices, buffers.page_table, buffers.kv_indptr, batch.page_size
         )
         nope = q.shape[2] - rope

@@ -243,13 +243,19 @@ def index_scores_one_seq(
 
 def pick_causal_topk(index_scores: torch.Tensor, q_offset: int, topk: int) -> torch.Tensor:
     """`[q, L]` scores of one request's chunk (-inf after each query) → `[q, topk]` int32 key
-    positions, highest first, the earlier key first among equals, -1 where keys run out."""
-    causal = _causal_mask(*index_scores.shape, q_offset, index_scores.device)  # [q, L]
+    positions as `select_topk` orders them: a query with at most `topk` causal keys gets all of
+    them in position order, one with more its `topk` best, highest first, the earlier key first
+    among equals; -1 where keys run out."""
+    num_q, num_k = index_scores.shape
+    causal = _causal_mask(num_q, num_k, q_offset, index_scores.device)  # [q, L]
     # NOTE: exact ties are common (relu zeroes every head's score of many keys); torch.topk
     # breaks them by row length, so chunking would change the selection. A stable sort keeps
     # the earliest tied keys, whatever the chunking. Without ties it picks what topk picks.
     order = index_scores.sort(dim=-1, descending=True, stable=True).indices
-    picked = order[:, : min(topk, index_scores.shape[1])]  # [q, k']
+    picked = order[:, : min(topk, num_k)]  # [q, k']
+    keys = torch.arange(num_q, device=picked.device)[:, None] + q_offset + 1  # causal keys
+    in_order = torch.arange(picked.shape[1], device=picked.device)[None, :]
+    picked = torch.where(keys <= topk, in_order, picked)
     # rows with fewer causal keys than topk pick masked keys too: drop them
     picked = picked.masked_fill(~causal.gather(1, picked), -1)
     return F.pad(picked, (0, topk - picked.shape[1]), value=-1).to(torch.int32)  # [q, topk]
@@ -302,10 +308,15 @@ def _topk_decode(q, weights, k_cache, page_table, seq_lens, topk, scale):
 
 def select_topk(index_scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
     """`[B, L]` decode index scores (-inf past each request's keys) → `[B, topk]` int32 key
-    positions, highest first, the earlier key first among equals, -1 where keys run out."""
+    positions: a request with at most `topk` keys gets them all in position order (attention
+    reads the selection as a set, and no sort is needed); one with more gets its `topk` best,
+    highest first, the earlier key first among equals. -1 where keys run out."""
     index_scores = F.pad(index_scores, (0, max(0, topk - index_scores.shape[1])), value=-torch.inf)
     picked = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk]  # [B, topk]
-    return picked.masked_fill(picked >= seq_lens[:, None].long(), -1).to(torch.int32)
+    in_order = torch.arange(topk, device=picked.device)[None, :]
+    lens = seq_lens[:, None].long()
+    picked = torch.where(lens <= topk, in_order, picked)
+    return picked.masked_fill(picked >= lens, -1).to(torch.int32)
 
 
 def mla_decode_absorbed(

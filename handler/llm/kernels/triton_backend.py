@@ -70,8 +70,8 @@ class TritonBackend(TorchBackend):
         deepgemm: str = "auto",
         gemv: str = "auto",
         prefill_indexer: str = "auto",
-        router: str = "off",
-        indexer_select: str = "off",
+        router: str = "auto",
+        indexer_select: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -84,7 +84,6 @@ class TritonBackend(TorchBackend):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._prefill_indexer = prefill_indexer == "auto"
-        # NOTE: off by default until their GPU checks have run (docs/kernels.md)
         self._router = router == "auto"
         self._indexer_select = indexer_select == "auto"
         self._deepgemm_mode = deepgemm

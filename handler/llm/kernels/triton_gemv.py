@@ -151,12 +151,13 @@ GEMV_CONFIGS = [
         (32, 128, 4),  # gate | up with the norm and SwiGLU
     )
 ]
-# FP8 weights (SCALED) are also timed with wider K steps (a byte per weight); not yet measured
-# which of these wins on which shape. 16-bit weights keep the 7 measured ones: each config
-# timed is one more compile at init
+# FP8 weights (SCALED) are also timed with wider tiles (a byte per weight: the same tile holds
+# half the bytes of a 16-bit one, so fewer bytes are in flight); not yet measured which of these
+# wins on which shape. 16-bit weights keep the 7 measured ones: each config timed is one more
+# compile at init
 GEMV_FP8_CONFIGS = GEMV_CONFIGS + [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in ((4, 1024, 4), (8, 1024, 8))
+    for bn, bk, w in ((4, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 1024, 8))
 ]
 
 

@@ -148,18 +148,22 @@ def select_width(width: int, topk: int) -> int:
 
 @triton.jit
 def _select_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, topk, N: tl.constexpr):
-    # one program per request: its row's scores made int64 keys that order as (score, -position)
-    # (unique, so the sort needs no stability), sorted descending in registers
+    # one program per request. A request with at most topk keys takes them all, in order; else
+    # its row's scores are made int64 keys that order as (score, -position) (unique, so the sort
+    # needs no stability), sorted descending in registers
     b = tl.program_id(0).to(tl.int64)
     pos = tl.arange(0, N)
-    score = tl.load(scores_ptr + b * width + pos, mask=pos < width, other=float("-inf"))
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as in float compares
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as int32 order
-    low = 0xFFFFFFFF - pos.to(tl.int64)  # the earlier position, the larger key
-    key = tl.sort((ordered.to(tl.int64) << 32) | low, descending=True)
-    picked = 0xFFFFFFFF - (key & 0xFFFFFFFF)
     seq_len = tl.load(seq_lens_ptr + b)
+    if seq_len <= topk:
+        picked = pos.to(tl.int64)
+    else:
+        score = tl.load(scores_ptr + b * width + pos, mask=pos < width, other=float("-inf"))
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as in float compares
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as int32 order
+        low = 0xFFFFFFFF - pos.to(tl.int64)  # the earlier position, the larger key
+        key = tl.sort((ordered.to(tl.int64) << 32) | low, descending=True)
+        picked = 0xFFFFFFFF - (key & 0xFFFFFFFF)
     picked = tl.where(picked < seq_len, picked, -1)
     tl.store(out_ptr + b * topk + pos, picked.to(tl.int32), mask=pos < topk)
 
@@ -171,8 +175,9 @@ _select_topk_tuned = autotuned(
 
 def select_topk_decode(scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
     """`torch_ref.select_topk` in one launch, for rows of up to `SELECT_MAX_WIDTH` scores: the
-    same picks (highest first, the earlier key first among equals, -1 past the keys), where the
-    reference pads, sorts with a stable radix sort, slices and masks."""
+    same picks (a request's keys in order where they all fit, else highest first, the earlier
+    key first among equals; -1 past the keys), where the reference pads, sorts every row with a
+    stable radix sort, slices and masks. A request whose keys all fit sorts nothing."""
     _check_device(scores, seq_lens)
     rows, width = scores.shape
     n = select_width(width, topk)
@@ -281,3 +286,64 @@ def index_scores_prefill(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **fixed,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _fill_kv_indices_kernel(
+    kv_indices_ptr,  # [>= total keys] int32
+    topk_ptr,  # [T, topk] int32 key positions within the request, -1 = none
+    page_table_ptr,  # [T, W] int32, row strides stride_pt
+    kv_indptr_ptr,  # [T+1] int32
+    topk,
+    stride_pt,
+    PAGE: tl.constexpr,
+    N: tl.constexpr,
+):
+    # one program per query row: its selected keys' cache slots, compacted in selection order
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, N)
+    pos = tl.load(topk_ptr + t * topk + j, mask=j < topk, other=-1)
+    valid = pos >= 0
+    start = tl.load(kv_indptr_ptr + t)
+    count = tl.load(kv_indptr_ptr + t + 1) - start
+    rank = tl.cumsum(valid.to(tl.int32), axis=0)  # 1-based among the row's selected keys
+    valid = valid & (rank <= count)
+    pos = tl.where(valid, pos, 0)
+    page = tl.load(page_table_ptr + t * stride_pt + pos // PAGE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    tl.store(kv_indices_ptr + start + rank - 1, slot.to(tl.int32), mask=valid)
+
+
+_fill_kv_indices_tuned = autotuned(
+    _fill_kv_indices_kernel, [triton.Config({}, num_warps=w) for w in (4, 8)], key=["N", "PAGE"]
+)
+
+
+def fill_kv_indices(kv_indices, topk_indices, page_table, kv_indptr, page_size: int) -> None:
+    """`flashinfer_mla.fill_kv_indices` (its reference: the same contract) in one launch, where
+    the reference runs about a dozen small torch kernels per layer: each row's selected keys
+    as cache slots from `kv_indptr[t]` on, cut at the row's planned count. Leaves the unwritten
+    elements as they were (the reference writes its cut keys into `kv_indices`' last element,
+    which no row reads)."""
+    _check_device(kv_indices, topk_indices, page_table, kv_indptr)
+    rows, topk = topk_indices.shape
+    if page_table.shape[0] != rows or kv_indptr.shape[0] != rows + 1:
+        raise ValueError(
+            f"{rows} top-k rows need as many page-table rows and {rows + 1} kv_indptr entries, "
+            f"got {page_table.shape[0]} and {kv_indptr.shape[0]}"
+        )
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    if rows:
+        kernel, fixed = tuned_or_fixed(_fill_kv_indices_tuned, num_warps=4)
+        kernel[(rows,)](
+            kv_indices,
+            topk_indices.contiguous(),
+            page_table,
+            kv_indptr,
+            topk,
+            page_table.stride(0),
+            PAGE=page_size,
+            N=triton.next_power_of_2(max(topk, 2)),
+            **fixed,
+        )
