@@ -135,13 +135,28 @@ def _gemv_kernel(
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-# NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. The fastest of a
-# 16-config sweep for each of the 8B's projections on the H200 (session 9 run 2,
-# bench/probes/gemv_probe.py); no pipeline depths: triton does not pipeline these loads (no
+# NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. `GEMV_CONFIGS`
+# (16-bit weights): the fastest of a 16-config sweep for each of the 8B's projections on the
+# H200 (session 9 run 2, bench/probes/gemv_probe.py); no pipeline depths: triton does not pipeline these loads (no
 # tl.dot), so stages changed nothing in run 1's sweep
-GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+_CONFIGS = {
+    (bn, bk, w): triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
+        (2, 512, 2),
+        (2, 1024, 4),
+        (2, 2048, 8),
+        (4, 512, 4),
+        (8, 512, 4),
+        (8, 1024, 4),
+        (16, 512, 4),
+        (16, 512, 8),
+        (32, 128, 4),
+        (32, 256, 4),
+    )
+}
+GEMV_CONFIGS = [
+    _CONFIGS[c]
+    for c in (
         (2, 512, 2),  # the 8B's down_proj
         (2, 1024, 4),
         (2, 2048, 8),  # o_proj, lm_head
@@ -151,31 +166,39 @@ GEMV_CONFIGS = [
         (32, 128, 4),  # gate | up with the norm and SwiGLU
     )
 ]
-# FP8 weights (SCALED) are also timed with wider tiles (a byte per weight: the same tile holds
-# half the bytes of a 16-bit one, so fewer bytes are in flight); not yet measured which of these
-# wins on which shape. 16-bit weights keep the 7 measured ones: each config timed is one more
-# compile at init
-GEMV_FP8_CONFIGS = GEMV_CONFIGS + [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in ((4, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 1024, 8))
+# FP8 weights (SCALED): the fastest and the runners-up of a 24-config sweep on the GLM-5-shaped
+# model's largest FP8 projections (session 11 run 3, `gemv_probe.py`). Tiles of 4-8K weights
+# won every shape; the 2-column tiles, best for 16-bit weights, and 8-16K-weight tiles lost
+# everywhere. Each config timed is one more compile at init
+GEMV_FP8_CONFIGS = [
+    _CONFIGS[c]
+    for c in (
+        (8, 512, 4),  # o_proj, down_proj, the shared expert's down
+        (16, 512, 8),  # gate | up with the norm and SwiGLU
+        (16, 512, 4),
+        (32, 256, 4),  # q_b_proj
+        (8, 1024, 4),
+    )
 ]
+GEMV_ALL_CONFIGS = list(_CONFIGS.values())
 
 
 def configs_for_weight(configs: list[triton.Config], named_args: dict, **kwargs) -> list:
-    """The autotuner's `early_config_prune`: all of `configs` (`GEMV_FP8_CONFIGS`) for an FP8
-    weight, `GEMV_CONFIGS` for a 16-bit one."""
-    scaled = {**named_args, **kwargs}.get("SCALED")
-    return list(configs) if scaled else [c for c in configs if c in GEMV_CONFIGS]
+    """The autotuner's `early_config_prune`: of `configs` (`GEMV_ALL_CONFIGS`), those of
+    `GEMV_FP8_CONFIGS` for an FP8 weight, of `GEMV_CONFIGS` for a 16-bit one."""
+    wanted = GEMV_FP8_CONFIGS if {**named_args, **kwargs}.get("SCALED") else GEMV_CONFIGS
+    return [c for c in configs if any(c is w for w in wanted)]
 
 
 _gemv_tuned = autotuned(
     _gemv_kernel,
-    GEMV_FP8_CONFIGS,
+    GEMV_ALL_CONFIGS,
     key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED"],
     prune=configs_for_weight,
 )
 # every config's BLOCK_N divides the FP8 scale block (the kernel's SCALED path needs it)
 assert all(FP8_BLOCK % c.kwargs["BLOCK_N"] == 0 for c in GEMV_FP8_CONFIGS)
+assert all(any(c is a for a in GEMV_ALL_CONFIGS) for c in GEMV_CONFIGS + GEMV_FP8_CONFIGS)
 
 
 def takes_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, swiglu: bool) -> bool:
