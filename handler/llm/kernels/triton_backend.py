@@ -19,8 +19,11 @@
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts; one token (and the
   GEMV on) by `triton_moe.moe_gemv`, its experts as matrix-vector products. FP8 experts of more
   than `FP8_FUSED_MAX_ROWS` tokens (prefill) run DeepGEMM's grouped GEMM where it is usable;
+- `route`: the MoE router in one launch (`triton_moe.route`; `router="off"`, or
+  SNAPFN_MOE_ROUTER=off, keeps the reference's torch ops);
 - `dsa_topk`: for decode batches `triton_indexer.indexer_topk_decode` scores only each
-  request's own keys, then picks like the reference; a prefill chunk's scores by
+  request's own keys, then picks them in one launch (`select_topk_decode`; `indexer_select=
+  "off"`, or SNAPFN_INDEXER_SELECT=off, keeps the reference's sort); a prefill chunk's scores by
   `triton_indexer.index_scores_prefill` (`prefill_indexer="off"`, or
   SNAPFN_PREFILL_INDEXER=off, keeps the reference's float32 GEMM), picked by the reference;
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
