@@ -124,7 +124,18 @@ INDEXER_SHAPES = {
 PICKS_SHAPES = {"vocab": (3, 128256), "ties": (2, 9000), "small": (4, 50)}
 
 # fused GEMV (one row): (N, K) and the work fused in; K off the block grid
-GEMV_KINDS = ("plain", "bias", "norm", "add_norm", "swiglu", "fp8", "fp8_add_norm", "fp8_swiglu")
+# fp32w: a float32 weight (GLM-5's indexer `weights_proj`, the MoE router), a float32 product
+GEMV_KINDS = (
+    "plain",
+    "bias",
+    "norm",
+    "add_norm",
+    "swiglu",
+    "fp8",
+    "fp8_add_norm",
+    "fp8_swiglu",
+    "fp32w",
+)
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
 # with SwiGLU, gate's rows a whole block (the up half must start on one)
@@ -417,6 +428,8 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     scale_inv = None
     if kind.startswith("fp8"):
         weight, scale_inv = _random_fp8((rows, k), device)
+    elif kind == "fp32w":
+        weight = (torch.randn(rows, k, generator=gen) / k**0.5).to(device)
     else:
         weight = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype).to(device)
     bias = torch.randn(rows, generator=gen).to(dtype).to(device) if kind == "bias" else None
@@ -436,6 +449,7 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     if swiglu:
         want = ref.silu_mul(want)
     got, total = tg.gemv(x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, **fused)
+    assert got.dtype == want.dtype, f"gemv {kind}: a {got.dtype} product, want {want.dtype}"
     if "residual" in fused:
         _check_close("gemv residual sum", total, h, (BF16_ULP * 8, BF16_ULP))
     return _check_close(f"gemv {kind}", got, want, _gemv_tol(want, scale_inv is not None))
@@ -504,8 +518,14 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
             want = torch_ref.linear(x, fp8, None, fp8_scale)
             tol = _gemv_tol(want, True)
             errors.append(_check_close(f"fp8 linear {rows} rows", got, want, tol)["max_abs_err"])
-    # one 16-bit row: two add_norm_linear and one linear, then the FP8 swiglu and linear
-    want_calls = 5 if dtype != torch.float32 else 0
+            # a float32 weight (a float32 module): a float32 product whatever x's dtype
+            fp32 = weight.float()
+            got, want = triton.linear(x, fp32), torch_ref.linear(x, fp32)
+            assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
+            tol = GEMV_TOL[torch.float32]
+            errors.append(_check_close(f"fp32 linear {rows} rows", got, want, tol)["max_abs_err"])
+    # one 16-bit row: two add_norm_linear and one linear, the FP8 swiglu and linear, float32 W
+    want_calls = 6 if dtype != torch.float32 else 0
     assert len(calls) == want_calls, f"gemv ran {len(calls)} times, expected {want_calls}"
     return {"max_abs_err": max(errors)}
 

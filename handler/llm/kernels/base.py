@@ -68,7 +68,10 @@ class Backend:
         bias: torch.Tensor | None = None,
         weight_scale_inv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`x @ W.T + b`; W may be fp8 with a 128x128 block `weight_scale_inv`."""
+        """`x @ W.T + b`; W may be fp8 with a 128x128 block `weight_scale_inv`. A float32 `W`
+        (a module Hugging Face keeps in float32, `_keep_in_fp32_modules`: GLM-5's indexer
+        `weights_proj`, the MoE router) multiplies `x` upcast to float32, and the product is
+        float32, whatever `x`'s dtype."""
         raise NotImplementedError
 
     def add_norm_linear(

@@ -18,6 +18,8 @@ class TorchBackend(Backend):
     name = "torch"
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
+        if weight.dtype == torch.float32 and weight_scale_inv is None:
+            x = x.float()  # a float32 module: its product in float32, whatever x's dtype
         return F.linear(x, self._dense_weight(weight, weight_scale_inv, x.dtype), bias)
 
     def rms_norm(self, x, weight, eps):

@@ -108,12 +108,12 @@ class TritonBackend(TorchBackend):
         self, x: torch.Tensor, weight: torch.Tensor, scale_inv, swiglu: bool = False
     ) -> ModuleType | None:
         """`triton_gemv` where it takes this product: on, one 16-bit input row, and a 2-D
-        weight of x's dtype or an FP8 one that `triton_gemv.takes_fp8`."""
+        weight of x's dtype, a float32 one, or an FP8 one that `triton_gemv.takes_fp8`."""
         if not self._gemv or weight.dim() != 2 or x.numel() != x.shape[-1]:  # one row only
             return None
         if x.dtype not in (torch.float16, torch.bfloat16):
             return None
-        if scale_inv is None and weight.dtype != x.dtype:
+        if scale_inv is None and weight.dtype not in (x.dtype, torch.float32):
             return None
         tg = _kernels(x, "triton_gemv")
         if tg is not None and scale_inv is not None and not tg.takes_fp8(weight, scale_inv, swiglu):

@@ -14,6 +14,7 @@ activation, cuBLAS's split-K reductions) adds a launch of a few microseconds ins
 | `norm_weight`, `residual` | `h = x + residual`; `rms_norm(h) @ W.T (+ b)`; `h` written out | `add_rms_norm` then `F.linear` |
 | `swiglu` | `silu(gate) * up` of `W = gate | up`'s product, `[1, N/2]` | `silu_mul` of the above |
 | `weight_scale_inv` | any of the above for an FP8 weight with 128x128 block scales | `linear` on the dequantized weight |
+| a float32 weight | `x @ W.T` in float32, a float32 output (GLM-5's indexer `weights_proj`, the MoE router) | `F.linear(x.float(), W)` |
 
 The norm's statistic is a sum over all of K that the program gathers while it walks K for the
 product, so nothing runs before the weight streams: `rms_norm(h) @ W.T` is computed as
@@ -224,18 +225,20 @@ def gemv(
     config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
-    of x's dtype, or an FP8 one with its `weight_scale_inv` (`takes_fp8`): `y` as the module
-    docstring's table gives it for the flags, `h = x + residual` when `residual` is given
-    (else None). `config` runs one config untuned (probes, tests)."""
+    of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
+    `Backend.linear` does for a float32 module), or an FP8 one with its `weight_scale_inv`
+    (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
+    residual` when `residual` is given (else None). `config` runs one config untuned (probes,
+    tests)."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
-    want_dtype = x.dtype if weight_scale_inv is None else FP8_DTYPE
-    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != want_dtype:
+    want_dtypes = (x.dtype, torch.float32) if weight_scale_inv is None else (FP8_DTYPE,)
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in want_dtypes:
+        names = " or ".join(str(d) for d in want_dtypes)
         raise ValueError(
-            f"gemv needs a [N, {k}] weight of dtype {want_dtype}, "
-            f"got {tuple(weight.shape)} {weight.dtype}"
+            f"gemv needs a [N, {k}] weight of dtype {names}, got {tuple(weight.shape)} {weight.dtype}"
         )
     if weight_scale_inv is not None and not takes_fp8(weight, weight_scale_inv, swiglu):
         raise ValueError(
@@ -256,7 +259,9 @@ def gemv(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # a float32 weight (a module kept in float32) gives a float32 product, as `Backend.linear`
+    out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     total = torch.empty_like(rows) if residual is not None else None
     kernel, params = tuned_or_fixed(_gemv_tuned, config, BLOCK_N=8, BLOCK_K=128)
     flags = dict(

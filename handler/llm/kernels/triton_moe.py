@@ -395,10 +395,19 @@ def _down_gemv_kernel(
 
 
 # NOTE: (columns, K step, warps), as the dense GEMV's (`triton_gemv.GEMV_CONFIGS`); BLOCK_N
-# divides 128, so a program's columns share one FP8 scale row
+# divides 128, so a program's columns share one FP8 scale row. (8, 512, 4) and (16, 512, 8)
+# won the dense FP8 GEMV's sweep (session 11 run 3); not yet timed here on a GPU
 MOE_GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 8), (16, 256, 8))
+    for bn, bk, w in (
+        (2, 1024, 4),
+        (4, 512, 4),
+        (4, 1024, 4),
+        (8, 512, 4),
+        (8, 512, 8),
+        (16, 256, 8),
+        (16, 512, 8),
+    )
 ]
 MOE_GEMV_INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 64}
 _gate_up_gemv_tuned = autotuned(

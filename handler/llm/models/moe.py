@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BadRequest
@@ -50,7 +49,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, H]` -> (global expert ids `[T, k]`, float32 weights `[T, k]`)."""
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = self.backend.linear(x, self.weight)  # [T, E] float32 (a float32 W)
         return self.backend.route(logits, self.e_score_correction_bias, self.moe)
 
 
