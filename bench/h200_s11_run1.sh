@@ -11,13 +11,10 @@
 # Usage (device tool; carry .whl, .ficache): bash bench/h200_s11_run1.sh
 set -uo pipefail
 . bench/device-env.sh
-res=/tmp/s11run1; rm -rf $res; mkdir -p $res
+results_tarball s11run1
 t0=$SECONDS
 . bench/device-flashinfer.sh
-finish() { tar -czf "$out/h200-s11run1.tgz" -C $res . ; }
-trap finish EXIT
-(snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda --out "$work/glm5" \
-  > "$res/make-model.log" 2>&1; echo "model rc $?") &
+(make_glm5; echo "model rc $?") &
 timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_triton_kernels.py \
   -k "route or select or fill_kv or offkernels or autotune" > "$res/gpu-tests-triton.log" 2>&1
 grep -cE "PASSED" "$res/gpu-tests-triton.log"; grep -E "^E  |FAILED|ERROR|passed|failed" "$res/gpu-tests-triton.log" | tail -8

@@ -14,13 +14,10 @@
 # Usage (device tool; carry .whl, .ficache): bash bench/h200_s11_run2.sh
 set -uo pipefail
 . bench/device-env.sh
-res=/tmp/s11run2; rm -rf $res; mkdir -p $res
+results_tarball s11run2
 t0=$SECONDS
 . bench/device-flashinfer.sh
-finish() { tar -czf "$out/h200-s11run2.tgz" -C $res . ; }
-trap finish EXIT
-(snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda --out "$work/glm5" \
-  > "$res/make-model.log" 2>&1; echo "model rc $?") &
+(make_glm5; echo "model rc $?") &
 (TRITON_CACHE_DIR=$work/tc1 timeout 220 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_triton_kernels.py \
   -k "select or fill_kv or engine_greedy-glm-tiny-fp32 or switchesoff" > "$res/gpu-tests-triton.log" 2>&1) &
 (TRITON_CACHE_DIR=$work/tc2 timeout 220 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_flashinfer.py \

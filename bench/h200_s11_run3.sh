@@ -9,13 +9,10 @@
 # Usage (device tool; carry .whl, .ficache): bash bench/h200_s11_run3.sh
 set -uo pipefail
 . bench/device-env.sh
-res=/tmp/s11run3; rm -rf $res; mkdir -p $res
+results_tarball s11run3
 t0=$SECONDS
 . bench/device-flashinfer.sh
-finish() { tar -czf "$out/h200-s11run3.tgz" -C $res . ; }
-trap finish EXIT
-(snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda --out "$work/glm5" \
-  > "$res/make-model.log" 2>&1; echo "[$((SECONDS - t0)) s] model rc $?") &
+(make_glm5; echo "[$((SECONDS - t0)) s] model rc $?") &
 TRITON_CACHE_DIR=$work/tc-probe timeout 150 python3 bench/probes/gemv_probe.py \
   --only glm5.fp8.q_b,glm5.fp8.o,glm5.fp8.gate_up,glm5.fp8.down,glm5.fp8.shared_down \
   > "$res/gemv-probe-glm5-fp8.jsonl" 2> "$res/gemv-probe.err"

@@ -5,11 +5,9 @@
 # Usage (device tool; carry .whl, .ficache): bash bench/h200_s11_run4.sh
 set -uo pipefail
 . bench/device-env.sh
-res=/tmp/s11run4; rm -rf $res; mkdir -p $res
+results_tarball s11run4
 t0=$SECONDS
 . bench/device-flashinfer.sh
-finish() { tar -czf "$out/h200-s11run4.tgz" -C $res . ; }
-trap finish EXIT
 snapfn make-model --preset 8b --dtype bf16 --device cuda --out "$work/llama8b" > "$res/make-model.log" 2>&1
 echo "[$((SECONDS - t0)) s] model rc $?"
 SNAPFN_BACKEND=flashinfer timeout $((560 - SECONDS)) python3 -m snapfn.handler.cli bench \

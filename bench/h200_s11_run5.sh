@@ -6,11 +6,9 @@
 # Usage (device tool; carry .whl, .ficache): [RUN=6] bash bench/h200_s11_run5.sh (RUN=6: run 6, a second sample)
 set -uo pipefail
 . bench/device-env.sh
-res=/tmp/s11run${RUN:-5}; rm -rf $res; mkdir -p $res
+results_tarball s11run${RUN:-5}
 t0=$SECONDS
 . bench/device-flashinfer.sh
-finish() { tar -czf "$out/h200-s11run${RUN:-5}.tgz" -C $res . ; }
-trap finish EXIT
 [ -d "$work/glm5" ] || { echo "no model here: a fresh machine"; exit 1; }
 for sw in auto off; do
   SNAPFN_MOE_ROUTER=$sw SNAPFN_INDEXER_SELECT=$sw SNAPFN_BACKEND=flashinfer timeout $((440 - SECONDS)) \
