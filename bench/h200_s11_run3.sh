@@ -16,13 +16,7 @@ t0=$SECONDS
 TRITON_CACHE_DIR=$work/tc-probe timeout 150 python3 bench/probes/gemv_probe.py \
   --only glm5.fp8.q_b,glm5.fp8.o,glm5.fp8.gate_up,glm5.fp8.down,glm5.fp8.shared_down \
   > "$res/gemv-probe-glm5-fp8.jsonl" 2> "$res/gemv-probe.err"
-python3 -c "
-import json,sys
-for line in open(sys.argv[1]):
-    d=json.loads(line); cfg={k: v[0] for k, v in (d.get('configs') or {}).items() if isinstance(v, list)}
-    best=sorted(cfg.items(), key=lambda kv: kv[1])[:4]
-    print(d.get('shape'), {k: d.get(k) for k in ('unfused_us','tuned_us','tuned_tbps')}, best)
-" "$res/gemv-probe-glm5-fp8.jsonl" || tail -3 "$res/gemv-probe.err"
+python3 bench/probes/gemv_probe.py --summarise "$res/gemv-probe-glm5-fp8.jsonl" || tail -3 "$res/gemv-probe.err"
 wait
 echo "[$((SECONDS - t0)) s] probe and model done"
 bench() { SNAPFN_BACKEND=flashinfer timeout "$1" python3 -m snapfn.handler.cli bench --model "$work/glm5" --device cuda "${@:2}"; }

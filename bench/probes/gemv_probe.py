@@ -5,6 +5,7 @@ fused kernel takes them on), on the shapes of the 8B llama and the GLM-5-shaped 
 `lm_head`, its FP8 projections: `glm5.fp8.*`).
 
 python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
+python3 bench/probes/gemv_probe.py --summarise OUT.jsonl   # each shape's 4 fastest configs
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
@@ -75,7 +76,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--only", default="", help="comma-separated shape names")
+    parser.add_argument(
+        "--summarise",
+        metavar="JSONL",
+        help="print each shape's 4 fastest configs from an earlier run",
+    )
     args = parser.parse_args()
+    if args.summarise:
+        summarise(args.summarise)
+        return
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     for name, rows_w, k, kind in SHAPES:
@@ -95,6 +104,17 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del weights
         torch.cuda.empty_cache()
+
+
+def summarise(path: str) -> None:
+    """One line per shape of a probe's output: its timings and its 4 fastest configs."""
+    with open(path) as lines:
+        rows = [json.loads(line) for line in lines]
+    for row in rows:
+        timed = {k: v[0] for k, v in row["configs"].items() if isinstance(v, list)}
+        best = sorted(timed.items(), key=lambda kv: kv[1])[:4]
+        times = {k: row[k] for k in ("unfused_us", "tuned_us", "tuned_tbps")}
+        print(row["shape"], times, best)
 
 
 def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, reps: int) -> dict:
