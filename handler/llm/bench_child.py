@@ -227,9 +227,9 @@ def distinct_prompts(batch: int, vocab: int) -> list[list[int]]:
 
 def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
     """Steady-state decode ms per step at each batch size (after one warm-up generation): a
-    generation of `decode_tokens` tokens less one of a single token, over the steps between,
-    so that the prompt's prefill (in both) is not counted as decode. The rows are distinct
-    prompts (`distinct_prompts`). NOTE: until session 5's device runs the figure was one whole
+    generation of `2 * decode_tokens` tokens less one of `decode_tokens`, over the steps
+    between (`_ms_per_step`), so that neither the prompt's prefill nor a generation's end steps
+    count as steady decode. The rows are distinct prompts (`distinct_prompts`). NOTE: until session 5's device runs the figure was one whole
     generation over its tokens, the prefill included; until session 10's run 3 every row was
     the same prompt, so a MoE model's rows all read the same experts (its batch 8-64 figures
     beat a roofline that counts the experts a uniform router would touch)."""
@@ -255,13 +255,17 @@ def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
 
 
 def _ms_per_step(timed, tokens: int) -> float:
-    """Decode ms per step from `timed(n)`, the seconds of an n-token generation: `tokens`
-    tokens less one, over the steps between, so that the prefill (in both) is not decode. Each
-    is the best of two runs, so that one stall (another process on a small CI machine) does
-    not swallow the difference."""
-    steps = max(2, tokens)
-    seconds = min(timed(steps) for _ in range(2)) - min(timed(1) for _ in range(2))
-    return round(max(seconds, 0.0) / (steps - 1) * 1e3, 3)
+    """Steady decode ms per step from `timed(n)`, the seconds of an n-token generation: `2 *
+    tokens` tokens less `tokens`, over `tokens`. Both generations hold the prefill and the steps
+    at a generation's ends that the overlapped loop cannot hide (the first decode step, launched
+    after the prefill's token lands, and the last, which ends by length and is not launched
+    early), so the difference is steady steps only. Each is the best of two runs, so that one
+    stall (another process on a small CI machine) does not swallow the difference.
+    NOTE: until session 11 the figure was `tokens` tokens less one, over `tokens - 1` steps,
+    which counted those end steps in (all GPU figures up to session 11's runs)."""
+    steps = max(1, tokens)
+    seconds = min(timed(2 * steps) for _ in range(2)) - min(timed(steps) for _ in range(2))
+    return round(max(seconds, 0.0) / steps * 1e3, 3)
 
 
 def _sync(device: str) -> None:
