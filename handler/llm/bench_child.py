@@ -229,10 +229,11 @@ def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
     """Steady-state decode ms per step at each batch size (after one warm-up generation): a
     generation of `2 * decode_tokens` tokens less one of `decode_tokens`, over the steps
     between (`_ms_per_step`), so that neither the prompt's prefill nor a generation's end steps
-    count as steady decode. The rows are distinct prompts (`distinct_prompts`). NOTE: until session 5's device runs the figure was one whole
-    generation over its tokens, the prefill included; until session 10's run 3 every row was
-    the same prompt, so a MoE model's rows all read the same experts (its batch 8-64 figures
-    beat a roofline that counts the experts a uniform router would touch)."""
+    count as steady decode. The rows are distinct prompts (`distinct_prompts`). NOTE: until
+    session 5's device runs the figure was one whole generation over its tokens, the prefill
+    included; until session 10's run 3 every row was the same prompt, so a MoE model's rows all
+    read the same experts (its batch 8-64 figures beat a roofline that counts the experts a
+    uniform router would touch)."""
     from .engine.request import SamplingParams
 
     vocab = engine.model.config.vocab_size

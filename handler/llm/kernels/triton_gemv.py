@@ -73,8 +73,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # `x`, `residual`, `sum`: [k]; `w`: [n, k] (with SWIGLU, [2n, k] = gate | up); `out`: [n]
-    # (all contiguous); SCALED: `w` fp8 with `scale` [ceil(rows / SCALE_BLOCK), num_k_blocks]. One program per BLOCK_N output columns, K walked BLOCK_K at a time; the
-    # products summed over K once, after the loop.
+    # (all contiguous); SCALED: `w` fp8 with `scale` [ceil(rows / SCALE_BLOCK), num_k_blocks].
+    # One program per BLOCK_N output columns, K walked BLOCK_K at a time; the products summed
+    # over K once, after the loop.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
@@ -138,8 +139,8 @@ def _gemv_kernel(
 
 # NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. `GEMV_CONFIGS`
 # (16-bit weights): the fastest of a 16-config sweep for each of the 8B's projections on the
-# H200 (session 9 run 2, bench/probes/gemv_probe.py); no pipeline depths: triton does not pipeline these loads (no
-# tl.dot), so stages changed nothing in run 1's sweep
+# H200 (session 9 run 2, bench/probes/gemv_probe.py); no pipeline depths: triton does not
+# pipeline these loads (no tl.dot), so stages changed nothing in run 1's sweep
 _CONFIGS = {
     (bn, bk, w): triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
@@ -237,9 +238,8 @@ def gemv(
     want_dtypes = (x.dtype, torch.float32) if weight_scale_inv is None else (FP8_DTYPE,)
     if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in want_dtypes:
         names = " or ".join(str(d) for d in want_dtypes)
-        raise ValueError(
-            f"gemv needs a [N, {k}] weight of dtype {names}, got {tuple(weight.shape)} {weight.dtype}"
-        )
+        got = f"{tuple(weight.shape)} {weight.dtype}"
+        raise ValueError(f"gemv needs a [N, {k}] weight of dtype {names}, got {got}")
     if weight_scale_inv is not None and not takes_fp8(weight, weight_scale_inv, swiglu):
         raise ValueError(
             f"an FP8 weight {tuple(weight.shape)} needs scales "
