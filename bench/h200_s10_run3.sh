@@ -39,16 +39,7 @@ rm -rf "$work/glm-bench/cache"  # what the init compiled and tuned: gone, as on 
 timeout 60 python3 -m snapfn.handler.cli bench --model "$work/glm5" --device cuda \
   --workdir "$work/glm-bench" --modes restore --decode-batches 1 --decode-tokens 16 \
   --out "$res/h200-glm5-reduced-fp8-s10run3-restore.json" 2>&1 | grep -A2 "^mode"
-python3 - "$res"/h200-glm5-reduced-fp8-s10run3-{init,restore}.json <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    for mode, m in json.load(open(path))["modes"].items():
-        stages = (m.get("startup") or {}).get("stages", [])
-        keep = ("compiled_files", "restored_cache_files", "backend", "buckets", "skipped")
-        found = {s["name"]: {k: v for k, v in s["figures"].items() if k in keep} for s in stages}
-        print(mode, m.get("ready_s"), m.get("first_token_s"), m.get("token"), m.get("logprob"),
-              {k: v for k, v in found.items() if v})
-PY
+python3 bench/startup_summary.py "$res"/h200-glm5-reduced-fp8-s10run3-{init,restore}.json
 echo "[$((SECONDS - t0)) s] init and restore done"
 if [ $SECONDS -lt 480 ]; then steady off 1 $((590 - SECONDS)); fi
 echo "[$((SECONDS - t0)) s] done"

@@ -28,15 +28,5 @@ rm -rf "$work/glm-bench/cache"  # what the init compiled and tuned: gone, as on 
 bench $((590 - SECONDS)) --workdir "$work/glm-bench" --modes restore --decode-batches 1 --decode-tokens 16 \
   --out "$res/h200-glm5-reduced-fp8-s11run3-restore.json" > "$res/restore.log" 2>&1
 grep -A2 "^mode" "$res/restore.log" || tail -4 "$res/restore.log"
-python3 - "$res"/h200-glm5-reduced-fp8-s11run3-{init,restore}.json <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    for mode, m in json.load(open(path))["modes"].items():
-        stages = (m.get("startup") or {}).get("stages", [])
-        keep = ("compiled_files", "restored_cache_files", "backend", "buckets", "skipped")
-        found = {s["name"]: {k: v for k, v in s["figures"].items() if k in keep} for s in stages}
-        secs = {s["name"]: s.get("seconds") for s in stages}
-        print(mode, m.get("ready_s"), m.get("first_token_s"), m.get("token"), m.get("logprob"),
-              {k: v for k, v in found.items() if v}, secs)
-PY
+python3 bench/startup_summary.py "$res"/h200-glm5-reduced-fp8-s11run3-{init,restore}.json
 echo "[$((SECONDS - t0)) s] done"

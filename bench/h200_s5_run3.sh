@@ -28,12 +28,4 @@ for _ in $(seq 300); do grep -q "serving on" "$out/$name-keeper.log" && break; s
 bench --modes restore,restore_process --out "$out/$name-restore.json" 2>&1 | grep -A6 "^mode"
 kill $pid; wait $pid
 echo "[$((SECONDS - t0)) s] restores done"
-python3 - "$out/$name-init.json" "$out/$name-restore.json" <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    for mode, m in json.load(open(path))["modes"].items():
-        stages = (m.get("startup") or {}).get("stages", [])
-        keep = ("compiled_files", "restored_cache_files", "cache_files", "backend", "skipped")
-        found = {s["name"]: {k: v for k, v in s["figures"].items() if k in keep} for s in stages}
-        print(mode, m.get("ready_s"), m.get("first_token_s"), m.get("decode"), {k: v for k, v in found.items() if v})
-PY
+python3 bench/startup_summary.py "$out/$name-init.json" "$out/$name-restore.json"

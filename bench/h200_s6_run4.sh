@@ -33,13 +33,4 @@ bench --modes restore_process --out "$out/$name-restore2.json" 2>&1 | grep -A2 "
 kill $pid; wait $pid
 echo "[$((SECONDS - t0)) s] restores done"
 python3 bench/tier1_summary.py "$out/$name-restore.json"
-python3 - "$out/$name-init.json" "$out/$name-restore.json" "$out/$name-restore2.json" <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    for mode, m in json.load(open(path))["modes"].items():
-        stages = (m.get("startup") or {}).get("stages", [])
-        keep = ("compiled_files", "restored_cache_files", "backend")
-        found = {s["name"]: {k: v for k, v in s["figures"].items() if k in keep} for s in stages}
-        first = {k: m.get(k) for k in ("token", "logprob") if k in m}
-        print(mode, m.get("ready_s"), m.get("first_token_s"), first, {k: v for k, v in found.items() if v})
-PY
+python3 bench/startup_summary.py "$out/$name-init.json" "$out/$name-restore.json" "$out/$name-restore2.json"

@@ -45,16 +45,7 @@ bench 120 --workdir "$work/glm-bench" --modes cold_init --decode-batches 1 --dec
 rm -rf "$work/glm-bench/cache"  # what the init compiled and tuned: gone, as on a new machine
 bench 90 --workdir "$work/glm-bench" --modes restore --decode-batches 1 --decode-tokens 16 \
   --out "$out/h200-glm5-reduced-fp8-s7run4-restore.json" 2>&1 | grep -A2 "^mode"
-python3 - "$out"/h200-glm5-reduced-fp8-s7run4-*.json <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    for mode, m in json.load(open(path))["modes"].items():
-        stages = (m.get("startup") or {}).get("stages", [])
-        keep = ("compiled_files", "restored_cache_files", "backend", "buckets", "skipped")
-        found = {s["name"]: {k: v for k, v in s["figures"].items() if k in keep} for s in stages}
-        print(mode, m.get("ready_s"), m.get("first_token_s"), m.get("token"), m.get("logprob"),
-              {k: v for k, v in found.items() if v})
-PY
+python3 bench/startup_summary.py "$out"/h200-glm5-reduced-fp8-s7run4-*.json
 echo "[$((SECONDS - t0)) s] init + restore done"
 if [ -d .dgsrc ] && [ $SECONDS -lt 480 ]; then
   timeout 90 bash bench/deepgemm_build.sh > "$out/h200-s7run4-deepgemm-build.log" 2>&1; echo "build rc $?"
