@@ -43,7 +43,10 @@ def is_quantized(module_name: str, quant: QuantConfig | None) -> bool:
 
 
 class Linear(nn.Module):
-    """`y = x W^T (+ b)` through the backend; W is `dtype` or FP8 with `weight_scale_inv`."""
+    """`y = x W^T (+ b)` through the backend; W is `dtype` or FP8 with `weight_scale_inv`. A
+    float32 module (`dtype=torch.float32`: Hugging Face's `_keep_in_fp32_modules`) computes in
+    float32 whatever x's dtype: `Backend.linear` upcasts x for a float32 W, and an FP8 W is
+    given x in float32, so that it is dequantized into float32."""
 
     def __init__(
         self,
@@ -63,8 +66,11 @@ class Linear(nn.Module):
             _param(scale_shape((out_features, in_features)), torch.float32, device) if fp8 else None
         )
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.float32_fp8 = fp8 and dtype == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_fp8:
+            x = x.float()
         return self.backend.linear(x, self.weight, self.bias, self.weight_scale_inv)
 
 

@@ -87,10 +87,7 @@ class DSAIndexer(nn.Module):
         k = rope(k, cos, sin, rotary.interleaved, 0)[:, 0]  # [T, Di]
         cache = kv.layer("index_k", self.slot)
         self.backend.store_kv(cache, k, batch)
-        # float32 (HF's `_keep_in_fp32_modules`): a float32 W upcasts x itself (`Backend.linear`,
-        # which lets the one-row GEMV read x as it is); an FP8 one is dequantized to x's dtype
-        fp32 = self.weights_proj.weight.dtype == torch.float32
-        weights = self.weights_proj(x if fp32 else x.float()).float() * self.num_heads**-0.5
+        weights = self.weights_proj(x) * self.num_heads**-0.5  # [T, Hi] float32: a float32 module
         return self.backend.dsa_topk(q, weights, cache, batch, self.topk, self.softmax_scale)
 
 
