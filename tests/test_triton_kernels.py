@@ -188,3 +188,21 @@ def test_compiled_kernels_refuse_cpu_tensors():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+@needs_triton
+def test_gemv_splits_k_only_where_column_tiles_leave_sms_idle(monkeypatch):
+    from snapfn.handler.llm.kernels import triton_gemv as tg
+    from snapfn.handler.llm.quant import FP8_DTYPE
+
+    monkeypatch.setitem(tg._SM_COUNTS, 0, 132)  # an H200's SMs, read without a GPU
+    cuda = torch.device("cuda", 0)
+    # GLM-5's FP8 kv_a and indexer wk: 72 and 16 tiles of 8 columns, 12 splits of K 6144
+    assert tg.split_count(576, 6144, FP8_DTYPE, cuda) == 12
+    assert tg.split_count(128, 6144, FP8_DTYPE, cuda) == 12
+    # q_a: 256 tiles fill the SMs; bf16 and float32 count tiles of 2 columns
+    assert tg.split_count(2048, 6144, FP8_DTYPE, cuda) == 1
+    assert tg.split_count(576, 6144, torch.bfloat16, cuda) == 1
+    assert tg.split_count(256, 6144, torch.float32, cuda) == 12  # the router: 128 tiles
+    assert tg.split_count(32, 1024, torch.float32, cuda) == 2  # at least 512 of K a split
+    assert tg.split_count(32, 6144, torch.float32, torch.device("cpu")) == 1

@@ -135,6 +135,12 @@ GEMV_KINDS = (
     "fp8_add_norm",
     "fp8_swiglu",
     "fp32w",
+    # K split three ways (300 = 3 steps of the interpreter's 128), or five (two splits empty)
+    "bias_split3",
+    "add_norm_split3",
+    "fp8_add_norm_split3",
+    "fp8_swiglu_split3",
+    "fp32w_split5",
 )
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
@@ -420,6 +426,8 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
 
     ref = TorchBackend()
+    kind, _, split = kind.partition("_split")
+    splits = int(split) if split else None
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")
@@ -448,7 +456,14 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     want = ref.linear(normed, weight, bias, scale_inv)
     if swiglu:
         want = ref.silu_mul(want)
-    got, total = tg.gemv(x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, **fused)
+    got, total = tg.gemv(
+        x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, **fused
+    )
+    if splits:  # once more: the last program of each column block left its count at 0
+        again, _ = tg.gemv(
+            x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, **fused
+        )
+        assert torch.equal(again, got), f"gemv {kind}: a second split run differs"
     assert got.dtype == want.dtype, f"gemv {kind}: a {got.dtype} product, want {want.dtype}"
     if "residual" in fused:
         _check_close("gemv residual sum", total, h, (BF16_ULP * 8, BF16_ULP))

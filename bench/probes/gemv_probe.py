@@ -5,13 +5,16 @@ fused kernel takes them on), on the shapes of the 8B llama and the GLM-5-shaped 
 `lm_head`, its FP8 projections: `glm5.fp8.*`).
 
 python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
+    [--splits auto,1,4] [--configs all|fp8]
 python3 bench/probes/gemv_probe.py --summarise OUT.jsonl   # each shape's 4 fastest configs
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
 again. Prints one JSON object per (shape, rows): the unfused sequence's and the tuned kernel's
 microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
-largest difference from the unfused sequence relative to its largest value.
+largest difference from the unfused sequence relative to its largest value. `--splits` times
+each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
+labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ SHAPES = [
     ("glm5.fp8.down", 6144, 12288, "fp8"),
     ("glm5.fp8.shared_gate_up", 4096, 6144, "fp8"),  # the shared expert's (no norm)
     ("glm5.fp8.shared_down", 6144, 2048, "fp8"),
+    # few output columns over a long K: where K splits pay (session 12)
+    ("glm5.fp8.indexer_wk", 128, 6144, "fp8"),
+    ("glm5.fp32.weights_proj", 32, 6144, "fp32"),  # the indexer's, a float32 module
+    ("glm5.fp32.router", 256, 6144, "fp32"),
 ]
 L2_BYTES = 60 << 20
 # the sweep at one row: the autotuned configs and more around them
@@ -76,6 +83,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--only", default="", help="comma-separated shape names")
+    parser.add_argument("--splits", default="auto", help="comma-separated K splits or auto")
+    parser.add_argument("--configs", default="all", choices=("all", "fp8"))
     parser.add_argument(
         "--summarise",
         metavar="JSONL",
@@ -90,9 +99,9 @@ def main() -> None:
     for name, rows_w, k, kind in SHAPES:
         if args.only and name not in args.only.split(","):
             continue
-        fp8 = kind.startswith("fp8")
-        copies = max(2, -(-4 * L2_BYTES // (rows_w * k * (1 if fp8 else 2))))
-        weights = [torch.randn(rows_w, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+        fp8, wdt = kind.startswith("fp8"), torch.float32 if kind == "fp32" else dt
+        copies = max(2, -(-4 * L2_BYTES // (rows_w * k * (1 if fp8 else wdt.itemsize))))
+        weights = [torch.randn(rows_w, k, device=dev, dtype=wdt) / k**0.5 for _ in range(copies)]
         scales = [None] * copies
         if fp8:  # block-quantized, as make-model writes them
             pairs = [quantize_fp8_block(w) for w in weights]
@@ -100,7 +109,7 @@ def main() -> None:
         norm_w = torch.rand(k, device=dev, dtype=dt) + 0.5
         for m in [int(r) for r in args.rows.split(",")]:
             row = {"shape": name, "n": rows_w, "k": k, "kind": kind, "rows": m}
-            row.update(probe(weights, scales, norm_w, kind, m, args.reps))
+            row.update(probe(weights, scales, norm_w, kind, m, args))
             print(json.dumps(row), flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -117,8 +126,10 @@ def summarise(path: str) -> None:
         print(row["shape"], times, best)
 
 
-def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, reps: int) -> dict:
-    """One shape at `m` rows: the unfused sequence, each config, the tuned kernel."""
+def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, args) -> dict:
+    """One shape at `m` rows: the unfused sequence, each config and the tuned kernel at each
+    split count of `args.splits`."""
+    reps = args.reps
     rows_w, k = weights[0].shape
     nbytes, copies = rows_w * k * weights[0].element_size(), len(weights)
     x = torch.randn(m, k, device=norm_w.device, dtype=norm_w.dtype)
@@ -132,31 +143,46 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
         if normed:
             h, _ = triton_kernels.add_rms_norm(x, res, norm_w, 1e-5)
         if scales[i] is None:
-            y = F.linear(h, weights[i])
+            y = F.linear(h.to(weights[i].dtype), weights[i])
         else:
             y = triton_kernels.fp8_block_linear(h, weights[i], scales[i])
         return triton_kernels.silu_mul(y) if swiglu else y
 
-    def ours(i, config=None):
+    def ours(i, config=None, splits=None):
         return triton_gemv.gemv(
-            x, weights[i], swiglu=swiglu, weight_scale_inv=scales[i], config=config, **fused
+            x,
+            weights[i],
+            swiglu=swiglu,
+            weight_scale_inv=scales[i],
+            config=config,
+            splits=splits,
+            **fused,
         )[0]
 
     ref = unfused(0).float()
     scale = ref.abs().max().item()
     row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
-    configs = {}
-    for config in SWEEP if m == 1 else triton_gemv.GEMV_ALL_CONFIGS:
-        kw = config.kwargs
-        label = f"{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}"
-        try:
-            err = (ours(0, config).float() - ref).abs().max().item() / scale
-            us = graph_us(lambda i, c=config: ours(i, c), reps, copies)
-            configs[label] = [round(us, 2), round(err, 5)]
-        except Exception as exc:  # a config that does not compile or fit: say why
-            configs[label] = repr(exc)[:200]
-    ours(0)  # autotune, outside the capture
-    row["tuned_us"] = round(graph_us(ours, reps, copies), 2)
+    auto = triton_gemv.split_count(rows_w // (2 if swiglu else 1), k, weights[0].dtype, x.device)
+    row["auto_splits"] = auto
+    sweep = SWEEP if m == 1 else triton_gemv.GEMV_ALL_CONFIGS
+    if args.configs == "fp8":
+        sweep = triton_gemv.GEMV_FP8_CONFIGS
+    configs, tuned = {}, {}
+    for splits in [auto if s == "auto" else int(s) for s in args.splits.split(",")]:
+        tag = "" if splits == 1 else f"/s{splits}"
+        for config in sweep:
+            kw = config.kwargs
+            label = f"{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}{tag}"
+            try:
+                err = (ours(0, config, splits).float() - ref).abs().max().item() / scale
+                us = graph_us(lambda i, c=config, s=splits: ours(i, c, s), reps, copies)
+                configs[label] = [round(us, 2), round(err, 5)]
+            except Exception as exc:  # a config that does not compile or fit: say why
+                configs[label] = repr(exc)[:200]
+        ours(0, splits=splits)  # autotune, outside the capture
+        tuned[splits] = round(graph_us(lambda i, s=splits: ours(i, splits=s), reps, copies), 2)
+    row["tuned_by_splits"] = tuned
+    row["tuned_us"] = tuned.get(auto, min(tuned.values()))
     row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
     row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
     row["tuned_tbps"] = round(nbytes / row["tuned_us"] / 1e6, 3)

@@ -47,6 +47,18 @@ from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 # NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
 # row, ran 1.07-2.9x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
 GEMV_MAX_ROWS = 1
+# K splits (`split_count`): a product with fewer column tiles than the GPU has SMs, such as
+# GLM-5's kv_a and indexer wk (N 576 and 128 over K 6144, FP8) or its float32 router and
+# weights_proj (N 256 and 32), leaves SMs idle. Splitting K gives every SM about
+# GEMV_PROGRAMS_PER_SM programs (what 4-warp programs fill: 64 warps an SM), each at least
+# GEMV_MIN_SPLIT_K long. NOTE: on the H200 (session 12 run 2, gemv_probe.py --splits auto,1)
+# the splits took 6.5 -> 5.1 us (kv_a), 4.9 -> 3.5 (wk), 5.9 -> 5.4 (router), 4.0 -> 3.6
+# (weights_proj), but slowed every product that already had a tile per SM (q_a 7.9 -> 8.9,
+# the shared expert's gate | up 9.9 -> 14.3): the last program's read of the partial sums
+# comes after the others' atomic count, a few microseconds on kernels of 5-15
+GEMV_PROGRAMS_PER_SM = 16
+GEMV_MIN_SPLIT_K = 512
+GEMV_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -59,10 +71,13 @@ def _gemv_kernel(
     scale_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
+    count_ptr,
     n,
     k,
     num_k_blocks,
     eps,
+    SPLIT: tl.constexpr,
     NORM: tl.constexpr,
     SCALED: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
@@ -74,9 +89,17 @@ def _gemv_kernel(
 ):
     # `x`, `residual`, `sum`: [k]; `w`: [n, k] (with SWIGLU, [2n, k] = gate | up); `out`: [n]
     # (all contiguous); SCALED: `w` fp8 with `scale` [ceil(rows / SCALE_BLOCK), num_k_blocks].
-    # One program per BLOCK_N output columns, K walked BLOCK_K at a time; the products summed
-    # over K once, after the loop.
+    # One program per BLOCK_N output columns and K split (grid axis 1), its split walked
+    # BLOCK_K at a time; the products summed over K once, after the loop. SPLIT: each program
+    # leaves its sums in `partial` [splits, 2n (gate | up), then a square sum per program]; the
+    # last of a column block's splits to finish (`count`, one per column block, back to 0 after)
+    # adds them up and finishes the block.
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), splits) * BLOCK_K
+    k_first = pid_k * per_split
+    k_last = tl.minimum(k_first + per_split, k)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k  # [BLOCK_N, 1]
@@ -92,7 +115,7 @@ def _gemv_kernel(
         scale_row = scale_ptr + (pid * BLOCK_N // SCALE_BLOCK) * num_k_blocks
         if SWIGLU:
             up_scale_row = scale_ptr + ((pid * BLOCK_N + n) // SCALE_BLOCK) * num_k_blocks
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_first, k_last, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
         x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
@@ -121,7 +144,36 @@ def _gemv_kernel(
     if SWIGLU:
         out_up = tl.sum(acc_up, axis=1)
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+        square_sum = tl.sum(squares, axis=0)
+    if SPLIT:
+        # NOTE: the barrier puts every thread's partial stores before the count (one thread
+        # adds it); the atomic's acq_rel orders them before it, and the last program's loads
+        # (`.cg`: from L2, never a stale L1 line) after it
+        part = partial_ptr + pid_k * 2 * n
+        tl.store(part + cols, out, mask=col_mask)
+        if SWIGLU:
+            tl.store(part + n + cols, out_up, mask=col_mask)
+        squares_at = partial_ptr + splits * 2 * n + pid * splits
+        if NORM:
+            tl.store(squares_at + pid_k, square_sum)
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == splits - 1
+        col_mask = col_mask & last  # only the last program reads the sums and writes the block
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if SWIGLU:
+            out_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if NORM:
+            square_sum = square_sum * 0.0
+        for s in range(0, splits):
+            part = partial_ptr + s * 2 * n
+            out += tl.load(part + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+            if SWIGLU:
+                out_up += tl.load(part + n + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                square_sum += tl.load(squares_at + s, mask=last, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0, mask=last)  # ready for the next launch
+    if NORM:
+        inv_rms = tl.rsqrt(square_sum / k + eps)
         out = out * inv_rms
         if SWIGLU:
             out_up = out_up * inv_rms
@@ -195,7 +247,7 @@ def configs_for_weight(configs: list[triton.Config], named_args: dict, **kwargs)
 _gemv_tuned = autotuned(
     _gemv_kernel,
     GEMV_ALL_CONFIGS,
-    key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED"],
+    key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED", "SPLIT"],
     prune=configs_for_weight,
 )
 # every config's BLOCK_N divides the FP8 scale block (the kernel's SCALED path needs it)
@@ -212,6 +264,43 @@ def takes_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, swiglu: bool
     return not swiglu or weight.shape[0] % (2 * FP8_BLOCK) == 0
 
 
+def split_count(n: int, k: int, weight_dtype: torch.dtype, device: torch.device) -> int:
+    """How many K splits `gemv` gives an `[n, k]` product on `device` (1: none): none where
+    the configs' narrowest column tile (8 for FP8 weights, 2 for others) makes a tile per SM,
+    else enough for about GEMV_PROGRAMS_PER_SM programs an SM, each split at least
+    GEMV_MIN_SPLIT_K long. Only on CUDA: the interpreter runs a split only when asked
+    (`gemv(splits=)`)."""
+    if device.type != "cuda":
+        return 1
+    sms, tiles = _sm_count(device), triton.cdiv(n, 8 if weight_dtype == FP8_DTYPE else 2)
+    if tiles >= sms:
+        return 1
+    return max(1, min(sms * GEMV_PROGRAMS_PER_SM // tiles, k // GEMV_MIN_SPLIT_K, GEMV_MAX_SPLITS))
+
+
+_SM_COUNTS: dict[int, int] = {}
+# (device, n, splits) -> (partial sums [splits * 3n] float32, counts [n] int32): a split
+# product's scratch, made once (before graph capture: warmup runs each shape first) and shared
+# by every call of that shape (one stream runs them one after another; counts end at 0)
+_SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _split_scratch(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), n, splits)
+    if key not in _SPLIT_SCRATCH:
+        # per split: gate | up sums (2n), and a square sum for each column block (at most n)
+        partial = torch.empty(splits * 3 * n, dtype=torch.float32, device=device)
+        _SPLIT_SCRATCH[key] = (partial, torch.zeros(n, dtype=torch.int32, device=device))
+    return _SPLIT_SCRATCH[key]
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -223,13 +312,14 @@ def gemv(
     swiglu: bool = False,
     weight_scale_inv: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
     of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
     `Backend.linear` does for a float32 module), or an FP8 one with its `weight_scale_inv`
     (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
     residual` when `residual` is given (else None). `config` runs one config untuned (probes,
-    tests)."""
+    tests); `splits` sets the K splits (else `split_count`'s)."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
@@ -262,8 +352,14 @@ def gemv(
     out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     total = torch.empty_like(rows) if residual is not None else None
+    if splits is None:
+        splits = split_count(n, k, weight.dtype, x.device)
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
+    partial, counts = _split_scratch(x.device, n, splits) if splits > 1 else (out, out)
     kernel, params = tuned_or_fixed(_gemv_tuned, config, BLOCK_N=8, BLOCK_K=128)
     flags = dict(
+        SPLIT=splits > 1,
         NORM=norm_weight is not None,
         SCALED=weight_scale_inv is not None,
         SCALE_BLOCK=FP8_BLOCK,
@@ -273,7 +369,7 @@ def gemv(
     )
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]),)
+        return (triton.cdiv(n, meta["BLOCK_N"]), splits)
 
     kernel[grid](
         rows,
@@ -284,6 +380,8 @@ def gemv(
         weight_scale_inv.contiguous() if weight_scale_inv is not None else rows,  # unread if 16-bit
         bias if bias is not None else rows,  # unread without a bias
         out,
+        partial,  # unused without a split
+        counts,
         n,
         k,
         triton.cdiv(k, FP8_BLOCK),
