@@ -162,6 +162,16 @@ def test_fp8_checkpoint_matches_dequantized_weights(glm_dir, tmp_path):
     assert attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
     assert engine.model.model.layers[1].mlp.experts.gate.dtype == torch.float8_e4m3fn
     assert engine.model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    # q_a | kv_a | wk stacked in one FP8 weight, each part on its own 128-row scale blocks, the
+    # rows between them zero (the tiny parts end inside a block)
+    fused = engine.model.model.layers[0].self_attn.fused_qkv_a_proj
+    spans = list(fused.part_spans.values())
+    assert fused.weight.dtype == torch.float8_e4m3fn and len(spans) == 3
+    assert all(first % 128 == 0 for first, _ in spans), spans
+    padding = [slice(stop, nxt) for (_, stop), (nxt, _) in zip(spans, spans[1:], strict=False)]
+    assert any(gap.stop > gap.start for gap in padding), spans
+    assert all(not fused.weight[gap].float().any() for gap in padding)
+    assert fused.weight_scale_inv.shape[0] == fused.weight.shape[0] // 128
     (ids,) = random_prompts(VOCAB, [22], seed=2)
     ours = our_prefill_logits(engine, ids, 5)
     torch.testing.assert_close(ours, hf_logits(hf_model(dequant_dir), ids), atol=2e-4, rtol=1e-4)
@@ -177,7 +187,9 @@ def test_mtp_layer_is_loaded(glm_dir, tmp_path):
         layer.mlp.experts.down[6], mtp["model.layers.4.mlp.experts.6.down_proj.weight"]
     )
     wk = mtp["model.layers.4.self_attn.indexer.wk.weight"]
-    assert torch.equal(layer.self_attn.indexer.wk.weight, wk)
+    fused = layer.self_attn.fused_qkv_a_proj  # wk's rows of the stacked input projections
+    first, stop = fused.part_spans["indexer.wk"]
+    assert torch.equal(fused.weight[first:stop], wk)
     # the MTP layer is not run: the main model's logits are unchanged
     (ids,) = random_prompts(VOCAB, [9], seed=3)
     plain = our_prefill_logits(our_engine(glm_dir), ids, 4)

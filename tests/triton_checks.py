@@ -456,13 +456,10 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     want = ref.linear(normed, weight, bias, scale_inv)
     if swiglu:
         want = ref.silu_mul(want)
-    got, total = tg.gemv(
-        x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, **fused
-    )
+    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits)
+    got, total = tg.gemv(x, weight, bias, **call, **fused)
     if splits:  # once more: the last program of each column block left its count at 0
-        again, _ = tg.gemv(
-            x, weight, bias, swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, **fused
-        )
+        again, _ = tg.gemv(x, weight, bias, **call, **fused)
         assert torch.equal(again, got), f"gemv {kind}: a second split run differs"
     assert got.dtype == want.dtype, f"gemv {kind}: a {got.dtype} product, want {want.dtype}"
     if "residual" in fused:

@@ -40,6 +40,8 @@ SHAPES = [
     ("glm5.lm_head", 154880, 6144, "plain"),
     # the GLM-5-shaped model's FP8 projections of a decode step (session 10)
     ("glm5.fp8.q_a", 2048, 6144, "fp8"),
+    # q_a | kv_a | indexer wk stacked, each on its own 128-row blocks (session 12)
+    ("glm5.fp8.qkv_a", 2048 + 640 + 128, 6144, "fp8"),
     ("glm5.fp8.q_b", 16384, 2048, "fp8"),
     ("glm5.fp8.kv_a", 576, 6144, "fp8"),
     ("glm5.fp8.o", 6144, 16384, "fp8"),

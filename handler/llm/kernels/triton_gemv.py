@@ -223,7 +223,9 @@ GEMV_CONFIGS = [
 # FP8 weights (SCALED): the fastest and the runners-up of a 24-config sweep on the GLM-5-shaped
 # model's largest FP8 projections (session 11 run 3, `gemv_probe.py`). Tiles of 4-8K weights
 # won every shape; the 2-column tiles, best for 16-bit weights, and 8-16K-weight tiles lost
-# everywhere. Each config timed is one more compile at init
+# everywhere. Each config timed is one more compile at init. NOTE: session 12 run 3 timed each
+# also loading the next K step's tile before multiplying its own (two tiles in flight a thread):
+# slower on every shape (the stacked q_a | kv_a | wk: 10.9 -> 11.9 us at 8x512w4), not kept
 GEMV_FP8_CONFIGS = [
     _CONFIGS[c]
     for c in (
@@ -231,7 +233,7 @@ GEMV_FP8_CONFIGS = [
         (16, 512, 8),  # gate | up with the norm and SwiGLU
         (16, 512, 4),
         (32, 256, 4),  # q_b_proj
-        (8, 1024, 4),
+        (8, 1024, 4),  # the stacked q_a | kv_a | wk, indexer wq_b (session 12 run 3)
     )
 ]
 GEMV_ALL_CONFIGS = list(_CONFIGS.values())

@@ -91,30 +91,45 @@ class CausalLM(nn.Module):
         parts: Sequence[tuple[str, int]],
         in_features: int,
         bias: bool = False,
+        pad_fp8: bool = False,
     ) -> Linear | ConcatLinear:
         """One Linear `{prefix}.{name}` for checkpoint projections that read the same input
         (`parts`: each one's name under `prefix` and this rank's output rows), stacked in that
         order: one GEMM per step where the checkpoint has several. Each part's tensors
-        (weight, bias, FP8 scales) fill its rows (`map_weight`)."""
+        (weight, bias, FP8 scales) fill its rows (`map_weight`). The module's `part_spans`
+        says which output columns are whose.
+
+        FP8 parts share the weight's 128x128 scale blocks, so each must start on one. With
+        `pad_fp8`, each FP8 part takes its rows rounded up to a block (GLM-5's `kv_a`: 576 rows
+        in 640), the padding rows zero and its outputs in no span; without it, parts that end
+        inside a block are kept apart, like a mix of FP8 and dense parts."""
         quantized = {is_quantized(f"{prefix}.{part}", self.config.quant) for part, _ in parts}
         fp8 = quantized.pop()
-        if quantized or (fp8 and any(rows % FP8_BLOCK for _, rows in parts)):
-            # NOTE: FP8 parts that end inside a 128-row scale block (tiny test models) or a mix
-            # of FP8 and dense parts cannot share one block-scaled weight: kept apart
+        if quantized or (fp8 and not pad_fp8 and any(rows % FP8_BLOCK for _, rows in parts)):
             return self._concat_linear(prefix, name, parts, in_features, bias)
-        start = 0
+        start, part_spans = 0, {}
         for part, rows in parts:
-            spans = {"weight": (start, start + rows)}
+            part_spans[part] = (start, start + rows)
+            spans = {"weight": part_spans[part]}
             if bias:
                 spans["bias"] = spans["weight"]
             if fp8:
-                spans["weight_scale_inv"] = (start // FP8_BLOCK, (start + rows) // FP8_BLOCK)
+                spans["weight_scale_inv"] = (start // FP8_BLOCK, -(-(start + rows) // FP8_BLOCK))
             for suffix, span in spans.items():
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = WeightTarget(
                     self.param_name(f"{prefix}.{name}.{suffix}"), rows=span
                 )
-            start += rows
-        return self.linear(f"{prefix}.{name}", in_features, start, bias, fp8=fp8)
+            start += -(-rows // FP8_BLOCK) * FP8_BLOCK if fp8 else rows
+        linear = self.linear(f"{prefix}.{name}", in_features, start, bias, fp8=fp8)
+        ends = [stop for _, stop in part_spans.values()]
+        starts = [first for first, _ in part_spans.values()][1:] + [start]
+        with torch.no_grad():  # the padding: never loaded, so that it holds no garbage
+            for gap in (slice(end, nxt) for end, nxt in zip(ends, starts, strict=True)):
+                linear.weight[gap].zero_()
+                if linear.bias is not None:
+                    linear.bias[gap].zero_()
+        linear.part_spans = part_spans
+        return linear
 
     def _concat_linear(self, prefix, name, parts, in_features, bias) -> ConcatLinear:
         linears = {}
@@ -199,6 +214,10 @@ class ConcatLinear(nn.Module):
     def __init__(self, parts: dict[str, Linear]) -> None:
         super().__init__()
         self.parts = nn.ModuleDict(parts)
+        self.part_spans, start = {}, 0
+        for name, part in parts.items():
+            self.part_spans[name] = (start, start + part.weight.shape[0])
+            start += part.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts.values()], dim=-1)

@@ -9,6 +9,11 @@ those. "shared" layers reuse the top-k of the last full layer of the same step.
 Numerics follow Hugging Face's `modeling_glm_moe_dsa`: both RoPEs are interleaved, the q/kv
 latent norms use eps 1e-6 (not `rms_norm_eps`), the indexer key norm is a LayerNorm with bias,
 and `weights_proj` runs in float32 (`_keep_in_fp32_modules`).
+
+The projections of the layer's input `x` are one: `fused_qkv_a_proj` stacks `q_a_proj`,
+`kv_a_proj_with_mqa` and (on full layers, without biases) the indexer's `wk`
+(`CausalLM.fused_linear`, each FP8 part on a 128-row scale block of its own): at batch 1 one
+GEMV instead of three short ones (sglang fuses the first two the same way).
 """
 
 from __future__ import annotations
@@ -57,9 +62,10 @@ class LayerNorm(nn.Module):
 
 
 class DSAIndexer(nn.Module):
-    """Per-query top-k key selection; writes this layer's indexer keys to `index_k[slot]`."""
+    """Per-query top-k key selection; writes this layer's indexer keys to `index_k[slot]`.
+    `fused_wk`: the attention's fused projection computes `wk` (else this module has it)."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int) -> None:
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused_wk: bool) -> None:
         super().__init__()
         cfg, dsa = model.config, model.config.dsa
         self.slot = slot
@@ -71,19 +77,23 @@ class DSAIndexer(nn.Module):
         self.wq_b = model.linear(
             f"{prefix}.wq_b", cfg.mla.q_lora_rank, self.num_heads * self.head_dim
         )
-        self.wk = model.linear(f"{prefix}.wk", cfg.hidden_size, self.head_dim)
+        if not fused_wk:
+            self.wk = model.linear(f"{prefix}.wk", cfg.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, model.dtype, model.device)
         self.weights_proj = model.linear(
             f"{prefix}.weights_proj", cfg.hidden_size, self.num_heads, dtype=torch.float32
         )
 
-    def forward(self, x, q_resid, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool):
-        """`x [T, H]`, `q_resid [T, q_lora]` -> top-k key positions `[T, index_topk]` int32."""
+    def forward(self, x, q_resid, k_proj, cos, sin, rotary: Rotary, batch, kv: KVPool):
+        """`x [T, H]`, `q_resid [T, q_lora]`, `k_proj`: `wk(x)` when the attention's fused
+        projection computed it (else None) -> top-k key positions `[T, index_topk]` int32."""
         t, rope = x.shape[0], self.backend.rope_part
         # the first rope_dim dims of each query and key rotated: rope(q_rot) | q_pass
         q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
         q = rope(q, cos, sin, rotary.interleaved, 0)  # [T, Hi, Di]
-        k = self.k_norm(self.wk(x)).view(t, 1, self.head_dim)
+        if k_proj is None:
+            k_proj = self.wk(x)
+        k = self.k_norm(k_proj).view(t, 1, self.head_dim)
         k = rope(k, cos, sin, rotary.interleaved, 0)[:, 0]  # [T, Di]
         cache = kv.layer("index_k", self.slot)
         self.backend.store_kv(cache, k, batch)
@@ -108,15 +118,18 @@ class MLAttention(nn.Module):
         self.scale = mla_softmax_scale(cfg)
         self.backend = model.backend
         qk_dim, bias = self.nope_dim + self.rope_dim, cfg.attention_bias
-        self.q_a_proj = model.linear(f"{prefix}.q_a_proj", cfg.hidden_size, mla.q_lora_rank, bias)
+        latent_dim = self.kv_rank + self.rope_dim
+        parts = [("q_a_proj", mla.q_lora_rank), ("kv_a_proj_with_mqa", latent_dim)]
+        fused_wk = index_slot is not None and not bias  # wk has no bias to stack
+        if fused_wk:
+            parts.append(("indexer.wk", cfg.dsa.index_head_dim))
+        self.fused_qkv_a_proj = model.fused_linear(
+            prefix, "fused_qkv_a_proj", parts, cfg.hidden_size, bias, pad_fp8=True
+        )
         self.q_a_layernorm = RMSNorm(
             mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
         )
         self.q_b_proj = model.linear(f"{prefix}.q_b_proj", mla.q_lora_rank, self.num_heads * qk_dim)
-        latent_dim = self.kv_rank + self.rope_dim
-        self.kv_a_proj_with_mqa = model.linear(
-            f"{prefix}.kv_a_proj_with_mqa", cfg.hidden_size, latent_dim, bias
-        )
         self.kv_a_layernorm = RMSNorm(
             self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
         )
@@ -126,14 +139,19 @@ class MLAttention(nn.Module):
             f"{prefix}.o_proj", self.num_heads * mla.v_head_dim, cfg.hidden_size, bias
         )
         if index_slot is not None:
-            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot)
+            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot, fused_wk)
 
     def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool, prev_topk):
         """`x [T, H]` -> (output `[T, H]`, top-k `[T, index_topk]` for the next shared layer)."""
-        t = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
+        t, proj = x.shape[0], self.fused_qkv_a_proj
+        out = proj(x)  # q_a | kv_a (| wk), each at its span
+        q_a, kv_a, k_proj = (
+            out[..., slice(*proj.part_spans[p])] if p in proj.part_spans else None
+            for p in ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
+        )
+        q_resid = self.q_a_layernorm(q_a)  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.nope_dim + self.rope_dim)
-        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv_latent, k_rope = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
         k_rope = self.backend.rope_part(
             k_rope.view(t, 1, self.rope_dim), cos, sin, rotary.interleaved, 0
         )
@@ -143,7 +161,7 @@ class MLAttention(nn.Module):
             cache, torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1), batch
         )
         if hasattr(self, "indexer"):
-            topk = self.indexer(x, q_resid, cos, sin, rotary, batch, kv)
+            topk = self.indexer(x, q_resid, k_proj, cos, sin, rotary, batch, kv)
         else:
             assert prev_topk is not None, "config guarantees layer 0 is a full indexer layer"
             topk = prev_topk
