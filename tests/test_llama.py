@@ -47,3 +47,22 @@ def test_logprobs_are_log_softmax_of_logits(tiny_llama_dir):
     ref = torch.log_softmax(hf_logits(hf_model(tiny_llama_dir), ids)[-1], -1)
     assert result.token_ids[0] == int(ref.argmax())
     assert result.logprobs[0] == pytest.approx(float(ref.max()), abs=1e-4)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_rotary_table_rows_equal_the_per_step_cos_sin(monkeypatch, rope_type):
+    from snapfn.handler.llm.config import RopeConfig
+    from snapfn.handler.llm.models import layers
+
+    rope = RopeConfig(theta=10000.0, rope_type=rope_type, factor=4.0, mscale_all_dim=1.0)
+    positions = torch.tensor([0, 5, 4095, 17, 5])
+    tabled = layers.Rotary(rope, 64, 4096, "cpu")
+    cos, sin = tabled.cos_sin(positions, torch.bfloat16)
+    monkeypatch.setattr(layers, "ROPE_TABLE_MAX_BYTES", 0)  # too long to keep: per step
+    per_step = layers.Rotary(rope, 64, 4096, "cpu")
+    want_cos, want_sin = per_step.cos_sin(positions, torch.bfloat16)
+    assert per_step._tables[torch.bfloat16] is None and tabled._tables[torch.bfloat16] is not None
+    assert cos.shape == (5, 32) and cos.dtype == torch.bfloat16
+    # the same float32 ops, once for all positions: the rows agree to float32 rounding
+    torch.testing.assert_close(cos, want_cos, atol=0, rtol=2**-8)
+    torch.testing.assert_close(sin, want_sin, atol=0, rtol=2**-8)
