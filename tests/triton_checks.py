@@ -95,6 +95,9 @@ ROPE_PART_SHAPES = {
     "indexer": (2, 8, 64, 0, 16, True),  # rope(q_rot) | q_pass: the first dims
     "middle": (3, 2, 40, 8, 24, False),  # half-split, dims on both sides, 12 pairs (masked lanes)
 }
+# MLA's latent into the cache, norm(c) | rope(k_rope): (tokens, rank, rope dims, interleaved,
+# page size); GLM-5's widths, a small one with masked lanes (half-split)
+NORM_ROPE_SHAPES = {"glm5": (3, 512, 64, True, 4), "odd": (5, 40, 12, False, 2)}
 SILU_SHAPES = {"decode": (1, 14336), "odd": (5, 100), "tiny": (9, 64)}  # (rows, intermediate)
 SILU_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 3 * BF16_ULP)}
 
@@ -171,6 +174,7 @@ CASES = (
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"rope_store-{s}-{d}" for s in ROPE_SHAPES for d in DTYPES]
     + [f"rope_part-{s}-{d}" for s in ROPE_PART_SHAPES for d in DTYPES]
+    + [f"norm_rope_store-{s}-{d}" for s in NORM_ROPE_SHAPES for d in DTYPES]
     + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
@@ -206,6 +210,7 @@ AUTOTUNED_KERNELS = {
     "_fp8_block_linear_kernel": 1,
     "_rope_store_kernel": 1,
     "_rope_part_kernel": 1,
+    "_norm_rope_store_kernel": 1,
     "_silu_mul_kernel": 1,
     "_gate_up_kernel": 2,  # a decode-sized and a prefill-sized batch: BLOCK_M 16 and 64
     "_down_kernel": 2,
@@ -326,6 +331,37 @@ def _check_rope_part(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     _check_close("rope_part copied", got[..., :start], want[..., :start], EXACT)
     _check_close("rope_part copied", got[..., end:], want[..., end:], EXACT)
     return _check_close("rope_part", got, want, ROPE_TOL[dtype])
+
+
+def _check_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+
+    tokens, rank, rope_dim, interleaved, page_size = shape
+    g = torch.Generator().manual_seed(6)
+    # the latent's columns of a wider projection's output (the stacked q_a | kv_a | wk)
+    wide = (3 * torch.randn(tokens, rank + rope_dim + 40, generator=g)).to(dtype).to(device)
+    x = wide[:, 24 : 24 + rank + rope_dim]
+    norm = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype).to(device)
+    angles = torch.rand(tokens, rope_dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    slots = torch.randperm(4 * page_size * tokens, generator=g)[:tokens].to(device)
+    want, got = (torch.zeros(4 * tokens, page_size, rank + rope_dim, dtype=dtype) for _ in "wg")
+    ref_batch = SimpleNamespace(slot_mapping=slots.cpu())
+    ref_args = (x.cpu(), norm.cpu(), 1e-6, cos.cpu(), sin.cpu(), interleaved, ref_batch)
+    TorchBackend().norm_rope_store(want, *ref_args)
+    got = got.to(device)
+    tk.norm_rope_store(x, norm, 1e-6, cos, sin, interleaved, got, slots)
+    got, flat = got.cpu().flatten(0, 1), want.flatten(0, 1)
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not got[untouched].any(), "wrote outside the token's slots"
+    _check_close(
+        "norm_rope_store norm", got[:, :rank], flat[:, :rank], RMS_TOL[dtype, interpreted()]
+    )
+    return _check_close("norm_rope_store rope", got[:, rank:], flat[:, rank:], ROPE_TOL[dtype])
 
 
 def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
@@ -1020,6 +1056,7 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     from snapfn.handler.llm.kernels import ExpertWeights
     from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels import triton_moe as tm
 
     q, weights = _randn(tokens, 32, 128, device=device), torch.rand(tokens, 32, device=device)
@@ -1045,6 +1082,11 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     tm.route(torch.randn(tokens, 256, device=device), torch.zeros(256, device=device), routing)
     q_a, q_a_scale = _random_fp8_on(2048, 6144, device=device)  # an FP8 projection of one row
     tg.gemv(x[:1], q_a, weight_scale_inv=q_a_scale)
+    latent = _randn(tokens, 576, device=device)  # MLA's latent: norm(c) | rope(k_rope)
+    angles = torch.rand(tokens, 32, device=device)
+    slots = torch.arange(tokens, device=device)
+    tk.norm_rope_store(latent, _randn(512, device=device), 1e-6, angles.cos().bfloat16(),
+                       angles.sin().bfloat16(), True, _randn(8, 16, 576, device=device), slots)  # fmt: skip
 
 
 def run_case(case: str, device: str) -> dict:
@@ -1065,6 +1107,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_select(rest[0], device)
     if kind == "rope_part":
         return _check_rope_part(ROPE_PART_SHAPES[rest[0]], dtype, device)
+    if kind == "norm_rope_store":
+        return _check_norm_rope_store(NORM_ROPE_SHAPES[rest[0]], dtype, device)
     if kind == "silu_mul":
         return _check_silu_mul(SILU_SHAPES[rest[0]], dtype, device)
     if kind == "dequant_fp8":

@@ -136,6 +136,25 @@ class Backend:
         the rest copied: MLA's `q_nope | rope(q_rope)`, DSA's `rope(q_rot) | q_pass`."""
         raise NotImplementedError
 
+    def norm_rope_store(
+        self,
+        cache: torch.Tensor,  # [P, S, R + Dr]
+        x: torch.Tensor,  # [T, R + Dr], may be a strided view (of a fused projection)
+        norm_weight: torch.Tensor,  # [R]
+        eps: float,
+        cos: torch.Tensor,  # [T, Dr/2]
+        sin: torch.Tensor,
+        interleaved: bool,
+        batch: ForwardBatch,
+    ) -> None:
+        """Write `rms_norm(x[:, :R]) | rope(x[:, R:])` (`R`: the norm's width) into `cache` at
+        `batch.slot_mapping`: MLA's latent, `kv_a_layernorm(c) | rope(k_rope)`. Default: the
+        norm, the rotation (`rope_part`), their concatenation and `store_kv`."""
+        rank = norm_weight.shape[0]
+        rotated = self.rope_part(x[:, None, rank:], cos, sin, interleaved, 0)[:, 0]
+        normed = self.rms_norm(x[:, :rank], norm_weight, eps)
+        self.store_kv(cache, torch.cat([normed, rotated], dim=-1), batch)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's activation: `silu(gate) * up` for `gate_up [T, 2I]` = `gate | up`."""
         raise NotImplementedError

@@ -11,10 +11,11 @@
   a Triton kernel, then multiplied by `F.linear` like the reference does;
 - `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
   session 4, checked there under triton's interpreter only);
-- `add_rms_norm`, `rope_store_kv`, `rope_part`, `silu_mul`: the decode step's elementwise work,
-  one launch each where the reference launches five to fifteen small kernels (the residual add
-  and the norm; RoPE of q and k and both cache writes; MLA's and DSA's partial RoPE with its
-  concatenation; SwiGLU's activation);
+- `add_rms_norm`, `rope_store_kv`, `rope_part`, `norm_rope_store`, `silu_mul`: the decode
+  step's elementwise work, one launch each where the reference launches five to fifteen small
+  kernels (the residual add and the norm; RoPE of q and k and both cache writes; MLA's and
+  DSA's partial RoPE with its concatenation; MLA's latent norm, RoPE and cache write;
+  SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts; one token (and the
   GEMV on) by `triton_moe.moe_gemv`, its experts as matrix-vector products. FP8 experts of more
@@ -218,6 +219,14 @@ class TritonBackend(TorchBackend):
         if tk is None:
             return super().rope_part(x, cos, sin, interleaved, start)
         return tk.rope_part(x, cos, sin, interleaved, start)
+
+    def norm_rope_store(self, cache, x, norm_weight, eps, cos, sin, interleaved, batch):
+        tk = _kernels(x)
+        if tk is None:
+            return super().norm_rope_store(cache, x, norm_weight, eps, cos, sin, interleaved, batch)
+        return tk.norm_rope_store(
+            x, norm_weight, eps, cos, sin, interleaved, cache, batch.slot_mapping
+        )
 
     def greedy_picks(self, logits):
         ts = _kernels(logits, "triton_sampling")

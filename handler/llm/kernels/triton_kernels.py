@@ -452,6 +452,85 @@ def rope_part(
     return out
 
 
+@triton.jit
+def _norm_rope_store_kernel(
+    x_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    cache_ptr,
+    x_stride_t,
+    slot_stride,
+    rank,
+    half,
+    eps,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program per token: `rms_norm(x[:rank]) | rope(x[rank:rank + 2 half])` into its slot,
+    # rounded as `_rms_norm_kernel` and `_rotate_row` round
+    t = tl.program_id(0).to(tl.int64)
+    src = x_ptr + t * x_stride_t
+    dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * slot_stride
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    x = tl.load(src + r, mask=r_mask, other=0.0).to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / rank
+    normed = (x * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + r, mask=r_mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(dst + r, out.to(cache_ptr.dtype.element_ty), mask=r_mask)
+    i = tl.arange(0, BLOCK)
+    mask = i < half
+    cos = tl.load(cos_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    _rotate_row(src + rank, dst + rank, cos, sin, i, mask, half, INTERLEAVED)
+
+
+# NOTE: the cache writes need no restore between timing runs: the same values, the same slots
+_norm_rope_store_tuned = autotuned(
+    _norm_rope_store_kernel, warps_configs(1, 2, 4), key=["rank", "half", "INTERLEAVED"]
+)
+
+
+def norm_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`Backend.norm_rope_store` in one launch: `x [T, R + 2 half]` (rows contiguous, any
+    token stride: a view of a projection's output), its first `R` values RMS-normed with
+    `weight [R]`, the rest rotated by `cos/sin [T, half]`, written into `cache [P, S, R + 2
+    half]` at `slot_mapping`. The reference runs the norm, the rotation (seven kernels), a
+    concatenation and the cache write."""
+    _check_device(x, weight, cos, sin, cache)
+    tokens, width = x.shape
+    rank, half = weight.shape[0], cos.shape[-1]
+    if rank + 2 * half != width or cache.shape[2:] != (width,):
+        raise ValueError(
+            f"x {tuple(x.shape)} must be norm {rank} | rope {2 * half} wide, as cache "
+            f"{tuple(cache.shape)}'s tokens"
+        )
+    if cos.shape != (tokens, half) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be [{tokens}, {half}], got {tuple(cos.shape)}")
+    if x.stride(1) != 1 or cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * width:
+        raise ValueError(f"rows must be contiguous: x {x.stride()}, cache {cache.stride()}")
+    if tokens:
+        kernel, fixed = tuned_or_fixed(_norm_rope_store_tuned)
+        kernel[(tokens,)](
+            x, weight, cos.contiguous(), sin.contiguous(), slot_mapping, cache, x.stride(0),
+            width, rank, half, eps, INTERLEAVED=interleaved,
+            BLOCK_R=triton.next_power_of_2(rank), BLOCK=triton.next_power_of_2(half), **fixed,
+        )  # fmt: skip
+
+
 def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
     """A `[P, S, H, D]` cache's stride per slot (page * S + offset) and per head."""
     if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):

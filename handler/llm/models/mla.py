@@ -151,14 +151,10 @@ class MLAttention(nn.Module):
         )
         q_resid = self.q_a_layernorm(q_a)  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.nope_dim + self.rope_dim)
-        kv_latent, k_rope = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
-        k_rope = self.backend.rope_part(
-            k_rope.view(t, 1, self.rope_dim), cos, sin, rotary.interleaved, 0
-        )
-        k_rope = k_rope[:, 0]  # [T, Dr]
         cache = kv.layer("latent", self.layer_id)
-        self.backend.store_kv(
-            cache, torch.cat([self.kv_a_layernorm(kv_latent), k_rope], dim=-1), batch
+        norm = self.kv_a_layernorm  # the latent: norm(c) | rope(k_rope), into the cache
+        self.backend.norm_rope_store(
+            cache, kv_a, norm.weight, norm.eps, cos, sin, rotary.interleaved, batch
         )
         if hasattr(self, "indexer"):
             topk = self.indexer(x, q_resid, k_proj, cos, sin, rotary, batch, kv)
