@@ -144,6 +144,10 @@ GEMV_KINDS = (
     "fp8_add_norm_split3",
     "fp8_swiglu_split3",
     "fp32w_split5",
+    # SwiGLU inside the GEMV kernel (`fused_swiglu`; by default a silu_mul launch after it)
+    "swiglu_fused",
+    "fp8_swiglu_fused",
+    "fp8_swiglu_fused_split3",
 )
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
@@ -464,6 +468,8 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     ref = TorchBackend()
     kind, _, split = kind.partition("_split")
     splits = int(split) if split else None
+    fused_swiglu = kind.endswith("_fused") or None
+    kind = kind.removesuffix("_fused")
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")
@@ -492,7 +498,7 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     want = ref.linear(normed, weight, bias, scale_inv)
     if swiglu:
         want = ref.silu_mul(want)
-    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits)
+    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, fused_swiglu=fused_swiglu)
     got, total = tg.gemv(x, weight, bias, **call, **fused)
     if splits:  # once more: the last program of each column block left its count at 0
         again, _ = tg.gemv(x, weight, bias, **call, **fused)

@@ -14,7 +14,8 @@ again. Prints one JSON object per (shape, rows): the unfused sequence's and the 
 microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
 largest difference from the unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
-labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries.
+labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries. SwiGLU
+shapes also time the kernel with SwiGLU inside (`tuned_fused_swiglu_us`).
 """
 
 from __future__ import annotations
@@ -185,6 +186,16 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
         tuned[splits] = round(graph_us(lambda i, s=splits: ours(i, splits=s), reps, copies), 2)
     row["tuned_by_splits"] = tuned
     row["tuned_us"] = tuned.get(auto, min(tuned.values()))
+    if swiglu:  # SwiGLU inside the kernel instead of the default silu_mul launch after it
+
+        def in_kernel(i):
+            return triton_gemv.gemv(
+                x, weights[i], swiglu=True, weight_scale_inv=scales[i], fused_swiglu=True, **fused
+            )[0]
+
+        in_kernel(0)  # autotune, outside the capture
+        row["tuned_fused_swiglu_us"] = round(graph_us(in_kernel, reps, copies), 2)
+        row["fused_swiglu"] = triton_gemv.GEMV_FUSED_SWIGLU
     row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
     row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
     row["tuned_tbps"] = round(nbytes / row["tuned_us"] / 1e6, 3)

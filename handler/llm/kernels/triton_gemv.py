@@ -57,6 +57,14 @@ GEMV_MAX_ROWS = 1
 # the shared expert's gate | up 9.9 -> 14.3): the last program's read of the partial sums
 # comes after the others' atomic count, a few microseconds on kernels of 5-15
 GEMV_PROGRAMS_PER_SM = 16
+# SwiGLU after the product (`gemv(swiglu=True)`): in the kernel (`SWIGLU`: each program holds
+# gate's and up's tiles and sums, twice the registers) or, when False, the kernel writes the
+# gate | up product and `triton_kernels.silu_mul` (one more launch, ~1 us) takes it. NOTE: the
+# fused form lost to unfused kernels on the H200: GLM-5's dense FP8 gate | up 57.8 us against
+# 53.0 for the norm, `fp8_block_linear` and silu_mul (session 12 run 3), the 8B's bf16 one 65.2
+# against 61.7 (session 9 run 2), while a plain product of as many bytes runs at 3.0 (FP8) and
+# 4.0 TB/s (bf16): ~50 and ~59 us
+GEMV_FUSED_SWIGLU = False
 GEMV_MIN_SPLIT_K = 512
 GEMV_MAX_SPLITS = 16
 
@@ -315,13 +323,15 @@ def gemv(
     weight_scale_inv: torch.Tensor | None = None,
     config: triton.Config | None = None,
     splits: int | None = None,
+    fused_swiglu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
     of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
     `Backend.linear` does for a float32 module), or an FP8 one with its `weight_scale_inv`
     (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
     residual` when `residual` is given (else None). `config` runs one config untuned (probes,
-    tests); `splits` sets the K splits (else `split_count`'s)."""
+    tests); `splits` sets the K splits (else `split_count`'s); `fused_swiglu` where SwiGLU
+    runs (else GEMV_FUSED_SWIGLU)."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
@@ -350,6 +360,9 @@ def gemv(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    after = swiglu and not (GEMV_FUSED_SWIGLU if fused_swiglu is None else fused_swiglu)
+    if after:  # the kernel writes the gate | up product, silu_mul takes it
+        n, swiglu = weight.shape[0], False
     # a float32 weight (a module kept in float32) gives a float32 product, as `Backend.linear`
     out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -391,4 +404,9 @@ def gemv(
         **flags,
         **params,
     )
-    return out.view(*x.shape[:-1], n), None if total is None else total.view(x.shape)
+    y = out.view(*x.shape[:-1], n)
+    if after:
+        from .triton_kernels import silu_mul
+
+        y = silu_mul(y)
+    return y, None if total is None else total.view(x.shape)
