@@ -98,6 +98,9 @@ ROPE_PART_SHAPES = {
 # MLA's latent into the cache, norm(c) | rope(k_rope): (tokens, rank, rope dims, interleaved,
 # page size); GLM-5's widths, a small one with masked lanes (half-split)
 NORM_ROPE_SHAPES = {"glm5": (3, 512, 64, True, 4), "odd": (5, 40, 12, False, 2)}
+# the DSA indexer's key into its cache, rope(layer_norm(k)): (tokens, dim, rope dims,
+# interleaved, page size)
+LAYER_NORM_ROPE_SHAPES = {"glm5": (3, 128, 64, True, 4), "odd": (5, 40, 12, False, 2)}
 SILU_SHAPES = {"decode": (1, 14336), "odd": (5, 100), "tiny": (9, 64)}  # (rows, intermediate)
 SILU_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 3 * BF16_ULP)}
 
@@ -179,6 +182,7 @@ CASES = (
     + [f"rope_store-{s}-{d}" for s in ROPE_SHAPES for d in DTYPES]
     + [f"rope_part-{s}-{d}" for s in ROPE_PART_SHAPES for d in DTYPES]
     + [f"norm_rope_store-{s}-{d}" for s in NORM_ROPE_SHAPES for d in DTYPES]
+    + [f"layer_norm_rope_store-{s}-{d}" for s in LAYER_NORM_ROPE_SHAPES for d in DTYPES]
     + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
@@ -215,6 +219,7 @@ AUTOTUNED_KERNELS = {
     "_rope_store_kernel": 1,
     "_rope_part_kernel": 1,
     "_norm_rope_store_kernel": 1,
+    "_layer_norm_rope_store_kernel": 1,
     "_silu_mul_kernel": 1,
     "_gate_up_kernel": 2,  # a decode-sized and a prefill-sized batch: BLOCK_M 16 and 64
     "_down_kernel": 2,
@@ -366,6 +371,37 @@ def _check_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dic
         "norm_rope_store norm", got[:, :rank], flat[:, :rank], RMS_TOL[dtype, interpreted()]
     )
     return _check_close("norm_rope_store rope", got[:, rank:], flat[:, rank:], ROPE_TOL[dtype])
+
+
+def _check_layer_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+
+    tokens, dim, rope_dim, interleaved, page_size = shape
+    g = torch.Generator().manual_seed(7)
+    # the key's columns of a wider projection's output (the stacked q_a | kv_a | wk)
+    wide = (2 + 3 * torch.randn(tokens, dim + 40, generator=g)).to(dtype).to(device)
+    x = wide[:, 24 : 24 + dim]
+    weight, bias = ((1 + 0.1 * torch.randn(dim, generator=g)).to(dtype).to(device) for _ in "wb")
+    angles = torch.rand(tokens, rope_dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    slots = torch.randperm(4 * page_size * tokens, generator=g)[:tokens].to(device)
+    want, got = (torch.zeros(4 * tokens, page_size, dim, dtype=dtype) for _ in "wg")
+    ref_batch = SimpleNamespace(slot_mapping=slots.cpu())
+    ref_args = (x.cpu(), weight.cpu(), bias.cpu(), 1e-6, cos.cpu(), sin.cpu(), interleaved)
+    TorchBackend().layer_norm_rope_store(want, *ref_args, ref_batch)
+    got = got.to(device)
+    tk.layer_norm_rope_store(x, weight, bias, 1e-6, cos, sin, interleaved, got, slots)
+    got, flat = got.cpu().flatten(0, 1), want.flatten(0, 1)
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not got[untouched].any(), "wrote outside the token's slots"
+    norm_tol = RMS_TOL[dtype, interpreted()]  # a row's statistics, rounded once like RMSNorm
+    _check_close("layer_norm_rope_store norm", got[:, rope_dim:], flat[:, rope_dim:], norm_tol)
+    tol = tuple(max(a, b) for a, b in zip(norm_tol, ROPE_TOL[dtype], strict=True))
+    return _check_close("layer_norm_rope_store rope", got[:, :rope_dim], flat[:, :rope_dim], tol)
 
 
 def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
@@ -1093,6 +1129,10 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     slots = torch.arange(tokens, device=device)
     tk.norm_rope_store(latent, _randn(512, device=device), 1e-6, angles.cos().bfloat16(),
                        angles.sin().bfloat16(), True, _randn(8, 16, 576, device=device), slots)  # fmt: skip
+    index_k = _randn(tokens, 128, device=device)  # the indexer's key: rope(layer_norm(k))
+    tk.layer_norm_rope_store(index_k, _randn(128, device=device), _randn(128, device=device),
+                             1e-6, angles.cos().bfloat16(), angles.sin().bfloat16(), True,
+                             _randn(8, 16, 128, device=device), slots)  # fmt: skip
 
 
 def run_case(case: str, device: str) -> dict:
@@ -1115,6 +1155,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_rope_part(ROPE_PART_SHAPES[rest[0]], dtype, device)
     if kind == "norm_rope_store":
         return _check_norm_rope_store(NORM_ROPE_SHAPES[rest[0]], dtype, device)
+    if kind == "layer_norm_rope_store":
+        return _check_layer_norm_rope_store(LAYER_NORM_ROPE_SHAPES[rest[0]], dtype, device)
     if kind == "silu_mul":
         return _check_silu_mul(SILU_SHAPES[rest[0]], dtype, device)
     if kind == "dequant_fp8":

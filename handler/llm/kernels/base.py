@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..config import MoEConfig
 from ..engine.batch import ForwardBatch
@@ -154,6 +155,24 @@ class Backend:
         rotated = self.rope_part(x[:, None, rank:], cos, sin, interleaved, 0)[:, 0]
         normed = self.rms_norm(x[:, :rank], norm_weight, eps)
         self.store_kv(cache, torch.cat([normed, rotated], dim=-1), batch)
+
+    def layer_norm_rope_store(
+        self,
+        cache: torch.Tensor,  # [P, S, D]
+        x: torch.Tensor,  # [T, D], may be a strided view (of a fused projection)
+        weight: torch.Tensor,  # [D]
+        bias: torch.Tensor,  # [D]
+        eps: float,
+        cos: torch.Tensor,  # [T, R/2]
+        sin: torch.Tensor,
+        interleaved: bool,
+        batch: ForwardBatch,
+    ) -> None:
+        """Write `layer_norm(x)` with its first `R` dims rotated (`rope_part` from dim 0) into
+        `cache` at `batch.slot_mapping`: the DSA indexer's key. Default: torch's layer_norm,
+        `rope_part` and `store_kv`."""
+        normed = F.layer_norm(x, weight.shape, weight, bias, eps)
+        self.store_kv(cache, self.rope_part(normed[:, None], cos, sin, interleaved, 0)[:, 0], batch)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's activation: `silu(gate) * up` for `gate_up [T, 2I]` = `gate | up`."""

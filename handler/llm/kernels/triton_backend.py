@@ -14,8 +14,8 @@
 - `add_rms_norm`, `rope_store_kv`, `rope_part`, `norm_rope_store`, `silu_mul`: the decode
   step's elementwise work, one launch each where the reference launches five to fifteen small
   kernels (the residual add and the norm; RoPE of q and k and both cache writes; MLA's and
-  DSA's partial RoPE with its concatenation; MLA's latent norm, RoPE and cache write;
-  SwiGLU's activation);
+  DSA's partial RoPE with its concatenation; MLA's latent norm, RoPE and cache write, and
+  the indexer key's (`layer_norm_rope_store`); SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts; one token (and the
   GEMV on) by `triton_moe.moe_gemv`, its experts as matrix-vector products. FP8 experts of more
@@ -226,6 +226,16 @@ class TritonBackend(TorchBackend):
             return super().norm_rope_store(cache, x, norm_weight, eps, cos, sin, interleaved, batch)
         return tk.norm_rope_store(
             x, norm_weight, eps, cos, sin, interleaved, cache, batch.slot_mapping
+        )
+
+    def layer_norm_rope_store(self, cache, x, weight, bias, eps, cos, sin, interleaved, batch):
+        tk = _kernels(x)
+        if tk is None:
+            return super().layer_norm_rope_store(
+                cache, x, weight, bias, eps, cos, sin, interleaved, batch
+            )
+        return tk.layer_norm_rope_store(
+            x, weight, bias, eps, cos, sin, interleaved, cache, batch.slot_mapping
         )
 
     def greedy_picks(self, logits):

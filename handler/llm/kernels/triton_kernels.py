@@ -531,6 +531,106 @@ def norm_rope_store(
         )  # fmt: skip
 
 
+@triton.jit
+def _layer_norm_at(src, w_ptr, b_ptr, d, mask, mean, rstd, dtype):
+    """LayerNorm of `src[d]` (given the row's mean and 1/std), rounded to `dtype` once, as
+    torch's layer_norm rounds: float32 throughout, the weight and bias included."""
+    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    return ((x - mean) * rstd * w + b).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_rope_store_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    cache_ptr,
+    x_stride_t,
+    slot_stride,
+    dim,
+    half,
+    eps,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program per token: `layer_norm(x)` with its first 2 half dims rotated (`_rotate_row`'s
+    # pairs and rounding, from the rounded norm as `rope_part` reads it), into its slot
+    t = tl.program_id(0).to(tl.int64)
+    src = x_ptr + t * x_stride_t
+    dst = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * slot_stride
+    dtype = x_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+    x = tl.load(src + d, mask=d_mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / dim
+    centred = tl.where(d_mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / dim + eps)
+    kept = d_mask & (d >= 2 * half)  # the dims past the rotated ones, normed only
+    normed = _layer_norm_at(src, weight_ptr, bias_ptr, d, kept, mean, rstd, dtype)
+    tl.store(dst + d, normed.to(cache_ptr.dtype.element_ty), mask=kept)
+    i = tl.arange(0, BLOCK)
+    mask = i < half
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + half
+    x1 = _layer_norm_at(src, weight_ptr, bias_ptr, first, mask, mean, rstd, dtype)
+    x2 = _layer_norm_at(src, weight_ptr, bias_ptr, second, mask, mean, rstd, dtype)
+    cos = tl.load(cos_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * half + i, mask=mask, other=0.0).to(tl.float32)
+    out = cache_ptr.dtype.element_ty
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dtype).to(out), mask=mask)
+    tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dtype).to(out), mask=mask)
+
+
+# NOTE: the cache writes need no restore between timing runs: the same values, the same slots
+_layer_norm_rope_store_tuned = autotuned(
+    _layer_norm_rope_store_kernel, warps_configs(1, 2, 4), key=["dim", "half", "INTERLEAVED"]
+)
+
+
+def layer_norm_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`Backend.layer_norm_rope_store` in one launch: `x [T, D]` (rows contiguous, any token
+    stride) LayerNormed with `weight`, `bias [D]`, its first `2 half` dims rotated by `cos/sin
+    [T, half]`, written into `cache [P, S, D]` at `slot_mapping`. The reference runs the norm,
+    the rotation with its concatenation, and the cache write."""
+    _check_device(x, weight, bias, cos, sin, cache)
+    tokens, dim = x.shape
+    half = cos.shape[-1]
+    if weight.shape != (dim,) or bias.shape != (dim,) or cache.shape[2:] != (dim,):
+        raise ValueError(
+            f"x {tuple(x.shape)}: weight {tuple(weight.shape)}, bias {tuple(bias.shape)} and "
+            f"cache {tuple(cache.shape)} must be {dim} wide"
+        )
+    if cos.shape != (tokens, half) or sin.shape != cos.shape or 2 * half > dim:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if x.stride(1) != 1 or cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * dim:
+        raise ValueError(f"rows must be contiguous: x {x.stride()}, cache {cache.stride()}")
+    if tokens:
+        kernel, fixed = tuned_or_fixed(_layer_norm_rope_store_tuned)
+        kernel[(tokens,)](
+            x, weight, bias, cos.contiguous(), sin.contiguous(), slot_mapping, cache,
+            x.stride(0), dim, dim, half, eps, INTERLEAVED=interleaved,
+            BLOCK_D=triton.next_power_of_2(dim), BLOCK=triton.next_power_of_2(half), **fixed,
+        )  # fmt: skip
+
+
 def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
     """A `[P, S, H, D]` cache's stride per slot (page * S + offset) and per head."""
     if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):

@@ -93,10 +93,10 @@ class DSAIndexer(nn.Module):
         q = rope(q, cos, sin, rotary.interleaved, 0)  # [T, Hi, Di]
         if k_proj is None:
             k_proj = self.wk(x)
-        k = self.k_norm(k_proj).view(t, 1, self.head_dim)
-        k = rope(k, cos, sin, rotary.interleaved, 0)[:, 0]  # [T, Di]
-        cache = kv.layer("index_k", self.slot)
-        self.backend.store_kv(cache, k, batch)
+        cache, norm = kv.layer("index_k", self.slot), self.k_norm  # rope(k_norm(k)) cached
+        self.backend.layer_norm_rope_store(
+            cache, k_proj, norm.weight, norm.bias, norm.eps, cos, sin, rotary.interleaved, batch
+        )
         weights = self.weights_proj(x) * self.num_heads**-0.5  # [T, Hi] float32: a float32 module
         return self.backend.dsa_topk(q, weights, cache, batch, self.topk, self.softmax_scale)
 
