@@ -173,23 +173,16 @@ def test_mla_over_fake_flashinfer_matches_the_reference(fake_flashinfer, kind):
     assert _planned(backend) == [("eager", 1)]
 
 
-def test_fp8_kv_b_is_dequantized_once_into_its_absorbed_halves(fake_flashinfer):
+def test_fp8_kv_b_is_dequantized_once(fake_flashinfer):
     gen = torch.Generator().manual_seed(5)
     batch = ForwardBatch.build(*BATCHES["decode"], 4, "cpu")
     q, latent, kv_b = _inputs(3, 13, gen)
     weight, scale_inv = quantize_fp8_block(kv_b.float())
     backend, topk = get_backend("flashinfer"), random_topk(batch, 5, gen)
     first = backend.mla_attention(q, latent, weight, scale_inv, batch, SCALE, topk)
-    ((w_k_t, w_v),) = (halves for _, halves in backend._absorbed_kv_b.values())
+    (dense,) = (d for _, d in backend._dense_kv_b.values())
     backend.mla_attention(q, latent, weight, scale_inv, batch, SCALE, topk)
-    kept = [halves for _, halves in backend._absorbed_kv_b.values()]
-    assert len(kept) == 1 and kept[0][0] is w_k_t and kept[0][1] is w_v  # made once, kept
-    # per head: W_k^T [R, Dn] and W_v [Dv, R] of the dequantized weight, each contiguous
-    dense = get_backend("torch")._dense_weight(weight, scale_inv, torch.bfloat16)
-    per_head = dense.view(HEADS, -1, w_v.shape[2])
-    assert w_k_t.is_contiguous() and w_v.is_contiguous() and w_v.shape[1] == V_DIM
-    assert torch.equal(w_k_t, per_head[:, :-V_DIM].transpose(1, 2))
-    assert torch.equal(w_v, per_head[:, -V_DIM:])
+    assert [d for _, d in backend._dense_kv_b.values()] == [dense]  # the same tensor, kept
     want = get_backend("torch").mla_attention(
         q.float(), latent.float(), weight, scale_inv, batch, SCALE, topk
     )

@@ -192,7 +192,6 @@ CASES = (
     + [f"greedy_picks-{s}-fp32" for s in PICKS_SHAPES]  # logits are float32
     + [f"gemv-{k}-{d}" for k in GEMV_KINDS for d in DTYPES]
     + [f"backend_gemv-{d}" for d in DTYPES]
-    + [f"gemv_heads-{d}" for d in DTYPES]
     + [f"moe-{s}-{d}" for s in MOE_SHAPES for d in DTYPES]
     # the 16- and 64-row tiles, and one token's GEMVs
     + [f"moe_configs-{s}-bf16" for s in ("fp8", "fp8_prefill", "gemv_fp8")]
@@ -544,23 +543,6 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     if "residual" in fused:
         _check_close("gemv residual sum", total, h, (BF16_ULP * 8, BF16_ULP))
     return _check_close(f"gemv {kind}", got, want, _gemv_tol(want, scale_inv is not None))
-
-
-def _check_gemv_heads(dtype: torch.dtype, device: str) -> dict:
-    """`gemv(x_every=)`: a row of x per `x_every` weight rows, as MLA's absorbed per-head
-    products (`W_k^T q_nope` over 5 heads of 64 rows), against `torch.bmm`."""
-    from snapfn.handler.llm.kernels import triton_gemv as tg
-
-    heads, rows, k = 5, 64, 300
-    gen = torch.Generator().manual_seed(8)
-    # each head's row a strided view (q_nope of a [H, nope | rope] query)
-    wide = torch.randn(heads, k + 20, generator=gen).to(dtype)
-    x = wide[:, :k]
-    weight = (torch.randn(heads, rows, k, generator=gen) / k**0.5).to(dtype)
-    want = torch.bmm(weight.float(), x.float()[:, :, None])[..., 0].to(dtype)  # [H, rows]
-    got, _ = tg.gemv(wide.to(device)[:, :k], weight.flatten(0, 1).to(device), x_every=rows)
-    assert got.shape == (heads, rows), f"gemv x_every: shape {tuple(got.shape)}"
-    return _check_close("gemv x_every", got.cpu(), want, GEMV_TOL[dtype])
 
 
 def _gemv_tol(want: torch.Tensor, fp8: bool) -> tuple[float, float]:
@@ -1201,8 +1183,6 @@ def run_case(case: str, device: str) -> dict:
         return _check_picks(PICKS_SHAPES[rest[0]], device)
     if kind == "backend_gemv":
         return _check_backend_gemv(dtype, device)
-    if kind == "gemv_heads":
-        return _check_gemv_heads(dtype, device)
     if kind == "gemv":
         return _check_gemv(rest[0], dtype, device)
     if kind == "decode_attention":

@@ -165,7 +165,7 @@ class FlashInferBackend(TritonBackend):
         # the forward in progress and its planned wrapper
         self._forward = ForwardPlan("flashinfer", self._plan)
         self._mla = FlashInferMLA(self._flashinfer, self._workspace_on)
-        self._absorbed_kv_b: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch, graph=False):
         if not self._triton_decode(batch):  # else nothing of flashinfer's to plan
@@ -180,26 +180,18 @@ class FlashInferBackend(TritonBackend):
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
             )
-        w_k_t, w_v = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype, shape, q.shape[2])
-        return self._mla.attention(
-            q, latent_cache, w_k_t, w_v, batch, shape, topk_indices, per_head_gemv=self._gemv
-        )
+        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
+        return self._mla.attention(q, latent_cache, kv_b, batch, shape, topk_indices)
 
-    def _kv_b(self, weight, scale_inv, dtype, shape: MLAShape, qk_dim: int):
-        """kv_b's per-head halves laid out for the absorbed products, in `dtype` and
-        contiguous: `W_k^T [H, R, Dn]` and `W_v [H, Dv, R]`. Made once, at the first use (an
-        FP8 kv_b dequantized), and kept: the MLA reads both whole every step, H * (Dn + Dv) * R
-        values (29 MB a layer for GLM-5), as the dense kv_b they replace."""
-        cached = self._absorbed_kv_b.get(weight.data_ptr())
+    def _kv_b(self, weight, scale_inv, dtype):
+        """`kv_b` in `dtype`; an FP8 one dequantized once, at its first use, and kept (the MLA
+        reads it whole every step: H * (Dn + Dv) * R values, 29 MB a layer for GLM-5)."""
+        if scale_inv is None and weight.dtype == dtype:
+            return weight
+        cached = self._dense_kv_b.get(weight.data_ptr())
         if cached is None or cached[0] is not weight:
-            dense = weight
-            if scale_inv is not None or weight.dtype != dtype:
-                dense = self._dense_weight(weight, scale_inv, dtype)
-            w = dense.view(shape.num_heads, -1, shape.rank)  # per head: W_k [Dn, R] | W_v [Dv, R]
-            nope = qk_dim - shape.rope_dim
-            halves = (w[:, :nope].transpose(1, 2).contiguous(), w[:, nope:].contiguous())
-            cached = (weight, halves)
-            self._absorbed_kv_b[weight.data_ptr()] = cached
+            cached = (weight, self._dense_weight(weight, scale_inv, dtype))
+            self._dense_kv_b[weight.data_ptr()] = cached
         return cached[1]
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):

@@ -139,13 +139,9 @@ class FlashInferMLA:
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
         self._forward.begin_forward(batch, graph)
 
-    def attention(
-        self, q, latent_cache, w_k_t, w_v, batch, shape: MLAShape, topk_indices, per_head_gemv
-    ):
-        """`q [T, H, Dn + Dr]` over the top-k latents -> `[T, H, Dv]`. `w_k_t [H, R, Dn]`,
-        `w_v [H, Dv, R]`: kv_b's halves, dense and contiguous (the caller makes them). One
-        token's absorbed products (`per_head_gemv`, on CUDA) are `triton_gemv` GEMVs, a row of
-        `q_nope` (then of the output) per head; more tokens' are `torch.bmm`."""
+    def attention(self, q, latent_cache, kv_b, batch, shape: MLAShape, topk_indices):
+        """`q [T, H, Dn + Dr]` over the top-k latents -> `[T, H, Dv]`. `kv_b`: the dense
+        `[H * (Dn + Dv), R]` weight (the caller dequantizes an FP8 one)."""
         wrapper, buffers = self._forward.for_call(batch, shape)
         rank, rope = shape.rank, shape.rope_dim
         fill = fill_kv_indices
@@ -155,16 +151,11 @@ class FlashInferMLA:
             buffers.kv_indices, topk_indices, buffers.page_table, buffers.kv_indptr, batch.page_size
         )
         nope = q.shape[2] - rope
+        w = kv_b.view(shape.num_heads, -1, rank)  # per head: W_k [Dn, R] over W_v [Dv, R]
+        w_k, w_v = w[:, :nope], w[:, nope:]
         q_nope, q_pe = q.split([nope, rope], dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
         flat = latent_cache.view(-1, 1, latent_cache.shape[-1])  # page size 1: a slot a page
-        if per_head_gemv and q.shape[0] == 1 and q.is_cuda:  # triton is here
-            from .triton_gemv import gemv
-
-            q_latent = gemv(q_nope[0], w_k_t.flatten(0, 1), x_every=rank)[0]  # [H, R]
-            out = wrapper.run(q_latent[None], q_pe, flat[..., :rank], flat[..., rank:])
-            dv = w_v.shape[1]
-            return gemv(out[0], w_v.flatten(0, 1), x_every=dv)[0][None]  # [1, H, Dv]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k_t.transpose(1, 2)).transpose(0, 1)
         out = wrapper.run(q_latent, q_pe, flat[..., :rank], flat[..., rank:])  # [T, H, R]
         return torch.bmm(out.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
 

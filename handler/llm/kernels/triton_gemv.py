@@ -84,8 +84,6 @@ def _gemv_kernel(
     n,
     k,
     num_k_blocks,
-    x_every,
-    x_stride,
     eps,
     SPLIT: tl.constexpr,
     NORM: tl.constexpr,
@@ -106,9 +104,6 @@ def _gemv_kernel(
     # adds them up and finishes the block.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # `x_every` output columns per row of x (n: one row for all; BLOCK_N divides it), rows
-    # `x_stride` apart
-    x_ptr += (pid * BLOCK_N // x_every).to(tl.int64) * x_stride
     splits = tl.num_programs(1)
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), splits) * BLOCK_K
     k_first = pid_k * per_split
@@ -329,7 +324,6 @@ def gemv(
     config: triton.Config | None = None,
     splits: int | None = None,
     fused_swiglu: bool | None = None,
-    x_every: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
     of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
@@ -337,14 +331,10 @@ def gemv(
     (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
     residual` when `residual` is given (else None). `config` runs one config untuned (probes,
     tests); `splits` sets the K splits (else `split_count`'s); `fused_swiglu` where SwiGLU
-    runs (else GEMV_FUSED_SWIGLU). `x_every`: a row of `x [N / x_every, K]` for each
-    `x_every` rows of the weight (a per-head product, such as MLA's absorbed `W_k^T q` over
-    heads stacked in one weight; a multiple of 32, no norm, residual or SwiGLU): `y [N]`."""
+    runs (else GEMV_FUSED_SWIGLU)."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if x_every is None or rows.stride(1) != 1:  # per-head rows may be a strided view
-        rows = rows.contiguous()
+    rows = x.reshape(-1, k).contiguous()
     m = rows.shape[0]
     want_dtypes = (x.dtype, torch.float32) if weight_scale_inv is None else (FP8_DTYPE,)
     if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in want_dtypes:
@@ -357,15 +347,7 @@ def gemv(
             f"{scale_shape(tuple(weight.shape))}, got {tuple(weight_scale_inv.shape)}"
             + (f"; with swiglu, rows a multiple of {2 * FP8_BLOCK}" if swiglu else "")
         )
-    if x_every is not None:
-        if x_every % 32 or weight.shape[0] != m * x_every:
-            raise ValueError(
-                f"x_every={x_every} (a multiple of 32) rows a row of x's {m}: weight "
-                f"{tuple(weight.shape)}"
-            )
-        if norm_weight is not None or residual is not None or swiglu:
-            raise ValueError("x_every takes no norm, residual or swiglu")
-    elif not 0 < m <= GEMV_MAX_ROWS:
+    if not 0 < m <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
     if residual is not None and (norm_weight is None or residual.shape != x.shape):
         raise ValueError("a residual needs norm_weight and x's shape")
@@ -383,7 +365,7 @@ def gemv(
         n, swiglu = weight.shape[0], False
     # a float32 weight (a module kept in float32) gives a float32 product, as `Backend.linear`
     out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
-    out = torch.empty((m, n) if x_every is None else (n,), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     total = torch.empty_like(rows) if residual is not None else None
     if splits is None:
         splits = split_count(n, k, weight.dtype, x.device)
@@ -418,13 +400,11 @@ def gemv(
         n,
         k,
         triton.cdiv(k, FP8_BLOCK),
-        x_every or n,
-        rows.stride(0),
         eps,
         **flags,
         **params,
     )
-    y = out.view(*x.shape[:-1], n if x_every is None else x_every)
+    y = out.view(*x.shape[:-1], n)
     if after:
         from .triton_kernels import silu_mul
 
