@@ -59,12 +59,12 @@ GEMV_MAX_ROWS = 1
 GEMV_PROGRAMS_PER_SM = 16
 # SwiGLU after the product (`gemv(swiglu=True)`): in the kernel (`SWIGLU`: each program holds
 # gate's and up's tiles and sums, twice the registers) or, when False, the kernel writes the
-# gate | up product and `triton_kernels.silu_mul` (one more launch, ~1 us) takes it. NOTE: the
-# fused form lost to unfused kernels on the H200: GLM-5's dense FP8 gate | up 57.8 us against
-# 53.0 for the norm, `fp8_block_linear` and silu_mul (session 12 run 3), the 8B's bf16 one 65.2
-# against 61.7 (session 9 run 2), while a plain product of as many bytes runs at 3.0 (FP8) and
-# 4.0 TB/s (bf16): ~50 and ~59 us
-GEMV_FUSED_SWIGLU = False
+# gate | up product and `triton_kernels.silu_mul` (one more launch, ~1 us) takes it. NOTE: both
+# lose to unfused kernels on the H200 for GLM-5's dense FP8 gate | up: in the kernel 57.1 us,
+# silu_mul after 58.5, the norm + `fp8_block_linear` + silu_mul 52.5 (session 12 run 4,
+# gemv_probe.py); the 8B's bf16 one in the kernel 65.2 against 61.7 unfused (session 9 run 2).
+# In the kernel stays the default; the unfused kernels' tile GEMM is the lead to follow
+GEMV_FUSED_SWIGLU = True
 GEMV_MIN_SPLIT_K = 512
 GEMV_MAX_SPLITS = 16
 
