@@ -147,10 +147,10 @@ GEMV_KINDS = (
     "fp8_add_norm_split3",
     "fp8_swiglu_split3",
     "fp32w_split5",
-    # SwiGLU inside the GEMV kernel (`fused_swiglu`; by default a silu_mul launch after it)
-    "swiglu_fused",
-    "fp8_swiglu_fused",
-    "fp8_swiglu_fused_split3",
+    # SwiGLU as a silu_mul launch after the GEMV (`fused_swiglu=False`; by default inside it)
+    "swiglu_after",
+    "fp8_swiglu_after",
+    "fp8_swiglu_after_split3",
 )
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
@@ -504,8 +504,8 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     ref = TorchBackend()
     kind, _, split = kind.partition("_split")
     splits = int(split) if split else None
-    fused_swiglu = kind.endswith("_fused") or None
-    kind = kind.removesuffix("_fused")
+    fused_swiglu = False if kind.endswith("_after") else None
+    kind = kind.removesuffix("_after")
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")

@@ -15,7 +15,9 @@ microseconds per call and bandwidth (weight bytes / time), each config's microse
 largest difference from the unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
 labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries. SwiGLU
-shapes also time the kernel with SwiGLU inside (`tuned_fused_swiglu_us`).
+shapes also time SwiGLU inside the kernel and as a silu_mul launch after it
+(`swiglu_in_kernel_us`, `swiglu_after_us`; session 12 run 4's file names the former
+`tuned_fused_swiglu_us`, its `tuned_us` the latter).
 """
 
 from __future__ import annotations
@@ -186,15 +188,21 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
         tuned[splits] = round(graph_us(lambda i, s=splits: ours(i, splits=s), reps, copies), 2)
     row["tuned_by_splits"] = tuned
     row["tuned_us"] = tuned.get(auto, min(tuned.values()))
-    if swiglu:  # SwiGLU inside the kernel instead of the default silu_mul launch after it
+    if swiglu:  # both places SwiGLU runs: inside the kernel, or a silu_mul launch after it
+        for where, in_kernel in (("in_kernel", True), ("after", False)):
 
-        def in_kernel(i):
-            return triton_gemv.gemv(
-                x, weights[i], swiglu=True, weight_scale_inv=scales[i], fused_swiglu=True, **fused
-            )[0]
+            def form(i, in_kernel=in_kernel):
+                return triton_gemv.gemv(
+                    x,
+                    weights[i],
+                    swiglu=True,
+                    weight_scale_inv=scales[i],
+                    fused_swiglu=in_kernel,
+                    **fused,
+                )[0]
 
-        in_kernel(0)  # autotune, outside the capture
-        row["tuned_fused_swiglu_us"] = round(graph_us(in_kernel, reps, copies), 2)
+            form(0)  # autotune, outside the capture
+            row[f"swiglu_{where}_us"] = round(graph_us(form, reps, copies), 2)
         row["fused_swiglu"] = triton_gemv.GEMV_FUSED_SWIGLU
     row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
     row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
