@@ -183,6 +183,7 @@ CASES = (
     + [f"rope_part-{s}-{d}" for s in ROPE_PART_SHAPES for d in DTYPES]
     + [f"norm_rope_store-{s}-{d}" for s in NORM_ROPE_SHAPES for d in DTYPES]
     + [f"layer_norm_rope_store-{s}-{d}" for s in LAYER_NORM_ROPE_SHAPES for d in DTYPES]
+    + ["store_refusals-fp32"]
     + [f"silu_mul-{s}-{d}" for s in SILU_SHAPES for d in DTYPES]
     + [f"dequant_fp8-{s}-{d}" for s in FP8_SHAPES for d in DTYPES]
     + [f"linear_fp8-{d}" for d in DTYPES]
@@ -402,6 +403,34 @@ def _check_layer_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) 
     _check_close("layer_norm_rope_store norm", got[:, rope_dim:], flat[:, rope_dim:], norm_tol)
     tol = tuple(max(a, b) for a, b in zip(norm_tol, ROPE_TOL[dtype], strict=True))
     return _check_close("layer_norm_rope_store rope", got[:, :rope_dim], flat[:, :rope_dim], tol)
+
+
+def _check_store_refusals(device: str) -> dict:
+    """The one-launch cache stores refuse rows that do not fit, each with its reason."""
+    from snapfn.handler.llm.kernels import triton_kernels as tk
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=device)
+
+    x, cache, cos, slots = zeros(2, 576), zeros(4, 8, 576), zeros(2, 32), zeros(2).long()
+    strided = zeros(576, 2).t()
+    latent, key = tk.norm_rope_store, tk.layer_norm_rope_store
+    cases = [
+        (latent, "norm 500 | rope 64", (x, zeros(500), 1e-6, cos, cos, True, cache, slots)),
+        (latent, "cos/sin", (x, zeros(512), 1e-6, cos[:1], cos[:1], True, cache, slots)),
+        (latent, "x's 576", (x, zeros(512), 1e-6, cos, cos, True, cache[..., :128], slots)),
+        (latent, "contiguous", (strided, zeros(512), 1e-6, cos, cos, True, cache, slots)),
+        (key, "must be [128]", (x[:, :128], zeros(64), zeros(128), 1e-6, cos, cos, True,
+                                zeros(4, 8, 128), slots)),
+    ]  # fmt: skip
+    for store, want, call in cases:
+        try:
+            store(*call)
+        except ValueError as exc:
+            assert want in str(exc), f"{store.__name__}: {exc} (wanted {want!r})"
+        else:
+            raise AssertionError(f"{store.__name__} took rows that do not fit ({want})")
+    return {"refused": len(cases)}
 
 
 def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
@@ -1142,6 +1171,8 @@ def run_case(case: str, device: str) -> dict:
     kind, *rest = case.split("-")
     if kind == "fill_kv":
         return _check_fill_kv(rest[0], device)
+    if kind == "store_refusals":
+        return _check_store_refusals(device)
     dtype = DTYPES[rest[-1]]
     if kind in ("rms_norm", "add_rms_norm"):
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")

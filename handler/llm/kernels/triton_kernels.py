@@ -511,17 +511,11 @@ def norm_rope_store(
     half]` at `slot_mapping`. The reference runs the norm, the rotation (seven kernels), a
     concatenation and the cache write."""
     _check_device(x, weight, cos, sin, cache)
+    _check_token_rows(x, cos, sin, cache)
     tokens, width = x.shape
     rank, half = weight.shape[0], cos.shape[-1]
-    if rank + 2 * half != width or cache.shape[2:] != (width,):
-        raise ValueError(
-            f"x {tuple(x.shape)} must be norm {rank} | rope {2 * half} wide, as cache "
-            f"{tuple(cache.shape)}'s tokens"
-        )
-    if cos.shape != (tokens, half) or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin must be [{tokens}, {half}], got {tuple(cos.shape)}")
-    if x.stride(1) != 1 or cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * width:
-        raise ValueError(f"rows must be contiguous: x {x.stride()}, cache {cache.stride()}")
+    if rank + 2 * half != width:
+        raise ValueError(f"x {tuple(x.shape)} must be norm {rank} | rope {2 * half} wide")
     if tokens:
         kernel, fixed = tuned_or_fixed(_norm_rope_store_tuned)
         kernel[(tokens,)](
@@ -611,17 +605,13 @@ def layer_norm_rope_store(
     [T, half]`, written into `cache [P, S, D]` at `slot_mapping`. The reference runs the norm,
     the rotation with its concatenation, and the cache write."""
     _check_device(x, weight, bias, cos, sin, cache)
+    _check_token_rows(x, cos, sin, cache)
     tokens, dim = x.shape
     half = cos.shape[-1]
-    if weight.shape != (dim,) or bias.shape != (dim,) or cache.shape[2:] != (dim,):
+    if weight.shape != (dim,) or bias.shape != (dim,):
         raise ValueError(
-            f"x {tuple(x.shape)}: weight {tuple(weight.shape)}, bias {tuple(bias.shape)} and "
-            f"cache {tuple(cache.shape)} must be {dim} wide"
+            f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must be [{dim}] (x's)"
         )
-    if cos.shape != (tokens, half) or sin.shape != cos.shape or 2 * half > dim:
-        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
-    if x.stride(1) != 1 or cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * dim:
-        raise ValueError(f"rows must be contiguous: x {x.stride()}, cache {cache.stride()}")
     if tokens:
         kernel, fixed = tuned_or_fixed(_layer_norm_rope_store_tuned)
         kernel[(tokens,)](
@@ -629,6 +619,19 @@ def layer_norm_rope_store(
             x.stride(0), dim, dim, half, eps, INTERLEAVED=interleaved,
             BLOCK_D=triton.next_power_of_2(dim), BLOCK=triton.next_power_of_2(half), **fixed,
         )  # fmt: skip
+
+
+def _check_token_rows(x, cos, sin, cache) -> None:
+    """What the one-launch cache stores take: `x [T, D]` with contiguous rows (any token
+    stride), `cos/sin [T, half]` with `2 half <= D`, and `cache [P, S, D]` of contiguous pages."""
+    tokens, width = x.shape
+    half = cos.shape[-1]
+    if cos.shape != (tokens, half) or sin.shape != cos.shape or 2 * half > width:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if cache.shape[2:] != (width,):
+        raise ValueError(f"cache {tuple(cache.shape)} must hold rows of x's {width} values")
+    if x.stride(1) != 1 or cache.stride(2) != 1 or cache.stride(0) != cache.shape[1] * width:
+        raise ValueError(f"rows must be contiguous: x {x.stride()}, cache {cache.stride()}")
 
 
 def _slot_strides(cache: torch.Tensor, name: str) -> tuple[int, int]:
