@@ -691,14 +691,16 @@ def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy token
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
-    # -switchesoff: with the Triton MoE router and the indexer's decode pick switched off (the
-    # switches are read when the backend is built), so their reference paths run instead
-    switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT")
+    # -switchesoff: with the Triton MoE router, the indexer's decode pick and the one-launch
+    # cache stores switched off (the switches are read when the backend is built), so their
+    # reference paths run instead
+    switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT", "SNAPFN_CACHE_STORES")
     on = not preset.endswith("-switchesoff")
     preset = preset.removesuffix("-switchesoff")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
     from snapfn.handler.llm.kernels import triton_indexer as ti
+    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels import triton_moe as tm
 
     with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
@@ -706,10 +708,15 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
             os.environ.pop(name, None)
         if not on:
             os.environ.update(dict.fromkeys(switches, "off"))
-        with _counting(tm, "route") as routed, _counting(ti, "select_topk_decode") as picked:
+        with (
+            _counting(tm, "route") as routed,
+            _counting(ti, "select_topk_decode") as picked,
+            _counting(tk, "norm_rope_store") as stored,
+        ):
             result = _engine_greedy(preset, checkpoint, dtype, device)
     if preset.startswith("glm"):
-        assert bool(routed) == bool(picked) == on, f"ran {len(routed)} / {len(picked)} times"
+        ran = (len(routed), len(picked), len(stored))
+        assert bool(routed) == bool(picked) == bool(stored) == on, f"ran {ran} times"
     return result
 
 

@@ -16,6 +16,10 @@ prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_
 routes MoE tokens with the reference's torch ops instead of one Triton kernel
 (`triton_moe.route`), and `SNAPFN_INDEXER_SELECT=off` picks the DSA indexer's decode top-k
 with the reference's sort instead of one (`triton_indexer.select_topk_decode`).
+`SNAPFN_GEMV_SPLIT=off` never splits a GEMV's K (`triton_gemv.split_count`), and
+`SNAPFN_CACHE_STORES=off` writes MLA's latent and the DSA indexer's key into their caches with
+the reference's ops instead of one launch each (`triton_kernels.norm_rope_store`,
+`layer_norm_rope_store`): switches to time each change against its absence on one machine.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ def _triton_modes() -> dict[str, str]:
         "prefill_indexer": os.environ.get("SNAPFN_PREFILL_INDEXER", "auto"),
         "router": os.environ.get("SNAPFN_MOE_ROUTER", "auto"),
         "indexer_select": os.environ.get("SNAPFN_INDEXER_SELECT", "auto"),
+        "gemv_split": os.environ.get("SNAPFN_GEMV_SPLIT", "auto"),
+        "cache_stores": os.environ.get("SNAPFN_CACHE_STORES", "auto"),
     }
 
 

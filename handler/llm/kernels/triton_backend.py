@@ -2,7 +2,8 @@
 
 - `linear` and `add_norm_linear` of one 16-bit row (a batch-1 decode step), 16-bit or FP8
   weight: `triton_gemv`, with the norm before and SwiGLU after fused in (`SNAPFN_GEMV=off`, or
-  `gemv="off"`, turns it off);
+  `gemv="off"`, turns it off), K split where its column tiles leave SMs idle
+  (`SNAPFN_GEMV_SPLIT=off`, or `gemv_split="off"`, never splits);
 - `linear` with an FP8 weight: up to `FP8_FUSED_MAX_ROWS` input rows (decode steps) by
   `fp8_block_linear`, which dequantizes the 128x128 block-scaled weight tile by tile in
   registers (a step reads each weight byte once); more rows (prefill, compute-bound) by
@@ -15,7 +16,8 @@
   step's elementwise work, one launch each where the reference launches five to fifteen small
   kernels (the residual add and the norm; RoPE of q and k and both cache writes; MLA's and
   DSA's partial RoPE with its concatenation; MLA's latent norm, RoPE and cache write, and
-  the indexer key's (`layer_norm_rope_store`); SwiGLU's activation);
+  the indexer key's (`layer_norm_rope_store`; `cache_stores="off"`, or SNAPFN_CACHE_STORES=off,
+  keeps the reference's ops for these two); SwiGLU's activation);
 - `moe`: `triton_moe.fused_moe`, no host sync (the reference's `.tolist()` keeps decode graphs
   from capturing a MoE model); bf16 / fp32 and FP8 block-scaled experts; one token (and the
   GEMV on) by `triton_moe.moe_gemv`, its experts as matrix-vector products. FP8 experts of more
@@ -76,6 +78,8 @@ class TritonBackend(TorchBackend):
         prefill_indexer: str = "auto",
         router: str = "auto",
         indexer_select: str = "auto",
+        gemv_split: str = "auto",
+        cache_stores: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -83,6 +87,8 @@ class TritonBackend(TorchBackend):
             ("prefill_indexer", prefill_indexer),
             ("router", router),
             ("indexer_select", indexer_select),
+            ("gemv_split", gemv_split),
+            ("cache_stores", cache_stores),
         ):
             if value not in ("auto", "off"):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
@@ -90,6 +96,8 @@ class TritonBackend(TorchBackend):
         self._prefill_indexer = prefill_indexer == "auto"
         self._router = router == "auto"
         self._indexer_select = indexer_select == "auto"
+        self._gemv_splits = None if gemv_split == "auto" else 1  # `split_count`'s, or none
+        self._cache_stores = cache_stores == "auto"
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -138,13 +146,15 @@ class TritonBackend(TorchBackend):
             residual=residual,
             swiglu=swiglu,
             weight_scale_inv=weight_scale_inv,
+            splits=self._gemv_splits,
         )
         return out, x if total is None else total
 
     def linear(self, x, weight, bias=None, weight_scale_inv=None):
         tg = self._gemv_kernels(x, weight, weight_scale_inv)
         if tg is not None:
-            return tg.gemv(x, weight, bias, weight_scale_inv=weight_scale_inv)[0]
+            splits = self._gemv_splits
+            return tg.gemv(x, weight, bias, weight_scale_inv=weight_scale_inv, splits=splits)[0]
         tk = _kernels(x)
         fused = x.numel() // x.shape[-1] <= FP8_FUSED_MAX_ROWS and weight.dim() == 2
         if weight_scale_inv is not None and not fused:
@@ -221,7 +231,7 @@ class TritonBackend(TorchBackend):
         return tk.rope_part(x, cos, sin, interleaved, start)
 
     def norm_rope_store(self, cache, x, norm_weight, eps, cos, sin, interleaved, batch):
-        tk = _kernels(x)
+        tk = _kernels(x) if self._cache_stores else None
         if tk is None:
             return super().norm_rope_store(cache, x, norm_weight, eps, cos, sin, interleaved, batch)
         return tk.norm_rope_store(
@@ -229,7 +239,7 @@ class TritonBackend(TorchBackend):
         )
 
     def layer_norm_rope_store(self, cache, x, weight, bias, eps, cos, sin, interleaved, batch):
-        tk = _kernels(x)
+        tk = _kernels(x) if self._cache_stores else None
         if tk is None:
             return super().layer_norm_rope_store(
                 cache, x, weight, bias, eps, cos, sin, interleaved, batch
