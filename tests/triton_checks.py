@@ -147,10 +147,6 @@ GEMV_KINDS = (
     "fp8_add_norm_split3",
     "fp8_swiglu_split3",
     "fp32w_split5",
-    # SwiGLU as a silu_mul launch after the GEMV (`fused_swiglu=False`; by default inside it)
-    "swiglu_after",
-    "fp8_swiglu_after",
-    "fp8_swiglu_after_split3",
 )
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
@@ -533,8 +529,6 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     ref = TorchBackend()
     kind, _, split = kind.partition("_split")
     splits = int(split) if split else None
-    fused_swiglu = False if kind.endswith("_after") else None
-    kind = kind.removesuffix("_after")
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")
@@ -563,7 +557,7 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     want = ref.linear(normed, weight, bias, scale_inv)
     if swiglu:
         want = ref.silu_mul(want)
-    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, fused_swiglu=fused_swiglu)
+    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits)
     got, total = tg.gemv(x, weight, bias, **call, **fused)
     if splits:  # once more: the last program of each column block left its count at 0
         again, _ = tg.gemv(x, weight, bias, **call, **fused)

@@ -14,10 +14,9 @@ again. Prints one JSON object per (shape, rows): the unfused sequence's and the 
 microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
 largest difference from the unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
-labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries. SwiGLU
-shapes also time SwiGLU inside the kernel and as a silu_mul launch after it
-(`swiglu_in_kernel_us`, `swiglu_after_us`; session 12 run 4's file names the former
-`tuned_fused_swiglu_us`, its `tuned_us` the latter).
+labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries. NOTE:
+session 12 run 4's file comes from a version that ran SwiGLU as a silu_mul launch after the
+product by default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel.
 """
 
 from __future__ import annotations
@@ -188,22 +187,6 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
         tuned[splits] = round(graph_us(lambda i, s=splits: ours(i, splits=s), reps, copies), 2)
     row["tuned_by_splits"] = tuned
     row["tuned_us"] = tuned.get(auto, min(tuned.values()))
-    if swiglu:  # both places SwiGLU runs: inside the kernel, or a silu_mul launch after it
-        for where, in_kernel in (("in_kernel", True), ("after", False)):
-
-            def form(i, in_kernel=in_kernel):
-                return triton_gemv.gemv(
-                    x,
-                    weights[i],
-                    swiglu=True,
-                    weight_scale_inv=scales[i],
-                    fused_swiglu=in_kernel,
-                    **fused,
-                )[0]
-
-            form(0)  # autotune, outside the capture
-            row[f"swiglu_{where}_us"] = round(graph_us(form, reps, copies), 2)
-        row["fused_swiglu"] = triton_gemv.GEMV_FUSED_SWIGLU
     row["tuned_err"] = round((ours(0).float() - ref).abs().max().item() / scale, 5)
     row["unfused_tbps"] = round(nbytes / row["unfused_us"] / 1e6, 3)
     row["tuned_tbps"] = round(nbytes / row["tuned_us"] / 1e6, 3)

@@ -57,14 +57,10 @@ GEMV_MAX_ROWS = 1
 # the shared expert's gate | up 9.9 -> 14.3): the last program's read of the partial sums
 # comes after the others' atomic count, a few microseconds on kernels of 5-15
 GEMV_PROGRAMS_PER_SM = 16
-# SwiGLU after the product (`gemv(swiglu=True)`): in the kernel (`SWIGLU`: each program holds
-# gate's and up's tiles and sums, twice the registers) or, when False, the kernel writes the
-# gate | up product and `triton_kernels.silu_mul` (one more launch, ~1 us) takes it. NOTE: both
-# lose to unfused kernels on the H200 for GLM-5's dense FP8 gate | up: in the kernel 57.1 us,
-# silu_mul after 58.5, the norm + `fp8_block_linear` + silu_mul 52.5 (session 12 run 4,
-# gemv_probe.py); the 8B's bf16 one in the kernel 65.2 against 61.7 unfused (session 9 run 2).
-# In the kernel stays the default; the unfused kernels' tile GEMM is the lead to follow
-GEMV_FUSED_SWIGLU = True
+# NOTE: SwiGLU (`gemv(swiglu=True)`) runs in the kernel. Session 12 run 4 (gemv_probe.py) also
+# timed the product alone with `silu_mul` after it: 58.5 us on GLM-5's dense FP8 gate | up
+# against 57.1 in the kernel; both lose to the norm + `fp8_block_linear` + silu_mul (52.5), as
+# the 8B's bf16 one does (65.2 against 61.7 unfused, session 9 run 2). That tile GEMM is the lead
 GEMV_MIN_SPLIT_K = 512
 GEMV_MAX_SPLITS = 16
 
@@ -323,15 +319,13 @@ def gemv(
     weight_scale_inv: torch.Tensor | None = None,
     config: triton.Config | None = None,
     splits: int | None = None,
-    fused_swiglu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
     of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
     `Backend.linear` does for a float32 module), or an FP8 one with its `weight_scale_inv`
     (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
     residual` when `residual` is given (else None). `config` runs one config untuned (probes,
-    tests); `splits` sets the K splits (else `split_count`'s); `fused_swiglu` where SwiGLU
-    runs (else GEMV_FUSED_SWIGLU)."""
+    tests); `splits` sets the K splits (else `split_count`'s)."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
@@ -360,9 +354,6 @@ def gemv(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    after = swiglu and not (GEMV_FUSED_SWIGLU if fused_swiglu is None else fused_swiglu)
-    if after:  # the kernel writes the gate | up product, silu_mul takes it
-        n, swiglu = weight.shape[0], False
     # a float32 weight (a module kept in float32) gives a float32 product, as `Backend.linear`
     out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -404,9 +395,4 @@ def gemv(
         **flags,
         **params,
     )
-    y = out.view(*x.shape[:-1], n)
-    if after:
-        from .triton_kernels import silu_mul
-
-        y = silu_mul(y)
-    return y, None if total is None else total.view(x.shape)
+    return out.view(*x.shape[:-1], n), None if total is None else total.view(x.shape)
