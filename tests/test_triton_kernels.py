@@ -199,7 +199,7 @@ def test_gemv_splits_k_only_where_column_tiles_leave_sms_idle(monkeypatch):
     from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.quant import FP8_DTYPE
 
-    monkeypatch.setitem(tg._SM_COUNTS, 0, 132)  # an H200's SMs, read without a GPU
+    monkeypatch.setattr(tg, "_sm_count", lambda device: 132)  # an H200's SMs, without a GPU
     cuda = torch.device("cuda", 0)
     # GLM-5's FP8 kv_a and indexer wk: 72 and 16 tiles of 8 columns, 12 splits of K 6144
     assert tg.split_count(576, 6144, FP8_DTYPE, cuda) == 12

@@ -284,7 +284,6 @@ def split_count(n: int, k: int, weight_dtype: torch.dtype, device: torch.device)
     return max(1, min(sms * GEMV_PROGRAMS_PER_SM // tiles, k // GEMV_MIN_SPLIT_K, GEMV_MAX_SPLITS))
 
 
-_SM_COUNTS: dict[int, int] = {}
 # (device, n, splits) -> (partial sums [splits * 3n] float32, counts [n] int32): a split
 # product's scratch, made once (before graph capture: warmup runs each shape first) and shared
 # by every call of that shape (one stream runs them one after another; counts end at 0)
@@ -292,10 +291,7 @@ _SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches it
 
 
 def _split_scratch(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:

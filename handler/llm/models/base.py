@@ -107,24 +107,25 @@ class CausalLM(nn.Module):
         fp8 = quantized.pop()
         if quantized or (fp8 and not pad_fp8 and any(rows % FP8_BLOCK for _, rows in parts)):
             return self._concat_linear(prefix, name, parts, in_features, bias)
-        start, part_spans = 0, {}
+        start, part_spans, padding = 0, {}, []
         for part, rows in parts:
+            blocks = -(-rows // FP8_BLOCK)  # the scale rows it fills
             part_spans[part] = (start, start + rows)
             spans = {"weight": part_spans[part]}
             if bias:
                 spans["bias"] = spans["weight"]
             if fp8:
-                spans["weight_scale_inv"] = (start // FP8_BLOCK, -(-(start + rows) // FP8_BLOCK))
+                spans["weight_scale_inv"] = (start // FP8_BLOCK, start // FP8_BLOCK + blocks)
             for suffix, span in spans.items():
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = WeightTarget(
                     self.param_name(f"{prefix}.{name}.{suffix}"), rows=span
                 )
-            start += -(-rows // FP8_BLOCK) * FP8_BLOCK if fp8 else rows
+            end = start + (blocks * FP8_BLOCK if fp8 else rows)
+            padding.append(slice(start + rows, end))
+            start = end
         linear = self.linear(f"{prefix}.{name}", in_features, start, bias, fp8=fp8)
-        ends = [stop for _, stop in part_spans.values()]
-        starts = [first for first, _ in part_spans.values()][1:] + [start]
         with torch.no_grad():  # the padding: never loaded, so that it holds no garbage
-            for gap in (slice(end, nxt) for end, nxt in zip(ends, starts, strict=True)):
+            for gap in padding:
                 linear.weight[gap].zero_()
                 if linear.bias is not None:
                     linear.bias[gap].zero_()

@@ -249,10 +249,10 @@ class Rotary(nn.Module):
         """`(cos, sin)` `[T, dim/2]` in `dtype` for `positions [T]`."""
         if dtype not in self._tables:
             size = self.max_positions * self.inv_freq.numel() * 2 * dtype.itemsize
-            every = torch.arange(self.max_positions, device=self.inv_freq.device)
-            self._tables[dtype] = (
-                self._computed(every, dtype) if size <= ROPE_TABLE_MAX_BYTES else None
-            )
+            self._tables[dtype] = None  # too long to keep: computed per step
+            if size <= ROPE_TABLE_MAX_BYTES:
+                every = torch.arange(self.max_positions, device=self.inv_freq.device)
+                self._tables[dtype] = self._computed(every, dtype)
         table = self._tables[dtype]
         if table is None:
             return self._computed(positions, dtype)
