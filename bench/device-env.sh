@@ -19,3 +19,21 @@ make_glm5() {
   snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda \
     --out "$work/glm5" > "$res/make-model.log" 2>&1
 }
+# gpu_tests NAME SECONDS FILE K: `pytest -m gpu` on FILE's cases matching K (verbose, its own
+# Triton cache, SECONDS at most) into $res/gpu-tests-NAME.log; run several with & and wait
+gpu_tests() {
+  TRITON_CACHE_DIR=$work/tc-$1 timeout "$2" python3 -m pytest -v -m gpu -p no:cacheprovider "$3" \
+    -k "$4" > "$res/gpu-tests-$1.log" 2>&1
+}
+# tests_summary: each $res/gpu-tests-*.log's passed count, its failures and pytest's last line
+tests_summary() {
+  for log in "$res"/gpu-tests-*.log; do
+    echo "$log: $(grep -c PASSED "$log") passed"; grep -E "^E  |FAILED|ERROR|passed|failed" "$log" | tail -6
+  done
+}
+# profile_summary NAME [TOP]: a decode_profile.py output, $res/NAME.json: its step figures and its
+# TOP (30) kernels by time; else the tail of $res/NAME.err
+profile_summary() {
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'top'}); [print(' ', t['us'], t['calls_per_step'], t['kernel'][:90]) for t in d['top'][:int(sys.argv[2])]]" \
+    "$res/$1.json" "${2:-30}" || tail -3 "$res/$1.err"
+}

@@ -18,14 +18,10 @@ results_tarball s11run2
 t0=$SECONDS
 . bench/device-flashinfer.sh
 (make_glm5; echo "model rc $?") &
-(TRITON_CACHE_DIR=$work/tc1 timeout 220 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_triton_kernels.py \
-  -k "select or fill_kv or engine_greedy-glm-tiny-fp32 or switchesoff" > "$res/gpu-tests-triton.log" 2>&1) &
-(TRITON_CACHE_DIR=$work/tc2 timeout 220 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_flashinfer.py \
-  -k "engine_greedy-glm or mla" > "$res/gpu-tests-flashinfer.log" 2>&1) &
+gpu_tests triton 220 tests/test_triton_kernels.py "select or fill_kv or engine_greedy-glm-tiny-fp32 or switchesoff" &
+gpu_tests flashinfer 220 tests/test_flashinfer.py "engine_greedy-glm or mla" &
 wait
-for log in "$res"/gpu-tests-*.log; do
-  echo "$log: $(grep -c PASSED "$log") passed"; grep -E "^E  |FAILED|ERROR|passed|failed" "$log" | tail -6
-done
+tests_summary
 echo "[$((SECONDS - t0)) s] tests and model done"
 SNAPFN_BACKEND=flashinfer timeout $((575 - SECONDS)) python3 -m snapfn.handler.cli bench \
   --model "$work/glm5" --device cuda --workdir "$work/steady-flashinfer" --modes steady \
@@ -36,7 +32,6 @@ echo "[$((SECONDS - t0)) s] steady done"
 if [ $SECONDS -lt 480 ]; then
   timeout $((590 - SECONDS)) python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs --top 60 \
     > "$res/profile-glm-b1.json" 2> "$res/profile-glm-b1.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'top'}); [print(' ', t['us'], t['calls_per_step'], t['kernel'][:90]) for t in d['top'][:30]]" \
-    "$res/profile-glm-b1.json" || tail -3 "$res/profile-glm-b1.err"
+  profile_summary profile-glm-b1
 fi
 echo "[$((SECONDS - t0)) s] done"

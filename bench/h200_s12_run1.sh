@@ -21,6 +21,5 @@ for tokens in 64 16; do
 done
 timeout $((585 - SECONDS)) python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs --top 60 \
   > "$res/profile-glm-b1.json" 2> "$res/profile-glm-b1.err"
-python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'top'}); [print(' ', t['us'], t['calls_per_step'], t['kernel'][:90]) for t in d['top'][:40]]" \
-  "$res/profile-glm-b1.json" || tail -3 "$res/profile-glm-b1.err"
+profile_summary profile-glm-b1 40
 echo "[$((SECONDS - t0)) s] done"

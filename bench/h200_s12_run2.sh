@@ -14,14 +14,10 @@ results_tarball s12run2
 t0=$SECONDS
 . bench/device-flashinfer.sh
 (make_glm5; echo "model rc $?") &
-(TRITON_CACHE_DIR=$work/tc1 timeout 230 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_triton_kernels.py \
-  -k "gemv or autotuned" > "$res/gpu-tests-triton.log" 2>&1) &
-(TRITON_CACHE_DIR=$work/tc2 timeout 230 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_flashinfer.py \
-  -k "engine_greedy-glm" > "$res/gpu-tests-flashinfer.log" 2>&1) &
+gpu_tests triton 230 tests/test_triton_kernels.py "gemv or autotuned" &
+gpu_tests flashinfer 230 tests/test_flashinfer.py "engine_greedy-glm" &
 wait
-for log in "$res"/gpu-tests-*.log; do
-  echo "$log: $(grep -c PASSED "$log") passed"; grep -E "^E  |FAILED|ERROR|passed|failed" "$log" | tail -6
-done
+tests_summary
 echo "[$((SECONDS - t0)) s] tests and model done"
 (cd bench/probes && TRITON_CACHE_DIR=$work/tc3 timeout 120 python3 gemv_probe.py --splits auto,1 --configs fp8 \
   --only glm5.fp8.q_a,glm5.fp8.kv_a,glm5.fp8.indexer_wk,glm5.fp32.weights_proj,glm5.fp32.router,glm5.fp8.o,glm5.fp8.down,glm5.fp8.shared_gate_up,glm5.fp8.shared_down,glm5.fp8.indexer_wq_b \
@@ -42,7 +38,6 @@ echo "[$((SECONDS - t0)) s] steady done"
 if [ $SECONDS -lt 500 ]; then
   timeout $((590 - SECONDS)) python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs --top 60 \
     > "$res/profile-glm-b1.json" 2> "$res/profile-glm-b1.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'top'}); [print(' ', t['us'], t['calls_per_step'], t['kernel'][:90]) for t in d['top'][:25]]" \
-    "$res/profile-glm-b1.json" || tail -3 "$res/profile-glm-b1.err"
+  profile_summary profile-glm-b1 25
 fi
 echo "[$((SECONDS - t0)) s] done"
