@@ -52,7 +52,7 @@ GEMV_MAX_ROWS = 1
 # weights_proj (N 256 and 32), leaves SMs idle. Splitting K gives every SM about
 # GEMV_PROGRAMS_PER_SM programs (what 4-warp programs fill: 64 warps an SM), each at least
 # GEMV_MIN_SPLIT_K long. NOTE: on the H200 (session 12 run 2, gemv_probe.py --splits auto,1)
-# the splits took 6.5 -> 5.1 us (kv_a), 4.9 -> 3.5 (wk), 5.9 -> 5.4 (router), 4.0 -> 3.6
+# the splits took 6.5 -> 5.1 us (kv_a), 4.9 -> 3.6 (wk), 5.9 -> 5.4 (router), 4.0 -> 3.6
 # (weights_proj), but slowed every product that already had a tile per SM (q_a 7.9 -> 8.9,
 # the shared expert's gate | up 9.9 -> 14.3): the last program's read of the partial sums
 # comes after the others' atomic count, a few microseconds on kernels of 5-15
