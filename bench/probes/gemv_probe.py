@@ -14,7 +14,8 @@ again. Prints one JSON object per (shape, rows): the unfused sequence's and the 
 microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
 largest difference from the unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
-labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries. NOTE:
+labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries,
+`fp8-wide` those and the sweep's tiles of 8K weights or more. NOTE:
 session 12 run 4's file comes from a version that ran SwiGLU as a silu_mul launch after the
 product by default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel.
 """
@@ -78,6 +79,10 @@ SWEEP = triton_gemv.GEMV_ALL_CONFIGS + [
         (4, 2048, 8),
         (16, 2048, 8),
         (32, 512, 8),
+        # with the accumulator summed in 16-element runs (session 13), wide FP8 tiles fit in
+        # half the registers
+        (8, 2048, 4),
+        (16, 1024, 4),
     )
 ]
 
@@ -88,7 +93,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--only", default="", help="comma-separated shape names")
     parser.add_argument("--splits", default="auto", help="comma-separated K splits or auto")
-    parser.add_argument("--configs", default="all", choices=("all", "fp8"))
+    parser.add_argument("--configs", default="all", choices=("all", "fp8", "fp8-wide"))
     parser.add_argument(
         "--summarise",
         metavar="JSONL",
@@ -171,6 +176,11 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     sweep = SWEEP if m == 1 else triton_gemv.GEMV_ALL_CONFIGS
     if args.configs == "fp8":
         sweep = triton_gemv.GEMV_FP8_CONFIGS
+    elif args.configs == "fp8-wide":  # and the sweep's tiles of 8K weights or more
+        wide = [c for c in SWEEP if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] >= 8192]
+        sweep = triton_gemv.GEMV_FP8_CONFIGS + [
+            c for c in wide if c not in triton_gemv.GEMV_FP8_CONFIGS
+        ]
     configs, tuned = {}, {}
     for splits in [auto if s == "auto" else int(s) for s in args.splits.split(",")]:
         tag = "" if splits == 1 else f"/s{splits}"

@@ -30,9 +30,11 @@ its block's, and it multiplies the input row rather than the weight tile
 (`(w * s) . x = w . (s * x)`, one multiply per K element instead of one per weight). That skips
 the reference's rounding of the dequantized weight to the input dtype (relative 2^-9 in bf16).
 
-Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`); the block
-sizes and warps are autotuned per shape (`GEMV_CONFIGS`), the results cached into the snapshot
-like the other kernels' (`triton_kernels.autotuned`).
+Each program owns `BLOCK_N` output columns of the one input row (`GEMV_MAX_ROWS`), and adds each
+K step's products in runs of 16 bytes of weight (`triton_kernels.lane_sums`) into an
+accumulator it sums once, after the loop; the block sizes and warps are autotuned per shape
+(`GEMV_CONFIGS`, `GEMV_FP8_CONFIGS`), the results cached into the snapshot like the other
+kernels' (`triton_kernels.autotuned`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..quant import FP8_BLOCK, FP8_DTYPE, scale_shape
-from .triton_kernels import _check_device, autotuned, tuned_or_fixed
+from .triton_kernels import _check_device, autotuned, lane_sums, tuned_or_fixed
 
 # NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
 # row, ran 1.07-2.9x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
@@ -107,10 +109,12 @@ def _gemv_kernel(
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k  # [BLOCK_N, 1]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # `lane_sums` accumulators (a LANE-th of a [BLOCK_N, BLOCK_K] tile's registers)
+    LANE: tl.constexpr = min(128 // w_ptr.dtype.element_ty.primitive_bitwidth, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
     if SWIGLU:
         up_rows = w_ptr + (cols + n).to(tl.int64)[:, None] * k
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
     if NORM:
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if SCALED:
@@ -138,12 +142,12 @@ def _gemv_kernel(
         xw = xf
         if SCALED:
             xw = xf * tl.load(scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * xw[None, :]
+        acc += lane_sums(w.to(tl.float32) * xw[None, :], LANE)
         if SWIGLU:
             up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
             if SCALED:
                 xw = xf * tl.load(up_scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)
-            acc_up += up.to(tl.float32) * xw[None, :]
+            acc_up += lane_sums(up.to(tl.float32) * xw[None, :], LANE)
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if SWIGLU:
         out_up = tl.sum(acc_up, axis=1)
@@ -210,6 +214,10 @@ _CONFIGS = {
         (16, 512, 8),
         (32, 128, 4),
         (32, 256, 4),
+        (8, 2048, 4),
+        (8, 2048, 8),
+        (16, 1024, 4),
+        (16, 2048, 8),
     )
 }
 GEMV_CONFIGS = [
@@ -224,20 +232,23 @@ GEMV_CONFIGS = [
         (32, 128, 4),  # gate | up with the norm and SwiGLU
     )
 ]
-# FP8 weights (SCALED): the fastest and the runners-up of a 24-config sweep on the GLM-5-shaped
-# model's largest FP8 projections (session 11 run 3, `gemv_probe.py`). Tiles of 4-8K weights
-# won every shape; the 2-column tiles, best for 16-bit weights, and 8-16K-weight tiles lost
-# everywhere. Each config timed is one more compile at init. NOTE: session 12 run 3 timed each
-# also loading the next K step's tile before multiplying its own (two tiles in flight a thread):
-# slower on every shape (the stacked q_a | kv_a | wk: 10.9 -> 11.9 us at 8x512w4), not kept
+# FP8 weights (SCALED): each the fastest of a 14-config sweep on one of the GLM-5-shaped model's
+# FP8 projections (session 13 run 2, `gemv_probe.py --configs fp8-wide`), once `lane_sums` had
+# about halved the registers of the 8-16K-weight tiles (which lost everywhere in session 11's
+# sweep, at 128-155 registers a thread); 16x1024w4 was second on two shapes. Each config timed
+# is one more compile at init. NOTE: tried on the H200 and not kept: loading the next K step's
+# tile before multiplying its own (session 12 run 3: slower on every shape), and a tensor-core
+# form (session 13 run 1: the row padded to 16 as a tl.dot operand, the weight tiles pipelined
+# through shared memory; 1.07-2.6x slower than the FMA configs of that time on every shape)
 GEMV_FP8_CONFIGS = [
     _CONFIGS[c]
     for c in (
-        (8, 512, 4),  # o_proj, down_proj, the shared expert's down
-        (16, 512, 8),  # gate | up with the norm and SwiGLU
-        (16, 512, 4),
+        (8, 1024, 4),  # o_proj, down_proj
+        (8, 2048, 4),  # gate | up with the norm and SwiGLU
+        (8, 2048, 8),  # the stacked q_a | kv_a | wk
+        (16, 2048, 8),  # the shared expert's gate | up
+        (16, 1024, 4),
         (32, 256, 4),  # q_b_proj
-        (8, 1024, 4),  # the stacked q_a | kv_a | wk, indexer wq_b (session 12 run 3)
     )
 ]
 GEMV_ALL_CONFIGS = list(_CONFIGS.values())

@@ -37,7 +37,14 @@ import triton
 import triton.language as tl
 
 from .base import ExpertWeights
-from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
+from .triton_kernels import (
+    _check_device,
+    autotuned,
+    dot_acc,
+    dot_in_fp32,
+    lane_sums,
+    tuned_or_fixed,
+)
 
 # NOTE: `BLOCK_M` is not tuned: `align_by_expert` pads each expert's rows to it before the
 # launch. 16 rows waste the least on padding when experts get a few pairs each (decode); 64
@@ -326,8 +333,9 @@ def _gate_up_gemv_kernel(
         cols = col0 + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
         rows = expert * inter * hidden + cols.to(tl.int64)[:, None] * hidden  # [BLOCK_N, 1]
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        LANE: tl.constexpr = min(128 // gate_ptr.dtype.element_ty.primitive_bitwidth, BLOCK_K)
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < hidden
@@ -337,8 +345,8 @@ def _gate_up_gemv_kernel(
             up = tl.load(up_ptr + rows + ks[None, :], mask=w_mask, other=0.0)
             xg = _scaled_row(x, gate_scale_ptr, expert, col0, ks, k_mask, inter, hidden, FP8)
             xu = _scaled_row(x, up_scale_ptr, expert, col0, ks, k_mask, inter, hidden, FP8)
-            acc_gate += gate.to(tl.float32) * xg[None, :]
-            acc_up += up.to(tl.float32) * xu[None, :]
+            acc_gate += lane_sums(gate.to(tl.float32) * xg[None, :], LANE)
+            acc_up += lane_sums(up.to(tl.float32) * xu[None, :], LANE)
         # rounded where the reference rounds: each projection, silu's output, the product
         dtype = act_ptr.dtype.element_ty
         gate_r = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
@@ -371,11 +379,12 @@ def _down_gemv_kernel(
     col_mask = cols < hidden
     dtype = act_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    LANE: tl.constexpr = min(128 // down_ptr.dtype.element_ty.primitive_bitwidth, BLOCK_K)
     for slot in range(0, TOPK):
         expert = tl.load(topk_ids_ptr + slot).to(tl.int64) - first_expert
         if (expert >= 0) & (expert < num_local):
             rows = expert * hidden * inter + cols.to(tl.int64)[:, None] * inter
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_mask = ks < inter
@@ -385,7 +394,7 @@ def _down_gemv_kernel(
                 )
                 w_mask = col_mask[:, None] & k_mask[None, :]
                 w = tl.load(down_ptr + rows + ks[None, :], mask=w_mask, other=0.0)
-                acc += w.to(tl.float32) * act[None, :]
+                acc += lane_sums(w.to(tl.float32) * act[None, :], LANE)
             y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # the down projection, in x's dtype
             y = y * tl.load(weights_ptr + slot).to(tl.float32)
             if ROUND_PRODUCT:  # router weights in x's dtype: the reference rounds the product
@@ -395,8 +404,9 @@ def _down_gemv_kernel(
 
 
 # NOTE: (columns, K step, warps), as the dense GEMV's (`triton_gemv.GEMV_CONFIGS`); BLOCK_N
-# divides 128, so a program's columns share one FP8 scale row. (8, 512, 4) and (16, 512, 8)
-# won the dense FP8 GEMV's sweep (session 11 run 3); not yet timed here on a GPU
+# divides 128, so a program's columns share one FP8 scale row. Not swept here on a GPU: the
+# engine's tuner picks among them (session 13 run 3's profile: the experts 95 -> 80 us a
+# GLM-5-shaped step, with `lane_sums` and the two wide tiles below added)
 MOE_GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
@@ -407,6 +417,9 @@ MOE_GEMV_CONFIGS = [
         (8, 512, 8),
         (16, 256, 8),
         (16, 512, 8),
+        # wide tiles, since `lane_sums` halved their registers (session 13)
+        (8, 1024, 4),
+        (16, 1024, 8),
     )
 ]
 MOE_GEMV_INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 64}
