@@ -13,8 +13,10 @@ fake flashinfer.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -27,7 +29,7 @@ from snapfn.handler.llm.engine.request import GenerationResult, SamplingParams
 from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.make_model import make_model
 
-from triton_checks import _check_close, assert_same_greedy
+from triton_checks import _check_close, _counting, assert_same_greedy
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 SCALE = HEAD_DIM**-0.5
@@ -85,6 +87,8 @@ CASES = [
     "mla_decode_graph-glm5",
     "engine_greedy-glm-eager",
     "engine_greedy-glm-graphs",
+    # decode MLA by `triton_mla` instead of flashinfer's kernel (SNAPFN_MLA_DECODE=triton)
+    "engine_greedy-glm-graphs-mlatriton",
 ]
 
 
@@ -346,4 +350,14 @@ def run_case(case: str, device: str) -> dict:
         return _check_engine_greedy(GLM_GREEDY, "flashinfer", device)
     if case == "engine_greedy-glm-graphs":
         return _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
+    if case == "engine_greedy-glm-graphs-mlatriton":
+        from snapfn.handler.llm.kernels import triton_mla
+
+        with (
+            mock.patch.dict(os.environ, {"SNAPFN_MLA_DECODE": "triton"}),
+            _counting(triton_mla, "mla_decode") as calls,
+        ):
+            result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
+        assert calls, "triton_mla never ran"
+        return result
     raise ValueError(f"unknown case {case!r}")

@@ -138,6 +138,16 @@ def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatc
         get_backend("triton")
 
 
+def test_mla_decode_switch_is_off_by_default_and_refuses_unknown_values(monkeypatch):
+    monkeypatch.delenv("SNAPFN_MLA_DECODE", raising=False)
+    assert not get_backend("triton")._mla_decode  # the reference until timed on a GPU
+    monkeypatch.setenv("SNAPFN_MLA_DECODE", "triton")
+    assert get_backend("triton")._mla_decode
+    monkeypatch.setenv("SNAPFN_MLA_DECODE", "flashmla")
+    with pytest.raises(ValueError, match="mla_decode must be 'auto' or 'triton', not 'flashmla'"):
+        get_backend("triton")
+
+
 def test_auto_is_torch_on_cpu():
     assert get_backend("auto", "cpu").name == "torch"
 

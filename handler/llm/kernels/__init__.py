@@ -20,6 +20,9 @@ with the reference's sort instead of one (`triton_indexer.select_topk_decode`).
 `SNAPFN_CACHE_STORES=off` writes MLA's latent and the DSA indexer's key into their caches with
 the reference's ops instead of one launch each (`triton_kernels.norm_rope_store`,
 `layer_norm_rope_store`): switches to time each change against its absence on one machine.
+`SNAPFN_MLA_DECODE=triton` runs decode batches' MLA attention with `triton_mla.mla_decode`
+(no host planning) instead of the reference (triton backend) or flashinfer's MLA kernel
+(flashinfer backend); `auto`, the default, keeps those until it is timed on a GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def _triton_modes() -> dict[str, str]:
         "indexer_select": os.environ.get("SNAPFN_INDEXER_SELECT", "auto"),
         "gemv_split": os.environ.get("SNAPFN_GEMV_SPLIT", "auto"),
         "cache_stores": os.environ.get("SNAPFN_CACHE_STORES", "auto"),
+        "mla_decode": os.environ.get("SNAPFN_MLA_DECODE", "auto"),
     }
 
 

@@ -23,7 +23,9 @@ forward is planned is `flashinfer_plan.ForwardPlan`'s to say (announced graph fo
 
 GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (session 5 run 3, session 6 run 3;
 docs/kernels.md). `mla_attention` with a DSA selection and latent widths flashinfer is built for
-goes to `FlashInferMLA`, which plans like the above (per forward, a graph's into its buffers).
+goes to `FlashInferMLA`, which plans like the above (per forward, a graph's into its buffers);
+decode batches go to `triton_mla` instead under `mla_decode="triton"` (SNAPFN_MLA_DECODE),
+which plans nothing.
 """
 
 from __future__ import annotations
@@ -165,34 +167,25 @@ class FlashInferBackend(TritonBackend):
         # the forward in progress and its planned wrapper
         self._forward = ForwardPlan("flashinfer", self._plan)
         self._mla = FlashInferMLA(self._flashinfer, self._workspace_on)
-        self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, batch, graph=False):
         if not self._triton_decode(batch):  # else nothing of flashinfer's to plan
             self._forward.begin_forward(batch, graph)
-        self._mla.begin_forward(batch, graph)
+        if not (self._mla_decode and batch.is_decode):  # else `triton_mla`: nothing to plan
+            self._mla.begin_forward(batch, graph)
 
     def mla_attention(
         self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
     ):
         shape = MLAShape.of(q, latent_cache, kv_b_weight.shape[1], scale, topk_indices)
-        if shape is None:  # dense, float32, or latent widths flashinfer is not built for
+        if shape is None or (self._mla_decode and batch.is_decode):
+            # dense, float32 or latent widths flashinfer is not built for: the reference;
+            # decode under mla_decode="triton": `triton_mla` (TritonBackend.mla_attention)
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
             )
         kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
         return self._mla.attention(q, latent_cache, kv_b, batch, shape, topk_indices)
-
-    def _kv_b(self, weight, scale_inv, dtype):
-        """`kv_b` in `dtype`; an FP8 one dequantized once, at its first use, and kept (the MLA
-        reads it whole every step: H * (Dn + Dv) * R values, 29 MB a layer for GLM-5)."""
-        if scale_inv is None and weight.dtype == dtype:
-            return weight
-        cached = self._dense_kv_b.get(weight.data_ptr())
-        if cached is None or cached[0] is not weight:
-            cached = (weight, self._dense_weight(weight, scale_inv, dtype))
-            self._dense_kv_b[weight.data_ptr()] = cached
-        return cached[1]
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)

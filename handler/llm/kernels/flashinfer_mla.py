@@ -33,6 +33,7 @@ import torch
 
 from ..engine.batch import ForwardBatch
 from .flashinfer_plan import ForwardPlan
+from .torch_ref import absorb_query, expand_output
 
 DTYPES = (torch.float16, torch.bfloat16)
 LATENT_DIMS = ((512, 64),)  # (R, Dr) flashinfer's MLA kernels are built for
@@ -150,14 +151,10 @@ class FlashInferMLA:
         fill(
             buffers.kv_indices, topk_indices, buffers.page_table, buffers.kv_indptr, batch.page_size
         )
-        nope = q.shape[2] - rope
-        w = kv_b.view(shape.num_heads, -1, rank)  # per head: W_k [Dn, R] over W_v [Dv, R]
-        w_k, w_v = w[:, :nope], w[:, nope:]
-        q_nope, q_pe = q.split([nope, rope], dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
+        q_latent, q_pe, w_v = absorb_query(q, kv_b, rank, rope)  # [T, H, R], [T, H, Dr]
         flat = latent_cache.view(-1, 1, latent_cache.shape[-1])  # page size 1: a slot a page
         out = wrapper.run(q_latent, q_pe, flat[..., :rank], flat[..., rank:])  # [T, H, R]
-        return torch.bmm(out.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
+        return expand_output(out, w_v)  # [T, H, Dv]
 
     def _plan(self, batch: ForwardBatch, graph: bool, shape: MLAShape) -> tuple[Any, _Buffers]:
         if graph and not batch.is_decode:

@@ -321,6 +321,22 @@ def select_topk(index_scores: torch.Tensor, seq_lens: torch.Tensor, topk: int) -
     return picked.masked_fill(picked >= lens, -1).to(torch.int32)
 
 
+def absorb_query(q: torch.Tensor, kv_b: torch.Tensor, rank: int, rope: int):
+    """`(q_latent [T, H, R], q_pe [T, H, Dr], w_v [H, Dv, R])` of `q [T, H, Dn + Dr]` and the
+    dense `kv_b [H * (Dn + Dv), R]`: each head's `W_k^T q_nope` in latent space (a bmm in q's
+    dtype, as flashinfer's path computes it), its RoPE part, and its `W_v`."""
+    heads, nope = q.shape[1], q.shape[2] - rope
+    w = kv_b.view(heads, -1, rank)  # per head: W_k [Dn, R] over W_v [Dv, R]
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
+    return q_latent, q_pe, w[:, nope:]
+
+
+def expand_output(out_latent: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
+    """Each head's `W_v (sum p c)`: `[T, H, R]` -> `[T, H, Dv]`."""
+    return torch.bmm(out_latent.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)
+
+
 def mla_decode_absorbed(
     q: torch.Tensor,  # [B, H, Dn + Dr], one new token per request
     latent: torch.Tensor,  # [B, L, R + Dr] each request's page row: latents | rotated k_rope

@@ -104,11 +104,7 @@ def _decode_split_kernel(
             k = tl.load(k_ptr + k_offsets, mask=valid[:, None] & (d[None, :] < D), other=0.0)
             scores = dot_acc(tl.zeros([GROUP_PAD, BLOCK_T], tl.float32), q, tl.trans(k), DOT_FP32)
             scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [G, T]
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf) = 0
-            alpha = tl.exp(m_i - m_safe)
-            probs = tl.exp(scores - m_safe[:, None])  # [G, T]
-            l_i = l_i * alpha + tl.sum(probs, axis=1)
+            probs, alpha, m_i, l_i = softmax_step(scores, m_i, l_i)
             v_offsets = (
                 page[:, None] * stride_vp
                 + slot[:, None] * stride_vs
@@ -118,16 +114,33 @@ def _decode_split_kernel(
             v = tl.load(v_ptr + v_offsets, mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
             # the probabilities rounded to the values' dtype, as the reference rounds them
             acc = dot_acc(acc * alpha[:, None], probs.to(v_ptr.dtype.element_ty), v, DOT_FP32)
-            m_i = m_new
-    has_keys = l_i > 0  # a split past the request's last token scored nothing
+    row = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [G] of [B, Hq, splits]
+    store_split(part_ptr, lse_ptr, row, g < GROUP, dv, DV, acc, m_i, l_i)
+
+
+@triton.jit
+def softmax_step(scores, m_i, l_i):
+    """One block of an online softmax over `scores [rows, T]` (-inf where masked), given the
+    running row maxima `m_i` and sums `l_i`: `(probs, alpha, m_i, l_i)` updated, where the
+    output so far is to be scaled by `alpha` before `probs @ values` is added."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf) = 0
+    alpha = tl.exp(m_i - m_safe)
+    probs = tl.exp(scores - m_safe[:, None])
+    return probs, alpha, m_new, l_i * alpha + tl.sum(probs, axis=1)
+
+
+@triton.jit
+def store_split(part_ptr, lse_ptr, row, live, cols, width: tl.constexpr, acc, m_i, l_i):
+    """A split's normalised output (`acc / l_i`, `[rows, width]` into `part` at `row`) and its
+    log-sum-exp; a split that scored nothing (past its request's last key) stores zeros and
+    -inf, which `combine_splits` skips."""
+    has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    row = (b.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [G] of [B, Hq, splits]
-    live = g < GROUP
     tl.store(lse_ptr + row, lse, mask=live)
-    tl.store(
-        part_ptr + row[:, None] * DV + dv[None, :], out, mask=live[:, None] & (dv < DV)[None, :]
-    )
+    mask = live[:, None] & (cols < width)[None, :]
+    tl.store(part_ptr + row[:, None] * width + cols[None, :], out, mask=mask)
 
 
 # NOTE: the splits (and tokens per split) are not keys: they follow the batch and page-row
@@ -242,15 +255,23 @@ def paged_decode_attention(
             DOT_FP32=dot_in_fp32(q.dtype),
             **fixed,
         )
-        kernel, fixed = tuned_or_fixed(_combine_tuned)
-        kernel[(b * hq,)](
-            part,
-            lse,
-            out,
-            splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            DV=dv,
-            BLOCK_DV=triton.next_power_of_2(dv),
-            **fixed,
-        )
+        combine_splits(part, lse, out)
     return out
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Each `(request, head)`'s splits, `part [B, H, splits, Dv]` float32 with their
+    log-sum-exps `lse [B, H, splits]`, merged into `out [B, H, Dv]` (contiguous). A row whose
+    splits all scored nothing gets zeros."""
+    b, h, splits, dv = part.shape
+    kernel, fixed = tuned_or_fixed(_combine_tuned)
+    kernel[(b * h,)](
+        part,
+        lse,
+        out,
+        splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        DV=dv,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        **fixed,
+    )

@@ -30,7 +30,11 @@
   `triton_indexer.index_scores_prefill` (`prefill_indexer="off"`, or
   SNAPFN_PREFILL_INDEXER=off, keeps the reference's float32 GEMM), picked by the reference;
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
-  only each request's own pages.
+  only each request's own pages;
+- `mla_attention` for decode batches, with `mla_decode="triton"` (SNAPFN_MLA_DECODE=triton):
+  `triton_mla.mla_decode`, the latent attention with `kv_b` absorbed and the DSA selection read
+  on the GPU (no host planning); "auto", the default until it is timed on a GPU, keeps the
+  reference here and flashinfer's MLA kernel in the flashinfer backend.
 
 Each kernel is checked against the reference on the H200 and under triton's interpreter
 (tests/triton_checks.py).
@@ -80,6 +84,7 @@ class TritonBackend(TorchBackend):
         indexer_select: str = "auto",
         gemv_split: str = "auto",
         cache_stores: str = "auto",
+        mla_decode: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -98,6 +103,10 @@ class TritonBackend(TorchBackend):
         self._indexer_select = indexer_select == "auto"
         self._gemv_splits = None if gemv_split == "auto" else 1  # `split_count`'s, or none
         self._cache_stores = cache_stores == "auto"
+        if mla_decode not in ("auto", "triton"):
+            raise ValueError(f"mla_decode must be 'auto' or 'triton', not {mla_decode!r}")
+        self._mla_decode = mla_decode == "triton"
+        self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
 
@@ -255,6 +264,30 @@ class TritonBackend(TorchBackend):
     def silu_mul(self, gate_up):
         tk = _kernels(gate_up)
         return super().silu_mul(gate_up) if tk is None else tk.silu_mul(gate_up)
+
+    def mla_attention(
+        self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
+    ):
+        tm = _kernels(q, "triton_mla") if self._mla_decode and batch.is_decode else None
+        if tm is None or not tm.takes(q, latent_cache, kv_b_weight.shape[1]):
+            return super().mla_attention(
+                q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
+            )
+        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
+        return tm.mla_decode(
+            q, latent_cache, kv_b, batch.page_table, batch.seq_lens, scale, topk_indices
+        )
+
+    def _kv_b(self, weight, scale_inv, dtype):
+        """`kv_b` in `dtype`; an FP8 one dequantized once, at its first use, and kept (the MLA
+        reads it whole every step: H * (Dn + Dv) * R values, 29 MB a layer for GLM-5)."""
+        if scale_inv is None and weight.dtype == dtype:
+            return weight
+        cached = self._dense_kv_b.get(weight.data_ptr())
+        if cached is None or cached[0] is not weight:
+            cached = (weight, self._dense_weight(weight, scale_inv, dtype))
+            self._dense_kv_b[weight.data_ptr()] = cached
+        return cached[1]
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         ta = _kernels(q, "triton_attention")
