@@ -9,7 +9,10 @@ triton wheel), and the wheel's `cuobjdump` / `nvdisasm` read it back. No device 
 this runs on the CPU machine. Prints one JSON object per config: its registers a thread (what
 decides how many programs an SM keeps resident, each with its loads in flight), its shared
 memory, the K loop's instruction count per weight element a thread handles, and the loop's
-barriers, global loads and shuffles. Session 13 found with it that the FP8 GEMVs'
+barriers, global loads and shuffles. The loop is the SASS's longest: for nested loops (the MoE
+down GEMV walks K inside a loop over the slots) that is the outer one, whose instructions are
+counted once, inner body and per-slot epilogue together, so its per-element figure is not
+comparable with a single loop's. Session 13 found with it that the FP8 GEMVs'
 `[BLOCK_N, BLOCK_K]` accumulators took 128-155 registers a thread (`triton_kernels.lane_sums`).
 
 Pointer arguments and the shape integers are declared 16-divisible, as triton's launcher
@@ -145,7 +148,8 @@ def registers(cubin: bytes) -> int | None:
 
 
 def loop_ops(sass: str) -> list[str]:
-    """The opcodes of the longest loop: between a label and the last branch back to it."""
+    """The opcodes of the longest loop: between a label and the last branch back to it (for
+    nested loops, the outer one, inner body included once)."""
     lines = sass.splitlines()
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.?L?\w+:", line)}
     best: tuple[int, int] = (0, -1)
