@@ -30,6 +30,7 @@ from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.make_model import make_model
 
 from triton_checks import _check_close, _counting, assert_same_greedy
+from triton_checks import random_topk as triton_random_topk
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 SCALE = HEAD_DIM**-0.5
@@ -176,13 +177,10 @@ def _check_decode_graph(device: str) -> dict:
 
 
 def random_topk(batch: ForwardBatch, topk: int, gen: torch.Generator) -> torch.Tensor:
-    """A valid DSA selection for `batch`'s rows (as `dsa_topk` returns): per row
-    `min(position + 1, topk)` distinct causal key positions in a random order, then -1."""
-    rows = []
-    for position in batch.positions.tolist():
-        n = min(position + 1, topk)
-        rows.append(torch.randperm(position + 1, generator=gen)[:n].tolist() + [-1] * (topk - n))
-    return torch.tensor(rows, dtype=torch.int32).to(batch.positions.device)
+    """A valid DSA selection for `batch`'s rows: each query's `position + 1` causal keys
+    (`triton_checks.random_topk`)."""
+    counts = [position + 1 for position in batch.positions.tolist()]
+    return triton_random_topk(counts, topk, gen).to(batch.positions.device)
 
 
 def _mla_inputs(rows: int, num_pages: int, gen: torch.Generator, device: str):

@@ -927,14 +927,13 @@ def _check_select(name: str, device: str) -> dict:
     return {"picked": int((got >= 0).sum())}
 
 
-def random_topk(seq_lens: tuple[int, ...], topk: int, gen: torch.Generator) -> torch.Tensor:
-    """`[B, topk]` int32 selections as `dsa_topk` lays them out: a row with at most `topk`
-    keys gets them all in position order, one with more `topk` distinct positions in any
-    order; -1 after."""
-    picked = torch.full((len(seq_lens), topk), -1, dtype=torch.int32)
-    for row, n in enumerate(seq_lens):
-        keys = torch.arange(n) if n <= topk else torch.randperm(n, generator=gen)[:topk]
-        picked[row, : len(keys)] = keys.int()
+def random_topk(key_counts, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """`[rows, topk]` int32 valid DSA selections (as `dsa_topk` returns, read as sets): for a
+    row with `n` causal keys, `min(n, topk)` distinct positions below `n` in a random order,
+    then -1."""
+    picked = torch.full((len(key_counts), topk), -1, dtype=torch.int32)
+    for row, n in enumerate(key_counts):
+        picked[row, : min(n, topk)] = torch.randperm(n, generator=gen)[:topk].int()
     return picked
 
 
@@ -970,10 +969,7 @@ def _check_fill_kv(name: str, device: str) -> dict:
 
     rows, topk, page, width, positions, planned = FILL_KV_SHAPES[name]
     gen = torch.Generator().manual_seed(rows * topk)
-    topk_indices = torch.full((rows, topk), -1, dtype=torch.int32)
-    for t, n in enumerate(positions):  # a row's picks: distinct positions below n, any order
-        picks = torch.randperm(n, generator=gen)[:topk].int()
-        topk_indices[t, : len(picks)] = picks
+    topk_indices = random_topk(positions, topk, gen)  # distinct positions below n, any order
     page_table = torch.randperm(rows * width, generator=gen).int().view(rows, width)
     kv_indptr = torch.tensor([0, *torch.tensor(planned).cumsum(0).tolist()], dtype=torch.int32)
     total = int(kv_indptr[-1])

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
 
-TARGET_PROGRAMS = 256  # splits are added until requests x KV heads x splits reaches this
+TARGET_PROGRAMS = 256  # splits are added until requests x head groups x splits reaches this
 MAX_SPLITS = 64  # what one combine program holds
 BLOCK_T = 64  # tokens a split program scores at a time
 
@@ -186,11 +186,12 @@ _combine_tuned = autotuned(
 )
 
 
-def num_splits(batch: int, num_kv_heads: int, blocks: int) -> int:
-    """Splits of a page row of `blocks` `BLOCK_T`-token blocks: enough programs to fill the GPU,
-    each at least one block, at most `MAX_SPLITS`. A function of shapes only, so a captured
-    graph keeps its grid."""
-    wanted = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+def num_splits(batch: int, groups: int, blocks: int, forced: int | None = None) -> int:
+    """Splits of a key row of `blocks` blocks, for programs per (request, one of `groups` head
+    groups: KV heads here, `triton_mla`'s head blocks) and split: enough programs to fill the
+    GPU, each at least one block, at most `MAX_SPLITS`; `forced` (tests), clamped the same
+    way, replaces the count. A function of shapes only, so a captured graph keeps its grid."""
+    wanted = forced or -(-TARGET_PROGRAMS // max(1, batch * groups))
     return max(1, min(blocks, wanted, MAX_SPLITS))
 
 
@@ -216,7 +217,7 @@ def paged_decode_attention(
             raise ValueError("the last dim of q and of the caches must be contiguous")
     width = page_table.shape[1]
     blocks = -(-width * page_size // BLOCK_T)  # of the page row
-    splits = max(1, min(blocks, MAX_SPLITS, splits or num_splits(b, hkv, blocks)))
+    splits = num_splits(b, hkv, blocks, splits)
     part = torch.empty(b, hq, splits, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, dv, dtype=v_cache.dtype, device=q.device)

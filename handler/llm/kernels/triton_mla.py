@@ -37,13 +37,11 @@ import triton
 import triton.language as tl
 
 from .torch_ref import absorb_query, expand_output
-from .triton_attention import combine_splits, softmax_step, store_split
+from .triton_attention import combine_splits, num_splits, softmax_step, store_split
 from .triton_kernels import _check_device, autotuned, dot_acc, dot_in_fp32, tuned_or_fixed
 
 BLOCK_H = 16  # heads a program scores together: tl.dot's least rows
 BLOCK_T = 32  # keys a program scores at a time ([32, 512] bf16 latents: 32 KB a step)
-TARGET_PROGRAMS = 256  # splits are added until requests x head blocks x splits reaches this
-MAX_SPLITS = 64  # what the combine kernel holds in one program
 
 
 # NOTE: the splits and blocks per split follow the batch and the key list's length, so they are
@@ -153,14 +151,6 @@ _mla_split_tuned = autotuned(
 )
 
 
-def num_splits(batch: int, head_blocks: int, blocks: int) -> int:
-    """Splits of a key list of `blocks` `BLOCK_T`-key blocks: enough programs to fill the GPU,
-    each at least one block, at most `MAX_SPLITS` (shapes only: a captured graph keeps its
-    grid)."""
-    wanted = -(-TARGET_PROGRAMS // max(1, batch * head_blocks))
-    return max(1, min(blocks, wanted, MAX_SPLITS))
-
-
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, rank: int) -> bool:
     """Whether `mla_decode` runs this attention: q and the cache of one dtype (16-bit, or
     float32 as the tests run), a rope part, and a contiguous latent row."""
@@ -176,7 +166,7 @@ def mla_decode(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     topk_indices: torch.Tensor | None = None,  # [B, topk] int32, -1 = none; None = dense
-    splits: int | None = None,  # default: num_splits(...)
+    splits: int | None = None,  # default: triton_attention.num_splits's
 ) -> torch.Tensor:  # [B, H, Dv] in q's dtype; a request with no keys gets zeros
     """Decode MLA attention (module docstring): `mla_decode_absorbed`'s result."""
     _check_device(q, latent_cache, kv_b, page_table, seq_lens, topk_indices)
@@ -196,7 +186,7 @@ def mla_decode(
         entries = topk or page_table.shape[1] * page_size  # the longest key list
         blocks = -(-entries // BLOCK_T)
         head_blocks = -(-heads // BLOCK_H)
-        splits = max(1, min(blocks, MAX_SPLITS, splits or num_splits(b, head_blocks, blocks)))
+        splits = num_splits(b, head_blocks, blocks, splits)
         part = torch.empty(b, heads, splits, rank, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
         topk_arg = topk_indices if topk_indices is not None else seq_lens  # unread when dense
