@@ -88,3 +88,14 @@ def test_decode_batches_are_distinct_prompts_within_the_vocabulary():
     assert len({tuple(p) for p in prompts}) == 32  # every row its own: MoE rows route apart
     assert all(len(p) == len(PROMPT_IDS) and min(p) >= 0 and max(p) < 1000 for p in prompts)
     assert prompts[0] == PROMPT_IDS
+
+
+def test_ms_per_step_is_the_difference_and_never_zero_when_noise_swamps_it(capsys):
+    from snapfn.handler.llm.bench_child import _ms_per_step
+
+    # 8 tokens in 0.9 s, 4 in 0.5 s: 4 steady steps took 0.4 s
+    assert _ms_per_step(lambda n: {8: 0.9, 4: 0.5}[n], 4) == pytest.approx(100.0)
+    assert capsys.readouterr().err == ""
+    # noise: the long generation was no slower than the short one (a CI run once reported 0.0)
+    assert _ms_per_step(lambda n: 0.4, 4) == pytest.approx(0.4 / 8 * 1e3)
+    assert "timing noise" in capsys.readouterr().err
