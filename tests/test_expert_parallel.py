@@ -1,6 +1,10 @@
 """Expert parallel: two ranks, each holding half of the routed experts, generate the same greedy
 tokens as one rank holding them all — on CPU over gloo, and on two GPUs over NCCL (the path used
-where DeepEP is not installed; skipped on machines with fewer than two GPUs)."""
+where DeepEP is not installed; skipped on machines with fewer than two GPUs).
+
+Both exchanges (`models/expert_exchange.py`): "replicated" (both ranks run the same prompts)
+and "all_to_all" (each rank runs its own prompts, one rank finishing early or having none, and
+gets what one rank alone gives for them)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import multiprocessing
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,7 +34,20 @@ def glm_dir(tmp_path_factory):
     return make_model("glm-tiny", tmp_path_factory.mktemp("ep") / "glm", dtype="bf16", seed=11)
 
 
-def generate(model_dir: Path, parallel: ParallelConfig, device: str = "cpu") -> list[dict]:
+# all_to_all: what each rank runs, (prompts, max_new_tokens) per rank, scenario by scenario
+RANK_WORK = {
+    "uneven": [(PROMPTS[:2], 8), (PROMPTS[2:], 3)],  # rank 1 finishes first, then idles
+    "one_idle": [(PROMPTS, 6), ([], 6)],  # rank 1 has no requests at all
+}
+
+
+def generate(
+    model_dir: Path,
+    parallel: ParallelConfig,
+    device: str = "cpu",
+    prompts: list[list[int]] = PROMPTS,
+    max_new_tokens: int = 8,
+) -> list[dict]:
     opts = EngineOptions(
         device=device,
         dtype="float32",
@@ -38,20 +56,36 @@ def generate(model_dir: Path, parallel: ParallelConfig, device: str = "cpu") -> 
         scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
     )
     engine = build_engine(model_dir, opts).engine
-    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    results = engine.generate(PROMPTS, params)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
     return [{"tokens": list(r.token_ids), "logprobs": list(r.logprobs)} for r in results]
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, cuda: bool) -> None:
+def _rank(
+    rank: int, world: int, port: int, model_dir: str, out_dir: str, cuda: bool, dispatch: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(rank)  # NCCL runs on each rank's current device
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    # a collective one rank never joins fails in a minute, not gloo's default half hour
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        parallel = ParallelConfig(ep_size=world, ep_rank=rank)
-        result = generate(Path(model_dir), parallel, device)
+        parallel = ParallelConfig(ep_size=world, ep_rank=rank, ep_dispatch=dispatch)
+        if dispatch == "replicated":
+            result = generate(Path(model_dir), parallel, device)
+        else:
+            result = {
+                name: generate(Path(model_dir), parallel, device, *work[rank])
+                for name, work in RANK_WORK.items()
+            }
+            opts = EngineOptions(device, num_pages=16, parallel=parallel)
+            engine = build_engine(Path(model_dir), opts).engine
+            try:
+                engine.capture_graphs([1], 64)
+            except BadRequest as e:
+                result["graphs"] = str(e)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -63,35 +97,51 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_expert_parallel_ranks_generate_what_one_rank_does(glm_dir, tmp_path):
-    _check_two_ranks(glm_dir, tmp_path, cuda=False)
+@pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
+def test_two_expert_parallel_ranks_generate_what_one_rank_does(glm_dir, tmp_path, dispatch):
+    _check_two_ranks(glm_dir, tmp_path, cuda=False, dispatch=dispatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL between them)")
-def test_two_ranks_on_two_gpus_over_nccl_generate_what_one_gpu_does(glm_dir, tmp_path):
-    _check_two_ranks(glm_dir, tmp_path, cuda=True)
+@pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
+def test_two_ranks_on_two_gpus_over_nccl_generate_what_one_gpu_does(glm_dir, tmp_path, dispatch):
+    _check_two_ranks(glm_dir, tmp_path, cuda=True, dispatch=dispatch)
 
 
-def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool) -> None:
-    want = generate(glm_dir, ParallelConfig(), "cuda:0" if cuda else "cpu")
+def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool, dispatch: str) -> None:
+    device = "cuda:0" if cuda else "cpu"
     context = multiprocessing.get_context("spawn")
     port = _free_port()
     ranks = [
-        context.Process(target=_rank, args=(r, 2, port, str(glm_dir), str(tmp_path), cuda))
+        context.Process(
+            target=_rank, args=(r, 2, port, str(glm_dir), str(tmp_path), cuda, dispatch)
+        )
         for r in range(2)
     ]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(300)
+    for process in ranks:
+        process.kill()  # one stuck in a collective: the test fails below, nothing lingers
         assert process.exitcode == 0, f"rank exited {process.exitcode}"
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
-        for mine, theirs in zip(got, want, strict=True):
-            assert mine["tokens"] == theirs["tokens"]
-            diffs = [abs(a - b) for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)]
-            assert max(diffs) < 1e-4, diffs  # the experts' sum in another order
+        if dispatch == "replicated":
+            _assert_same(got, generate(glm_dir, ParallelConfig(), device))
+            continue
+        for name, work in RANK_WORK.items():
+            _assert_same(got[name], generate(glm_dir, ParallelConfig(), device, *work[r]))
+        assert "a CUDA graph cannot hold" in got["graphs"]  # refused before any capture
+
+
+def _assert_same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine["tokens"] == theirs["tokens"]
+        diffs = [abs(a - b) for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)]
+        assert max(diffs) < 1e-4, diffs  # the experts' sum in another order
 
 
 def test_expert_parallel_without_a_process_group_says_what_is_missing(glm_dir):

@@ -11,6 +11,12 @@ so the host's work hides behind the GPU's (`in_flight.py`). It speculates only w
 else could be scheduled: no waiting request that fits the pool now, every running request in
 the step, none ending by length; a request that stops on a token or string, or is cancelled,
 drops its speculated row. Tokens and logprobs are those of the plain loop.
+
+Lock step (`CausalLM.lockstep`: expert-parallel ranks that exchange tokens all-to-all, each
+running its own requests): every rank's `step()` runs exactly one forward, an idle one
+(`CausalLM.idle_forward`) where it has nothing scheduled, and `generate()` goes on stepping
+until no rank has work left (one all-reduce per step), so that the ranks' collectives pair up.
+Such a model runs eager: its exchange reads split sizes on the host, which no CUDA graph holds.
 """
 
 from __future__ import annotations
@@ -79,6 +85,11 @@ class Engine:
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
+        if self.model.lockstep:
+            raise BadRequest(
+                "this model exchanges tokens all-to-all across ep ranks (ep_dispatch="
+                "'all_to_all'), which a CUDA graph cannot hold: run it without graphs"
+            )
         graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
         graphs.capture(pool)
         self.graphs = graphs
@@ -163,6 +174,8 @@ class Engine:
                 return self._land(self._in_flight)
             scheduled = self.scheduler.schedule()
             if scheduled is None:
+                if self.model.lockstep:
+                    self.model.idle_forward()  # the other ranks' forwards pair with this
                 return []
             batch = ForwardBatch.build(
                 scheduled.token_ids,
@@ -306,11 +319,21 @@ class Engine:
         for ids, p in zip(prompts, per_prompt, strict=True):
             rid = self.add_request(ids, p)
             reqs.append(self._requests[rid])
-        while any(not r.finished for r in reqs):
+        while self._any_rank_busy(any(not r.finished for r in reqs)):
             self.step()
         while self._in_flight is not None:  # a speculated step of finished requests: dropped
             self.step()
         return [_result(r) for r in reqs]
+
+    def _any_rank_busy(self, busy: bool) -> bool:
+        """`busy` here, or on any rank of a lock-step model (see the module docstring)."""
+        if not self.model.lockstep:
+            return busy
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(busy)], device=self.model.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def _result(req: Request) -> GenerationResult:

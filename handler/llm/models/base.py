@@ -45,6 +45,9 @@ class CausalLM(nn.Module):
     """Base class: subclasses build layers in `__init__` and implement `forward`."""
 
     not_loaded: tuple[str, ...] = ()
+    # every rank must run each forward together: a MoE model whose experts exchange tokens
+    # all-to-all across ep ranks (`expert_exchange.py`); `Engine.generate` steps them so
+    lockstep: bool = False
 
     def __init__(
         self,
@@ -184,6 +187,11 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:  # [num_logits, V] fp32
         raise NotImplementedError
+
+    def idle_forward(self) -> None:
+        """A lock-step rank's step with no tokens of its own: it joins the other ranks'
+        collectives (and serves the tokens they send its experts)."""
+        raise NotImplementedError(f"{type(self).__name__} never runs in lock step")
 
     def map_weight(self, name: str) -> WeightTarget | None:
         """Default: a part of a fused projection fills its rows (`fused_linear`); any other

@@ -127,6 +127,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
         self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
         self.add_lm_head()
+        self.lockstep = any(getattr(m.exchange, "lockstep", False) for m in self._moe_layers())
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config
@@ -145,6 +146,15 @@ class GlmMoeDsaForCausalLM(CausalLM):
         for layer in self.model.layers:
             h, residual, topk = layer(h, residual, cos, sin, self.rotary, batch, kv, topk)
         return self.final_logits(h, batch, residual)
+
+    def idle_forward(self) -> None:
+        like = self.model.embed_tokens.weight
+        for moe in self._moe_layers():
+            moe.idle(like)
+
+    def _moe_layers(self) -> list[MoE]:
+        """The MoE blocks a forward runs, in its order (not the MTP layers')."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
     def map_weight(self, name: str) -> WeightTarget | None:
         expert = EXPERT_WEIGHT.fullmatch(self.param_name(name))

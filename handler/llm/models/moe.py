@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..errors import BadRequest
 from ..kernels import ExpertWeights
 from ..quant import FP8_DTYPE, scale_shape
-from ..sharding import ParallelConfig
+from .expert_exchange import make_exchange
 from .layers import SwiGLUMLP, is_quantized
 
 if TYPE_CHECKING:
@@ -91,46 +90,41 @@ class StackedExperts(nn.Module):
         )
 
 
-def sum_over_ep_ranks(partial: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
-    """The routed experts' output: every ep rank's share summed (an all-reduce over the
-    `torch.distributed` world, which must be the ep group: tokens are replicated, each rank runs
-    its own experts; NCCL on CUDA, gloo on CPU). The identity at ep_size 1."""
-    if parallel.ep_size == 1:
-        return partial
-    import torch.distributed as dist
-
-    if parallel.tp_size != 1:
-        raise BadRequest("expert parallel with tensor parallel (tp_size > 1) is not supported yet")
-    if not dist.is_initialized() or dist.get_world_size() != parallel.ep_size:
-        world = dist.get_world_size() if dist.is_initialized() else "no process group"
-        raise BadRequest(
-            f"ep_size={parallel.ep_size} needs torch.distributed initialised with one rank per"
-            f" ep rank (world: {world})"
-        )
-    dist.all_reduce(partial)
-    return partial
-
-
 class MoE(nn.Module):
-    """Routed experts (through `backend.moe`) plus the always-on shared experts."""
+    """Routed experts (through `backend.moe`) plus the always-on shared experts. With ep > 1
+    the routed experts are spread over the ep ranks and `exchange` (`expert_exchange.py`)
+    brings each token's share from the ranks that hold its experts."""
 
     def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str) -> None:
         super().__init__()
         moe = model.config.moe
         self.backend = model.backend
-        self.parallel = model.parallel
         self.gate = TopkRouter(model)
         self.experts = StackedExperts(model, f"{prefix}.experts")
+        self.exchange = make_exchange(model.parallel, moe.n_routed_experts)
         if moe.n_shared_experts:
             shared_size = moe.moe_intermediate_size * moe.n_shared_experts
             self.shared_experts = SwiGLUMLP(model, f"{prefix}.shared_experts", shared_size)
 
+    def routed(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        """This rank's experts applied to `x [T, H]`: each row's weighted sum over those of its
+        experts that live here."""
+        return self.backend.moe(x, self.experts.weights(), topk_ids, topk_weights)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        # with ep > 1 this is the local experts' share: the ranks' shares are summed before the
-        # shared experts (which every rank holds whole) are added once
-        out = self.backend.moe(x, self.experts.weights(), topk_ids, topk_weights)
-        out = sum_over_ep_ranks(out, self.parallel)
+        if self.exchange is None:
+            out = self.routed(x, topk_ids, topk_weights)
+        else:  # the shared experts, which every rank holds whole, are added once, after
+            out = self.exchange(x, topk_ids, topk_weights, self.routed)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
+
+    def idle(self, like: torch.Tensor) -> None:
+        """Take part in this layer's exchange with no tokens: a lock-step rank with nothing
+        to run (`CausalLM.idle_forward`). `like`: a tensor of the hidden states' dtype and device."""
+        k = self.gate.moe.num_experts_per_tok
+        x = like.new_zeros((0, like.shape[-1]))
+        ids = torch.zeros((0, k), dtype=torch.int64, device=like.device)
+        self.exchange(x, ids, ids.float(), self.routed)

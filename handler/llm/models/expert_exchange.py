@@ -1,0 +1,127 @@
+"""How a MoE layer's tokens meet routed experts held on other ep ranks (`ParallelConfig.ep_dispatch`).
+
+Each ep rank holds a contiguous block of `E / ep_size` routed experts (`local_expert_range`).
+`experts(x, topk_ids, topk_weights)` is this rank's `backend.moe`: the weighted sum, per row, of
+the row's experts that live here (ids outside the block add nothing).
+
+- `replicated` (`ReplicatedExchange`): every rank runs every token (attention replicated), so
+  each rank applies its experts to all rows and the shares are summed by one all-reduce.
+- `all_to_all` (`AllToAllExchange`): data-parallel attention. Each rank runs its own requests;
+  a MoE layer sends each token once to every rank that holds one of its experts (dispatch),
+  that rank returns the token's sum over its experts there, and the sender adds the sums up
+  (combine) — DeepEP's dispatch/combine, over `torch.distributed` all-to-alls (NCCL on CUDA,
+  gloo on CPU). Every rank must enter every MoE layer's exchange once per forward, a rank with
+  nothing to run with no tokens (`CausalLM.idle_forward`), so the engine steps the ranks in
+  lock step (`Engine.generate`). Split sizes travel first and are read on the host, so these
+  layers cannot be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..errors import BadRequest
+from ..sharding import ParallelConfig
+
+
+class ExpertsFn(Protocol):
+    def __call__(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class Exchange:
+    """Checks, on first use, that `torch.distributed` is the ep group (a model may be built and
+    loaded without one: one rank's weights, inspected)."""
+
+    lockstep = False
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        self.parallel = parallel
+        self._checked = False
+
+    def check_world(self) -> None:
+        if self._checked:
+            return
+        import torch.distributed as dist
+
+        ep_size = self.parallel.ep_size
+        if not dist.is_initialized() or dist.get_world_size() != ep_size:
+            world = dist.get_world_size() if dist.is_initialized() else "no process group"
+            raise BadRequest(
+                f"ep_size={ep_size} needs torch.distributed initialised with one rank per ep"
+                f" rank (world: {world})"
+            )
+        self._checked = True
+
+
+class ReplicatedExchange(Exchange):
+    """Every rank holds every token: this rank's experts' share, all-reduced."""
+
+    def __call__(self, x, topk_ids, topk_weights, experts: ExpertsFn) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.check_world()
+        out = experts(x, topk_ids, topk_weights)
+        dist.all_reduce(out)
+        return out
+
+
+class AllToAllExchange(Exchange):
+    """Each rank holds its own tokens: dispatch them to their experts' ranks, combine the sums."""
+
+    lockstep = True
+
+    def __init__(self, parallel: ParallelConfig, experts_per_rank: int) -> None:
+        super().__init__(parallel)
+        self.ep_size = parallel.ep_size
+        self.experts_per_rank = experts_per_rank
+
+    def __call__(self, x, topk_ids, topk_weights, experts: ExpertsFn) -> torch.Tensor:
+        self.check_world()
+        # x [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] float32
+        owners = topk_ids.long() // self.experts_per_rank  # [T, k]
+        wanted = torch.zeros(x.shape[0], self.ep_size, dtype=torch.bool, device=x.device)
+        wanted.scatter_(1, owners, True)  # [T, ep]: which ranks each token goes to
+        dest, token = torch.where(wanted.T)  # grouped by destination rank, tokens in order
+        send_splits = torch.bincount(dest, minlength=self.ep_size)
+        recv_splits = _exchange(send_splits, None, None)
+        sends, recvs = send_splits.tolist(), recv_splits.tolist()  # NOTE: a host sync
+        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)[token]  # [S, 2k]
+        recv_x = _exchange(x[token], recvs, sends)  # [R, H]
+        recv_routing = _exchange(routing, recvs, sends)  # [R, 2k]
+        k = topk_ids.shape[1]
+        if recv_x.shape[0]:
+            ids = recv_routing[:, :k].to(topk_ids.dtype)  # exact: expert ids < 2^24
+            summed = experts(recv_x, ids, recv_routing[:, k:].contiguous())  # [R, H]
+        else:
+            summed = recv_x  # nothing routed here: skip the kernels (some refuse 0 rows)
+        back = _exchange(summed, sends, recvs)  # [S, H], in dispatch order
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token, back.float()).to(x.dtype)
+
+
+def _exchange(
+    tensor: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None
+) -> torch.Tensor:
+    """One all-to-all of `tensor`'s rows: `send_splits[r]` rows to rank r, `recv_splits[r]`
+    from it (None: equal splits of a tensor the size of this one)."""
+    import torch.distributed as dist
+
+    rows = tensor.shape[0] if recv_splits is None else sum(recv_splits)
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits)
+    return out
+
+
+def make_exchange(parallel: ParallelConfig, num_experts: int) -> Exchange | None:
+    """The exchange `parallel` asks for, or None at ep_size 1 (every expert is here)."""
+    if parallel.ep_size == 1:
+        return None
+    if parallel.tp_size != 1:
+        raise BadRequest("expert parallel with tensor parallel (tp_size > 1) is not supported yet")
+    if parallel.ep_dispatch == "replicated":
+        return ReplicatedExchange(parallel)
+    return AllToAllExchange(parallel, num_experts // parallel.ep_size)
