@@ -89,12 +89,16 @@ class AllToAllExchange(Exchange):
         send_splits = torch.bincount(dest, minlength=self.ep_size)
         recv_splits = _exchange(send_splits, None, None)
         sends, recvs = send_splits.tolist(), recv_splits.tolist()  # NOTE: a host sync
-        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)[token]  # [S, 2k]
-        recv_x = _exchange(x[token], recvs, sends)  # [R, H]
-        recv_routing = _exchange(routing, recvs, sends)  # [R, 2k]
+        # one message per token: its hidden state, then its ids and weights as float32 bits
+        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)  # [T, 2k]
+        message = torch.cat([x, routing.view(x.dtype)], dim=1)[token]  # [S, H + 2k * 4 / size]
+        received = _exchange(message, recvs, sends)
+        hidden = x.shape[1]
+        recv_x = received[:, :hidden].contiguous()  # [R, H]
+        recv_routing = received[:, hidden:].contiguous().view(torch.float32)  # [R, 2k]
         k = topk_ids.shape[1]
         if recv_x.shape[0]:
-            ids = recv_routing[:, :k].to(topk_ids.dtype)  # exact: expert ids < 2^24
+            ids = recv_routing[:, :k].long()  # exact: expert ids < 2^24
             summed = experts(recv_x, ids, recv_routing[:, k:].contiguous())  # [R, H]
         else:
             summed = recv_x  # nothing routed here: skip the kernels (some refuse 0 rows)
