@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Device run on two H200s, written in session 14 for whenever a two-GPU machine is lent: expert
+# parallel at ep=2 over NCCL against ep=1 on one GPU, both exchanges (models/expert_exchange.py):
+# "replicated" (all-reduce; passed in session 6 run 5) and "all_to_all" (data-parallel
+# attention with dispatch/combine, written in session 14, never run on GPUs), plus whether the
+# image's NCCL is new enough for upstream DeepEP V2 (>= 2.30.4) and which NVSHMEM it has (V1).
+# Usage (device tool, kind nvidia-h200-x2): bash bench/h200x2_s15_ep.sh
+set -uo pipefail
+. bench/device-env.sh
+results_tarball x2-s15ep
+t0=$SECONDS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+python3 -m pip list 2>/dev/null | grep -i -E "nccl|nvshmem|deep" || true
+timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_expert_parallel.py \
+  > "$res/gpu-tests-ep.log" 2>&1
+tests_summary
+echo "[$((SECONDS - t0)) s] done"
