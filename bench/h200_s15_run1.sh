@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Device run on one H200, written in session 14 (which had no device time left) for the next
-# session's first call. Session 13 wrote `triton_mla.mla_decode` (Triton sparse/dense MLA
-# decode, no host plan, behind SNAPFN_MLA_DECODE=triton) and never ran it on a GPU. Here:
-# - GPU checks, in parallel with making the GLM-5-shaped model: the kernel against the
-#   reference (mla_decode-*), whole-model greedy tokens with it on the triton backend
-#   (glm-tiny-mlatriton) and inside flashinfer's decode graphs (engine_greedy-glm-graphs-mlatriton);
-# - the steady bench at batch 1 and 8 with the default (flashinfer's MLA, planned on the host)
-#   and then with SNAPFN_MLA_DECODE=triton, on the same machine, one process each.
-# If the Triton kernel passes and wins, make it the default (it drops flashinfer's per-step
-# pinned copy, 13 µs in session 13's profile, and the host planning).
+# session's first call. Never run on a GPU yet: `triton_mla` (session 13; Triton sparse/dense
+# MLA decode, no host plan, SNAPFN_MLA_DECODE=triton) and `triton_absorb` (session 14; MLA's
+# absorbed products reading the FP8 kv_b as stored, SNAPFN_MLA_ABSORB=triton). Here:
+# - GPU checks, in parallel with making the GLM-5-shaped model: both kernels against the
+#   reference (mla_decode-*, absorb-*), whole-model greedy tokens with them on the triton
+#   backend (glm-tiny-mlatriton) and inside flashinfer's decode graphs (-mlatriton, -mlaabsorb);
+# - the steady bench at batch 1 and 8, one process each on this machine: the default
+#   (flashinfer's MLA, host-planned, bmms over a bf16 kv_b), then SNAPFN_MLA_ABSORB=triton.
+# Run 2 (h200_s15_run2.sh) times both switches together. A switch that passes and wins becomes
+# the default (the Triton MLA drops flashinfer's per-step pinned copy, 13 us in session 13's
+# profile, and the host planning; the absorb kernels halve the bmms' 59 MB of kv_b reads).
 # Usage (device tool; carry .whl, .ficache): bash bench/h200_s15_run1.sh
 set -uo pipefail
 . bench/device-env.sh
@@ -16,8 +18,8 @@ results_tarball s15run1
 t0=$SECONDS
 . bench/device-flashinfer.sh
 (make_glm5; echo "model rc $?") &
-gpu_tests triton 280 tests/test_triton_kernels.py "mla_decode or mlatriton" &
-gpu_tests flashinfer 280 tests/test_flashinfer.py "mlatriton" &
+gpu_tests triton 260 tests/test_triton_kernels.py "mla_decode or mlatriton or absorb" &
+gpu_tests flashinfer 260 tests/test_flashinfer.py "mlatriton or mlaabsorb" &
 wait
 tests_summary
 echo "[$((SECONDS - t0)) s] tests and model done"
@@ -28,7 +30,7 @@ steady() {  # steady NAME SECONDS [ENV=VALUE]: batch 1 and 8, into $res/steady-N
     --out "$res/steady-$1.json" > "$res/steady-$1.log" 2>&1
   echo "$1: $(grep -o 'decode ms/step.*' "$res/steady-$1.log" || tail -2 "$res/steady-$1.log")"
 }
-steady default $((440 - SECONDS))
-echo "[$((SECONDS - t0)) s] steady (default MLA) done"
-steady mlatriton $((580 - SECONDS)) SNAPFN_MLA_DECODE=triton
+steady default $((420 - SECONDS))
+echo "[$((SECONDS - t0)) s] steady (default) done"
+steady absorb $((580 - SECONDS)) SNAPFN_MLA_ABSORB=triton
 echo "[$((SECONDS - t0)) s] done"

@@ -90,6 +90,8 @@ CASES = [
     "engine_greedy-glm-graphs",
     # decode MLA by `triton_mla` instead of flashinfer's kernel (SNAPFN_MLA_DECODE=triton)
     "engine_greedy-glm-graphs-mlatriton",
+    # flashinfer's MLA, its absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB=triton)
+    "engine_greedy-glm-graphs-mlaabsorb",
 ]
 
 
@@ -353,9 +355,19 @@ def run_case(case: str, device: str) -> dict:
 
         with (
             mock.patch.dict(os.environ, {"SNAPFN_MLA_DECODE": "triton"}),
-            _counting(triton_mla, "mla_decode") as calls,
+            _counting(triton_mla, "mla_decode_latent") as calls,
         ):
             result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
         assert calls, "triton_mla never ran"
+        return result
+    if case == "engine_greedy-glm-graphs-mlaabsorb":
+        from snapfn.handler.llm.kernels import triton_absorb
+
+        with (
+            mock.patch.dict(os.environ, {"SNAPFN_MLA_ABSORB": "triton"}),
+            _counting(triton_absorb, "expand_output") as calls,
+        ):
+            result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
+        assert calls, "triton_absorb never ran"
         return result
     raise ValueError(f"unknown case {case!r}")

@@ -138,13 +138,15 @@ def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatc
         get_backend("triton")
 
 
-def test_mla_decode_switch_is_off_by_default_and_refuses_unknown_values(monkeypatch):
-    monkeypatch.delenv("SNAPFN_MLA_DECODE", raising=False)
-    assert not get_backend("triton")._mla_decode  # the reference until timed on a GPU
-    monkeypatch.setenv("SNAPFN_MLA_DECODE", "triton")
-    assert get_backend("triton")._mla_decode
-    monkeypatch.setenv("SNAPFN_MLA_DECODE", "flashmla")
-    with pytest.raises(ValueError, match="mla_decode must be 'auto' or 'triton', not 'flashmla'"):
+@pytest.mark.parametrize("switch", ["mla_decode", "mla_absorb"])
+def test_mla_switches_are_off_by_default_and_refuse_unknown_values(monkeypatch, switch):
+    env = f"SNAPFN_{switch.upper()}"
+    monkeypatch.delenv(env, raising=False)
+    assert not getattr(get_backend("triton"), f"_{switch}")  # off until timed on a GPU
+    monkeypatch.setenv(env, "triton")
+    assert getattr(get_backend("triton"), f"_{switch}")
+    monkeypatch.setenv(env, "flashmla")
+    with pytest.raises(ValueError, match=f"{switch} must be 'auto' or 'triton', not 'flashmla'"):
         get_backend("triton")
 
 

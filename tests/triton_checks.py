@@ -187,6 +187,16 @@ MLA_DECODE_SHAPES = {
 # bf16), the probabilities and the output
 MLA_DECODE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
 
+# MLA's absorbed products (`triton_absorb`): (tokens, heads, nope, rope, rank, value width,
+# fp8 kv_b); heads of 80 rows straddle kv_b's 128-row scale blocks, a rank off the 128 grid
+ABSORB_SHAPES = {
+    "small": (3, 4, 24, 8, 160, 56, False),
+    "small_fp8": (3, 4, 24, 8, 160, 56, True),
+    "glm5_fp8": (2, 64, 192, 64, 512, 256, True),  # GLM-5's heads and widths
+}
+# against float32 products of the float32-dequantized kv_b: bf16 rounds the outputs only
+ABSORB_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -211,6 +221,7 @@ CASES = (
     + [f"select-{s}-fp32" for s in SELECT_SHAPES]  # index scores are float32
     + [f"fill_kv-{s}-int32" for s in FILL_KV_SHAPES]
     + [f"mla_decode-{s}-{d}" for s in MLA_DECODE_SHAPES for d in DTYPES]
+    + [f"absorb-{s}-{d}" for s in ABSORB_SHAPES for d in DTYPES]
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
@@ -240,6 +251,8 @@ AUTOTUNED_KERNELS = {
     "_decode_split_kernel": 1,
     "_combine_kernel": 2,  # the llama's heads (Dv 128) and MLA's latent (512)
     "_mla_split_kernel": 1,
+    "_absorb_kernel": 1,  # GLM-5's FP8 kv_b
+    "_expand_kernel": 1,
     "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
     "_route_kernel": 1,
     "_select_topk_kernel": 1,
@@ -710,7 +723,8 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
     # -switchesoff: with the Triton MoE router, the indexer's decode pick and the one-launch
     # cache stores switched off (the switches are read when the backend is built), so their
-    # reference paths run instead; -mlatriton: decode MLA by `triton_mla` (SNAPFN_MLA_DECODE)
+    # reference paths run instead; -mlatriton: decode MLA by `triton_mla` (SNAPFN_MLA_DECODE),
+    # its absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB)
     switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT", "SNAPFN_CACHE_STORES")
     on = not preset.endswith("-switchesoff")
     preset = preset.removesuffix("-switchesoff")
@@ -718,29 +732,33 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     preset = preset.removesuffix("-mlatriton")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
+    from snapfn.handler.llm.kernels import triton_absorb as tab
     from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels import triton_mla
     from snapfn.handler.llm.kernels import triton_moe as tm
 
+    mla_switches = ("SNAPFN_MLA_DECODE", "SNAPFN_MLA_ABSORB")
     with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
-        for name in (*switches, "SNAPFN_MLA_DECODE"):
+        for name in (*switches, *mla_switches):
             os.environ.pop(name, None)
         if not on:
             os.environ.update(dict.fromkeys(switches, "off"))
         if mla_triton:
-            os.environ["SNAPFN_MLA_DECODE"] = "triton"
+            os.environ.update(dict.fromkeys(mla_switches, "triton"))
         with (
             _counting(tm, "route") as routed,
             _counting(ti, "select_topk_decode") as picked,
             _counting(tk, "norm_rope_store") as stored,
-            _counting(triton_mla, "mla_decode") as attended,
+            _counting(triton_mla, "mla_decode_latent") as attended,
+            _counting(tab, "expand_output") as expanded,
         ):
             result = _engine_greedy(preset, checkpoint, dtype, device)
     if preset.startswith("glm"):
         ran = (len(routed), len(picked), len(stored))
         assert bool(routed) == bool(picked) == bool(stored) == on, f"ran {ran} times"
         assert bool(attended) == mla_triton, f"triton_mla ran {len(attended)} times"
+        assert len(expanded) == len(attended), f"triton_absorb ran {len(expanded)} times"
     return result
 
 
@@ -961,6 +979,35 @@ def _check_mla_decode(name: str, dtype: torch.dtype, device: str) -> dict:
     return _check_close(f"mla_decode {name}", got.float().cpu(), want, MLA_DECODE_TOL[dtype])
 
 
+def _check_absorb(name: str, dtype: torch.dtype, device: str) -> dict:
+    """`triton_absorb.absorb_query` and `expand_output` against `torch_ref`'s bmms over the
+    float32 (dequantized) `kv_b`, both products in one case."""
+    from snapfn.handler.llm.kernels import triton_absorb as tab
+    from snapfn.handler.llm.kernels.torch_ref import absorb_query, expand_output
+
+    tokens, heads, nope, rope, rank, dv, fp8 = ABSORB_SHAPES[name]
+    gen = torch.Generator().manual_seed(heads * rank + nope)
+    q = torch.randn(tokens, heads, nope + rope, generator=gen).to(dtype)
+    out_latent = torch.randn(tokens, heads, rank, generator=gen).to(dtype)
+    if fp8:  # scales differ block by block (`_random_fp8`)
+        kv_b, scale_inv = _random_fp8((heads * (nope + dv), rank), "cpu")
+        dense = dequantize_fp8_block(kv_b, scale_inv, torch.float32)
+    else:
+        kv_b = (torch.randn(heads * (nope + dv), rank, generator=gen) / 8).to(dtype)
+        scale_inv, dense = None, kv_b.float()
+    want_q, _, w_v = absorb_query(q.float(), dense, rank, rope)
+    want_out = expand_output(out_latent.float(), w_v)
+    on = [None if t is None else t.to(device) for t in (q, out_latent, kv_b, scale_inv)]
+    assert tab.takes(tokens, on[2], on[3])
+    got_q = tab.absorb_query(on[0], on[2], on[3], rope)
+    got_out = tab.expand_output(on[1], on[2], on[3], nope)
+    assert got_q.dtype == got_out.dtype == dtype, (got_q.dtype, got_out.dtype)
+    tol = ABSORB_TOL[dtype]
+    absorbed = _check_close(f"absorb {name}", got_q.float().cpu(), want_q, tol)
+    expanded = _check_close(f"expand {name}", got_out.float().cpu(), want_out, tol)
+    return {"absorb_max_abs_err": absorbed["max_abs_err"], **expanded}
+
+
 def _check_fill_kv(name: str, device: str) -> dict:
     """`triton_indexer.fill_kv_indices` against `flashinfer_mla.fill_kv_indices`: the same
     slots wherever a row reads them (`kv_indices[:kv_indptr[-1]]`)."""
@@ -1077,6 +1124,7 @@ def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
 
 def _kernel_modules() -> list:
     from snapfn.handler.llm.kernels import (
+        triton_absorb,
         triton_attention,
         triton_gemv,
         triton_indexer,
@@ -1094,6 +1142,7 @@ def _kernel_modules() -> list:
         triton_gemv,
         triton_sampling,
         triton_mla,
+        triton_absorb,
     ]
 
 
@@ -1208,6 +1257,10 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     q_mla, kv_b = _randn(tokens, 64, 256, device=device), _randn(64 * 448, 512, device=device)
     cache = _randn(64, 16, 576, device=device)  # GLM-5's latent rows: 512 | 64
     triton_mla.mla_decode(q_mla, cache, kv_b, page_table, seq_lens, 0.1, picked)
+    from snapfn.handler.llm.kernels import triton_absorb as tab  # its products, FP8 kv_b
+
+    kv_b_fp8, kv_b_scale = _random_fp8_on(64 * 448, 512, device=device)
+    tab.expand_output(tab.absorb_query(q_mla, kv_b_fp8, kv_b_scale, 64), kv_b_fp8, kv_b_scale, 192)
     ti.index_scores_prefill(q, weights, _randn(200, 128, device=device), 196, 0.1)
     gate, up = (_random_fp8_on(8, 2048, 6144, device=device) for _ in "gu")
     down = _random_fp8_on(8, 6144, 2048, device=device)
@@ -1289,6 +1342,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_decode(DECODE_SHAPES[rest[0]], dtype, device, DECODE_SPLITS[rest[0]])
     if kind == "mla_decode":
         return _check_mla_decode(rest[0], dtype, device)
+    if kind == "absorb":
+        return _check_absorb(rest[0], dtype, device)
     raise ValueError(f"unknown case {case!r}")
 
 

@@ -23,6 +23,9 @@ the reference's ops instead of one launch each (`triton_kernels.norm_rope_store`
 `SNAPFN_MLA_DECODE=triton` runs decode batches' MLA attention with `triton_mla.mla_decode`
 (no host planning) instead of the reference (triton backend) or flashinfer's MLA kernel
 (flashinfer backend); `auto`, the default, keeps those until it is timed on a GPU.
+`SNAPFN_MLA_ABSORB=triton` computes MLA's absorbed products of a decode batch (`W_k^T q`, `W_v o`
+per head) with `triton_absorb`, reading `kv_b` as stored (FP8), instead of two bmms over a
+dense copy; `auto`, the default, keeps the bmms until it is timed on a GPU.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def _triton_modes() -> dict[str, str]:
         "gemv_split": os.environ.get("SNAPFN_GEMV_SPLIT", "auto"),
         "cache_stores": os.environ.get("SNAPFN_CACHE_STORES", "auto"),
         "mla_decode": os.environ.get("SNAPFN_MLA_DECODE", "auto"),
+        "mla_absorb": os.environ.get("SNAPFN_MLA_ABSORB", "auto"),
     }
 
 

@@ -184,8 +184,8 @@ class FlashInferBackend(TritonBackend):
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
             )
-        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
-        return self._mla.attention(q, latent_cache, kv_b, batch, shape, topk_indices)
+        q_lat, q_pe, expand = self.absorb_kv_b(q, kv_b_weight, kv_b_scale_inv, shape.rope_dim)
+        return expand(self._mla.attention(q_lat, q_pe, latent_cache, batch, shape, topk_indices))
 
     def paged_attention(self, q, k_cache, v_cache, batch, scale):
         shape = AttentionShape.of(q, k_cache, v_cache, scale)

@@ -33,7 +33,6 @@ import torch
 
 from ..engine.batch import ForwardBatch
 from .flashinfer_plan import ForwardPlan
-from .torch_ref import absorb_query, expand_output
 
 DTYPES = (torch.float16, torch.bfloat16)
 LATENT_DIMS = ((512, 64),)  # (R, Dr) flashinfer's MLA kernels are built for
@@ -140,21 +139,20 @@ class FlashInferMLA:
     def begin_forward(self, batch: ForwardBatch, graph: bool) -> None:
         self._forward.begin_forward(batch, graph)
 
-    def attention(self, q, latent_cache, kv_b, batch, shape: MLAShape, topk_indices):
-        """`q [T, H, Dn + Dr]` over the top-k latents -> `[T, H, Dv]`. `kv_b`: the dense
-        `[H * (Dn + Dv), R]` weight (the caller dequantizes an FP8 one)."""
+    def attention(self, q_latent, q_pe, latent_cache, batch, shape: MLAShape, topk_indices):
+        """The queries, `kv_b` absorbed (`q_latent [T, H, R]`: each head's `W_k^T q_nope`;
+        `q_pe [T, H, Dr]`), over their top-k latents -> `[T, H, R]`, the latent output the
+        caller maps through `W_v` (`TritonBackend.absorb_kv_b`)."""
         wrapper, buffers = self._forward.for_call(batch, shape)
-        rank, rope = shape.rank, shape.rope_dim
+        rank = shape.rank
         fill = fill_kv_indices
-        if q.is_cuda:  # one Triton launch (`triton_indexer.fill_kv_indices`); triton is here
+        if q_latent.is_cuda:  # one Triton launch (`triton_indexer.fill_kv_indices`); triton is here
             from .triton_indexer import fill_kv_indices as fill
         fill(
             buffers.kv_indices, topk_indices, buffers.page_table, buffers.kv_indptr, batch.page_size
         )
-        q_latent, q_pe, w_v = absorb_query(q, kv_b, rank, rope)  # [T, H, R], [T, H, Dr]
         flat = latent_cache.view(-1, 1, latent_cache.shape[-1])  # page size 1: a slot a page
-        out = wrapper.run(q_latent, q_pe, flat[..., :rank], flat[..., rank:])  # [T, H, R]
-        return expand_output(out, w_v)  # [T, H, Dv]
+        return wrapper.run(q_latent, q_pe, flat[..., :rank], flat[..., rank:])  # [T, H, R]
 
     def _plan(self, batch: ForwardBatch, graph: bool, shape: MLAShape) -> tuple[Any, _Buffers]:
         if graph and not batch.is_decode:

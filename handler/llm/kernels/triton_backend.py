@@ -34,7 +34,11 @@
 - `mla_attention` for decode batches, with `mla_decode="triton"` (SNAPFN_MLA_DECODE=triton):
   `triton_mla.mla_decode`, the latent attention with `kv_b` absorbed and the DSA selection read
   on the GPU (no host planning); "auto", the default until it is timed on a GPU, keeps the
-  reference here and flashinfer's MLA kernel in the flashinfer backend.
+  reference here and flashinfer's MLA kernel in the flashinfer backend;
+- MLA's absorbed products (`absorb_kv_b`, for `triton_mla` here and flashinfer's MLA kernel),
+  with `mla_absorb="triton"` (SNAPFN_MLA_ABSORB=triton) and a decode-sized batch:
+  `triton_absorb`, reading `kv_b` as stored (FP8: half the bytes); "auto", the default until
+  it is timed on a GPU, keeps `torch_ref`'s bmms over a dense copy of `kv_b` in q's dtype.
 
 Each kernel is checked against the reference on the H200 and under triton's interpreter
 (tests/triton_checks.py).
@@ -52,7 +56,7 @@ from types import ModuleType
 import torch
 
 from .deepgemm import DeepGemm
-from .torch_ref import TorchBackend
+from .torch_ref import TorchBackend, absorb_query, expand_output
 
 
 def _kernels(x: torch.Tensor, module: str = "triton_kernels") -> ModuleType | None:
@@ -85,6 +89,7 @@ class TritonBackend(TorchBackend):
         gemv_split: str = "auto",
         cache_stores: str = "auto",
         mla_decode: str = "auto",
+        mla_absorb: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -106,6 +111,9 @@ class TritonBackend(TorchBackend):
         if mla_decode not in ("auto", "triton"):
             raise ValueError(f"mla_decode must be 'auto' or 'triton', not {mla_decode!r}")
         self._mla_decode = mla_decode == "triton"
+        if mla_absorb not in ("auto", "triton"):
+            raise ValueError(f"mla_absorb must be 'auto' or 'triton', not {mla_absorb!r}")
+        self._mla_absorb = mla_absorb == "triton"
         self._dense_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._deepgemm_mode = deepgemm
         self._deepgemm: dict[torch.device, DeepGemm | None] = {}  # resolved per device
@@ -273,10 +281,34 @@ class TritonBackend(TorchBackend):
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
             )
-        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
-        return tm.mla_decode(
-            q, latent_cache, kv_b, batch.page_table, batch.seq_lens, scale, topk_indices
+        rope = latent_cache.shape[-1] - kv_b_weight.shape[1]
+        q_lat, q_pe, expand = self.absorb_kv_b(q, kv_b_weight, kv_b_scale_inv, rope)
+        out_latent = tm.mla_decode_latent(
+            q_lat, q_pe, latent_cache, batch.page_table, batch.seq_lens, scale, topk_indices
         )
+        return expand(out_latent)
+
+    def absorb_kv_b(self, q, kv_b_weight, kv_b_scale_inv, rope: int):
+        """MLA's `kv_b` folded into `q [T, H, Dn + Dr]`: `(q_latent [T, H, R], q_pe [T, H,
+        Dr], expand)`, where `expand(out_latent [T, H, R])` is each head's `W_v` applied to
+        the attention's latent output. `triton_absorb` under `mla_absorb="triton"` where it
+        takes the batch; else `torch_ref`'s bmms over the dense `kv_b` (`_kv_b`)."""
+        nope = q.shape[2] - rope
+        tab = _kernels(q, "triton_absorb") if self._mla_absorb else None
+        if tab is not None and tab.takes(q.shape[0], kv_b_weight, kv_b_scale_inv):
+            q_lat = tab.absorb_query(q, kv_b_weight, kv_b_scale_inv, rope)
+
+            def expand_stored(out_latent):
+                return tab.expand_output(out_latent, kv_b_weight, kv_b_scale_inv, nope)
+
+            return q_lat, q[..., nope:], expand_stored
+        kv_b = self._kv_b(kv_b_weight, kv_b_scale_inv, q.dtype)
+        q_lat, q_pe, w_v = absorb_query(q, kv_b, kv_b.shape[1], rope)
+
+        def expand_dense(out_latent):
+            return expand_output(out_latent, w_v)
+
+        return q_lat, q_pe, expand_dense
 
     def _kv_b(self, weight, scale_inv, dtype):
         """`kv_b` in `dtype`; an FP8 one dequantized once, at its first use, and kept (the MLA

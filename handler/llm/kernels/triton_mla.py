@@ -2,6 +2,8 @@
 request) or dense, with no host planning: matches `torch_ref.mla_decode_absorbed`.
 
     out = mla_decode(q, latent_cache, kv_b, page_table, seq_lens, scale, topk_indices)
+    out_latent = mla_decode_latent(q_latent, q_pe, latent_cache, page_table, seq_lens, scale,
+                                   topk_indices)  # the attention alone, kv_b absorbed by the caller
 
 `kv_b` is absorbed as FlashMLA and `flashinfer_mla` do it (`torch_ref.absorb_query`,
 `expand_output`):
@@ -168,18 +170,37 @@ def mla_decode(
     topk_indices: torch.Tensor | None = None,  # [B, topk] int32, -1 = none; None = dense
     splits: int | None = None,  # default: triton_attention.num_splits's
 ) -> torch.Tensor:  # [B, H, Dv] in q's dtype; a request with no keys gets zeros
-    """Decode MLA attention (module docstring): `mla_decode_absorbed`'s result."""
-    _check_device(q, latent_cache, kv_b, page_table, seq_lens, topk_indices)
+    """Decode MLA attention (module docstring): `mla_decode_absorbed`'s result, `kv_b`
+    absorbed by `torch_ref`'s bmms around `mla_decode_latent`."""
     rank = kv_b.shape[1]
     if not takes(q, latent_cache, rank):
         raise ValueError(
             f"q {tuple(q.shape)} {q.dtype} and latent cache {tuple(latent_cache.shape)} "
             f"{latent_cache.dtype} (rank {rank}) do not line up"
         )
-    b, heads = q.shape[:2]
+    q_lat, q_pe, w_v = absorb_query(q, kv_b, rank, latent_cache.shape[-1] - rank)
+    out_latent = mla_decode_latent(
+        q_lat, q_pe, latent_cache, page_table, seq_lens, scale, topk_indices, splits
+    )
+    return expand_output(out_latent, w_v)
+
+
+def mla_decode_latent(
+    q_lat: torch.Tensor,  # [B, H, R]: each head's W_k^T q_nope
+    q_pe: torch.Tensor,  # [B, H, Dr]
+    latent_cache: torch.Tensor,  # [P, S, R + Dr]
+    page_table: torch.Tensor,  # [B, W] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    topk_indices: torch.Tensor | None = None,  # [B, topk] int32, -1 = none; None = dense
+    splits: int | None = None,
+) -> torch.Tensor:  # [B, H, R] in q_lat's dtype: sum p c, before W_v
+    """The latent attention of `mla_decode`, for a caller that absorbs `kv_b` itself (the
+    backends, with `triton_absorb` reading an FP8 `kv_b` as stored)."""
+    _check_device(q_lat, q_pe, latent_cache, page_table, seq_lens, topk_indices)
+    b, heads, rank = q_lat.shape
     rope = latent_cache.shape[-1] - rank
-    q_lat, q_pe, w_v = absorb_query(q, kv_b, rank, rope)
-    out_latent = torch.empty(b, heads, rank, dtype=q.dtype, device=q.device)
+    out_latent = torch.empty(b, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     if b:
         page_size = latent_cache.shape[1]
         topk = 0 if topk_indices is None else topk_indices.shape[1]
@@ -187,8 +208,8 @@ def mla_decode(
         blocks = -(-entries // BLOCK_T)
         head_blocks = -(-heads // BLOCK_H)
         splits = num_splits(b, head_blocks, blocks, splits)
-        part = torch.empty(b, heads, splits, rank, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(b, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q_lat.device)
         topk_arg = topk_indices if topk_indices is not None else seq_lens  # unread when dense
         kernel, fixed = tuned_or_fixed(_mla_split_tuned)
         kernel[(b, head_blocks, splits)](
@@ -220,8 +241,8 @@ def mla_decode(
             BLOCK_DR=max(16, triton.next_power_of_2(rope)),
             BLOCK_H=BLOCK_H,
             BLOCK_T=BLOCK_T,
-            DOT_FP32=dot_in_fp32(q.dtype),
+            DOT_FP32=dot_in_fp32(q_lat.dtype),
             **fixed,
         )
         combine_splits(part, lse, out_latent)
-    return expand_output(out_latent, w_v)
+    return out_latent

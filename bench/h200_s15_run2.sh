@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Device run on one H200, written in session 14 for the next session's second call, on the
+# machine run 1 left warm (its GLM-5-shaped model is reused where it is still there): the
+# steady bench at batch 1 and 8 with SNAPFN_MLA_DECODE=triton and SNAPFN_MLA_ABSORB=triton
+# together, then the batch-1 profile with both on (where the remaining microseconds go).
+# Usage (device tool; carry .whl, .ficache): bash bench/h200_s15_run2.sh
+set -uo pipefail
+. bench/device-env.sh
+results_tarball s15run2
+t0=$SECONDS
+. bench/device-flashinfer.sh
+[ -f "$work/glm5/config.json" ] || { make_glm5; echo "model rc $?"; }
+echo "[$((SECONDS - t0)) s] model ready"
+SNAPFN_BACKEND=flashinfer SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton \
+  timeout $((420 - SECONDS)) python3 -m snapfn.handler.cli bench \
+  --model "$work/glm5" --device cuda --workdir "$work/steady-both" --modes steady \
+  --decode-batches 1,8 --decode-tokens 32 --prefill-tokens 2048 \
+  --out "$res/steady-both.json" > "$res/steady-both.log" 2>&1
+echo "both: $(grep -o 'decode ms/step.*' "$res/steady-both.log" || tail -2 "$res/steady-both.log")"
+echo "[$((SECONDS - t0)) s] steady done"
+SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton timeout $((570 - SECONDS)) \
+  python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs \
+  --top 40 > "$res/profile-glm-b1.json" 2> "$res/profile-glm-b1.err"
+profile_summary profile-glm-b1 25
+echo "[$((SECONDS - t0)) s] done"
