@@ -76,6 +76,14 @@ MLA_TOL = (3e-2, 2e-2)
 MLA_DECODE_SEQ_LENS = (1, 300, MLA_TOPK, MLA_TOPK + 1, 5000)  # fewer keys than topk, exactly, more
 MLA_PREFILL_REQUESTS = ((37, 37), (5, 3000), (1, 2100), (100, 300))
 MLA_GRAPH_REPLAYS = ((130, 1, 4000), (2048, 37, PAGE_SIZE, 2500), (33,))
+# glm-small with graphs and one switch on: (its variable, set to "triton"; the kernel module
+# and the function of it the step must have called)
+SWITCHED_GREEDY = {
+    # decode MLA by `triton_mla` instead of flashinfer's kernel
+    "engine_greedy-glm-graphs-mlatriton": ("SNAPFN_MLA_DECODE", "triton_mla", "mla_decode_latent"),
+    # flashinfer's MLA, its absorbed products by `triton_absorb`
+    "engine_greedy-glm-graphs-mlaabsorb": ("SNAPFN_MLA_ABSORB", "triton_absorb", "expand_output"),
+}
 
 CASES = [
     "decode-llama8b",
@@ -88,10 +96,7 @@ CASES = [
     "mla_decode_graph-glm5",
     "engine_greedy-glm-eager",
     "engine_greedy-glm-graphs",
-    # decode MLA by `triton_mla` instead of flashinfer's kernel (SNAPFN_MLA_DECODE=triton)
-    "engine_greedy-glm-graphs-mlatriton",
-    # flashinfer's MLA, its absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB=triton)
-    "engine_greedy-glm-graphs-mlaabsorb",
+    *SWITCHED_GREEDY,
 ]
 
 
@@ -350,24 +355,16 @@ def run_case(case: str, device: str) -> dict:
         return _check_engine_greedy(GLM_GREEDY, "flashinfer", device)
     if case == "engine_greedy-glm-graphs":
         return _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
-    if case == "engine_greedy-glm-graphs-mlatriton":
-        from snapfn.handler.llm.kernels import triton_mla
+    if case in SWITCHED_GREEDY:
+        import importlib
 
+        env, module, function = SWITCHED_GREEDY[case]
+        kernels = importlib.import_module(f"snapfn.handler.llm.kernels.{module}")
         with (
-            mock.patch.dict(os.environ, {"SNAPFN_MLA_DECODE": "triton"}),
-            _counting(triton_mla, "mla_decode_latent") as calls,
+            mock.patch.dict(os.environ, {env: "triton"}),
+            _counting(kernels, function) as calls,
         ):
             result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
-        assert calls, "triton_mla never ran"
-        return result
-    if case == "engine_greedy-glm-graphs-mlaabsorb":
-        from snapfn.handler.llm.kernels import triton_absorb
-
-        with (
-            mock.patch.dict(os.environ, {"SNAPFN_MLA_ABSORB": "triton"}),
-            _counting(triton_absorb, "expand_output") as calls,
-        ):
-            result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
-        assert calls, "triton_absorb never ran"
+        assert calls, f"{module}.{function} never ran"
         return result
     raise ValueError(f"unknown case {case!r}")

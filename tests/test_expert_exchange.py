@@ -6,15 +6,12 @@ nothing. The experts are a stand-in whose output says which experts ran on which
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import join_group, run_ranks
 
 from snapfn.handler.llm.models.expert_exchange import AllToAllExchange, make_exchange
 from snapfn.handler.llm.sharding import ParallelConfig
@@ -46,9 +43,8 @@ def inputs(case: str, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return x, ids, weights
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    join_group(rank, world, port)
     try:
         parallel = ParallelConfig(ep_size=2, ep_rank=rank, ep_dispatch="all_to_all")
         exchange = make_exchange(parallel, NUM_EXPERTS)
@@ -66,23 +62,8 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_all_to_all_returns_each_token_summed_over_all_its_experts(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = _free_port()
-    ranks = [context.Process(target=_rank, args=(r, port, str(tmp_path))) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(120)
-    for process in ranks:
-        process.kill()
-        assert process.exitcode == 0, f"rank exited {process.exitcode}"
+    run_ranks(_rank, 2, str(tmp_path), timeout_s=120)
     every_expert = stand_in_experts(0, NUM_EXPERTS)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -9,15 +9,12 @@ gets what one rank alone gives for them)."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import join_group, run_ranks
 
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine.engine import SchedulerConfig
@@ -64,13 +61,8 @@ def generate(
 def _rank(
     rank: int, world: int, port: int, model_dir: str, out_dir: str, cuda: bool, dispatch: str
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = f"cuda:{rank}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(rank)  # NCCL runs on each rank's current device
-    # a collective one rank never joins fails in a minute, not gloo's default half hour
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    join_group(rank, world, port, cuda)
     try:
         parallel = ParallelConfig(ep_size=world, ep_rank=rank, ep_dispatch=dispatch)
         if dispatch == "replicated":
@@ -91,12 +83,6 @@ def _rank(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
 def test_two_expert_parallel_ranks_generate_what_one_rank_does(glm_dir, tmp_path, dispatch):
     _check_two_ranks(glm_dir, tmp_path, cuda=False, dispatch=dispatch)
@@ -111,21 +97,7 @@ def test_two_ranks_on_two_gpus_over_nccl_generate_what_one_gpu_does(glm_dir, tmp
 
 def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool, dispatch: str) -> None:
     device = "cuda:0" if cuda else "cpu"
-    context = multiprocessing.get_context("spawn")
-    port = _free_port()
-    ranks = [
-        context.Process(
-            target=_rank, args=(r, 2, port, str(glm_dir), str(tmp_path), cuda, dispatch)
-        )
-        for r in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(300)
-    for process in ranks:
-        process.kill()  # one stuck in a collective: the test fails below, nothing lingers
-        assert process.exitcode == 0, f"rank exited {process.exitcode}"
+    run_ranks(_rank, 2, str(glm_dir), str(tmp_path), cuda, dispatch)
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         if dispatch == "replicated":
