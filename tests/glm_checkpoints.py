@@ -55,19 +55,22 @@ def save_tiny_glm(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
+def _is_quantized(name: str, tensor: torch.Tensor, not_quantized: tuple[str, ...]) -> bool:
     module = name.removesuffix(".weight")
     if tensor.ndim != 2 or not name.endswith(".weight") or "embed_tokens" in name:
         return False
-    return not any(module == p or module.endswith(f".{p}") for p in NOT_QUANTIZED)
+    return not any(module == p or module.endswith(f".{p}") for p in not_quantized)
 
 
-def write_fp8_pair(src: Path, fp8_dir: Path, dequant_dir: Path) -> tuple[Path, Path]:
-    """An FP8 copy of `src` and an fp32 copy holding exactly its dequantized weights."""
+def write_fp8_pair(
+    src: Path, fp8_dir: Path, dequant_dir: Path, not_quantized: tuple[str, ...] = NOT_QUANTIZED
+) -> tuple[Path, Path]:
+    """An FP8 copy of `src` (the modules `not_quantized` names kept as they were) and an fp32
+    copy holding exactly its dequantized weights."""
     tensors = load_file(src / WEIGHTS)
     fp8, dequant = {}, {}
     for name, t in tensors.items():
-        if not _is_quantized(name, t):
+        if not _is_quantized(name, t, not_quantized):
             fp8[name] = dequant[name] = t
             continue
         q, scale_inv = quantize_fp8_block(t)
@@ -77,7 +80,7 @@ def write_fp8_pair(src: Path, fp8_dir: Path, dequant_dir: Path) -> tuple[Path, P
     _write(dequant_dir, dequant, config)
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128], "modules_to_not_convert": list(NOT_QUANTIZED),
+        "weight_block_size": [128, 128], "modules_to_not_convert": list(not_quantized),
     }  # fmt: skip
     _write(fp8_dir, fp8, config)
     return fp8_dir, dequant_dir

@@ -17,9 +17,16 @@ from snapfn.handler.llm.errors import CheckpointError
 from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.kernels.torch_ref import causal_attention, topk_mask
 from snapfn.handler.llm.loader import load_weights
+from snapfn.handler.llm.models.base import ConcatLinear
 from snapfn.handler.llm.sharding import ParallelConfig
 
-from glm_checkpoints import TINY_GLM, save_tiny_glm, write_fp8_pair, write_with_mtp
+from glm_checkpoints import (
+    NOT_QUANTIZED,
+    TINY_GLM,
+    save_tiny_glm,
+    write_fp8_pair,
+    write_with_mtp,
+)
 from parity import (
     greedy,
     hf_logits,
@@ -172,6 +179,32 @@ def test_fp8_checkpoint_matches_dequantized_weights(glm_dir, tmp_path):
     assert any(gap.stop > gap.start for gap in padding), spans
     assert all(not fused.weight[gap].float().any() for gap in padding)
     assert fused.weight_scale_inv.shape[0] == fused.weight.shape[0] // 128
+    # so are q_b | wq_b, which read the normed query latent (the norm inside their GEMV)
+    fused = engine.model.model.layers[0].self_attn.fused_q_b_proj
+    assert fused.weight.dtype == torch.float8_e4m3fn
+    assert list(fused.part_spans) == ["q_b_proj", "indexer.wq_b"]
+    assert list(engine.model.model.layers[1].self_attn.fused_q_b_proj.part_spans) == ["q_b_proj"]
+    (ids,) = random_prompts(VOCAB, [22], seed=2)
+    ours = our_prefill_logits(engine, ids, 5)
+    torch.testing.assert_close(ours, hf_logits(hf_model(dequant_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_fp8_attention_with_a_16_bit_indexer_keeps_the_parts_apart(glm_dir, tmp_path):
+    """An indexer left out of FP8 cannot share the attention's FP8 weights: its `wk` and
+    `wq_b` run beside them (`ConcatLinear`), and the logits still match."""
+    keep = ("indexer.wk", "indexer.wq_b")
+    fp8_dir, dequant_dir = write_fp8_pair(
+        glm_dir, tmp_path / "fp8", tmp_path / "dequant", NOT_QUANTIZED + keep
+    )
+    engine = our_engine(fp8_dir, page_size=4)
+    attn = engine.model.model.layers[0].self_attn
+    for fused, part in (
+        (attn.fused_qkv_a_proj, "indexer.wk"),
+        (attn.fused_q_b_proj, "indexer.wq_b"),
+    ):
+        assert isinstance(fused, ConcatLinear) and part in fused.part_spans
+        assert fused.parts[ConcatLinear.key(part)].weight.dtype == torch.float32
+    assert attn.fused_q_b_proj.parts["q_b_proj"].weight.dtype == torch.float8_e4m3fn
     (ids,) = random_prompts(VOCAB, [22], seed=2)
     ours = our_prefill_logits(engine, ids, 5)
     torch.testing.assert_close(ours, hf_logits(hf_model(dequant_dir), ids), atol=2e-4, rtol=1e-4)

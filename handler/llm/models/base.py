@@ -139,8 +139,9 @@ class CausalLM(nn.Module):
         linears = {}
         for part, rows in parts:
             linears[part] = self.linear(f"{prefix}.{part}", in_features, rows, bias)
+            key = ConcatLinear.key(part)
             for suffix, _ in linears[part].named_parameters():
-                target = WeightTarget(self.param_name(f"{prefix}.{name}.parts.{part}.{suffix}"))
+                target = WeightTarget(self.param_name(f"{prefix}.{name}.parts.{key}.{suffix}"))
                 self._fused_targets[f"{prefix}.{part}.{suffix}"] = target
         return ConcatLinear(linears)
 
@@ -222,11 +223,17 @@ class ConcatLinear(nn.Module):
 
     def __init__(self, parts: dict[str, Linear]) -> None:
         super().__init__()
-        self.parts = nn.ModuleDict(parts)
+        self.parts = nn.ModuleDict({self.key(name): part for name, part in parts.items()})
         self.part_spans, start = {}, 0
         for name, part in parts.items():
             self.part_spans[name] = (start, start + part.weight.shape[0])
             start += part.weight.shape[0]
+
+    @staticmethod
+    def key(part: str) -> str:
+        """A part's module name: its checkpoint name under the prefix, dots as underscores
+        (`indexer.wk`: a module name takes no dots)."""
+        return part.replace(".", "_")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts.values()], dim=-1)

@@ -13,7 +13,10 @@ and `weights_proj` runs in float32 (`_keep_in_fp32_modules`).
 The projections of the layer's input `x` are one: `fused_qkv_a_proj` stacks `q_a_proj`,
 `kv_a_proj_with_mqa` and (on full layers, without biases) the indexer's `wk`
 (`CausalLM.fused_linear`, each FP8 part on a 128-row scale block of its own): at batch 1 one
-GEMV instead of three short ones (sglang fuses the first two the same way).
+GEMV instead of three short ones (sglang fuses the first two the same way). So are those of
+the query latent: `fused_q_b_proj` stacks `q_b_proj` and (likewise on full layers) the
+indexer's `wq_b`, with `q_a_layernorm` run inside that projection (`RMSNorm.add_linear`: one
+GEMV at batch 1 where a norm launch and two GEMVs ran; session 14).
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ class LayerNorm(nn.Module):
 
 class DSAIndexer(nn.Module):
     """Per-query top-k key selection; writes this layer's indexer keys to `index_k[slot]`.
-    `fused_wk`: the attention's fused projection computes `wk` (else this module has it)."""
+    `fused`: the attention's fused projections compute `wk` and `wq_b` (else this module has
+    them)."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused_wk: bool) -> None:
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused: bool) -> None:
         super().__init__()
         cfg, dsa = model.config, model.config.dsa
         self.slot = slot
@@ -74,25 +78,26 @@ class DSAIndexer(nn.Module):
         self.topk = dsa.index_topk
         self.softmax_scale = dsa.index_head_dim**-0.5
         self.backend = model.backend
-        self.wq_b = model.linear(
-            f"{prefix}.wq_b", cfg.mla.q_lora_rank, self.num_heads * self.head_dim
-        )
-        if not fused_wk:
+        if not fused:
+            self.wq_b = model.linear(
+                f"{prefix}.wq_b", cfg.mla.q_lora_rank, self.num_heads * self.head_dim
+            )
             self.wk = model.linear(f"{prefix}.wk", cfg.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, model.dtype, model.device)
         self.weights_proj = model.linear(
             f"{prefix}.weights_proj", cfg.hidden_size, self.num_heads, dtype=torch.float32
         )
 
-    def forward(self, x, q_resid, k_proj, cos, sin, rotary: Rotary, batch, kv: KVPool):
-        """`x [T, H]`, `q_resid [T, q_lora]`, `k_proj`: `wk(x)` when the attention's fused
-        projection computed it (else None) -> top-k key positions `[T, index_topk]` int32."""
+    def forward(self, x, q_resid, q_proj, k_proj, cos, sin, rotary: Rotary, batch, kv: KVPool):
+        """`x [T, H]`, `q_resid [T, q_lora]` (the normed query latent), and `q_proj`,
+        `k_proj`: `wq_b(q_resid)` and `wk(x)` when the attention's fused projections computed
+        them (else None) -> top-k key positions `[T, index_topk]` int32."""
         t, rope = x.shape[0], self.backend.rope_part
+        if q_proj is None:
+            q_proj, k_proj = self.wq_b(q_resid), self.wk(x)
         # the first rope_dim dims of each query and key rotated: rope(q_rot) | q_pass
-        q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
+        q = q_proj.view(t, self.num_heads, self.head_dim)
         q = rope(q, cos, sin, rotary.interleaved, 0)  # [T, Hi, Di]
-        if k_proj is None:
-            k_proj = self.wk(x)
         cache, norm = kv.layer("index_k", self.slot), self.k_norm  # rope(k_norm(k)) cached
         self.backend.layer_norm_rope_store(
             cache, k_proj, norm.weight, norm.bias, norm.eps, cos, sin, rotary.interleaved, batch
@@ -120,16 +125,20 @@ class MLAttention(nn.Module):
         qk_dim, bias = self.nope_dim + self.rope_dim, cfg.attention_bias
         latent_dim = self.kv_rank + self.rope_dim
         parts = [("q_a_proj", mla.q_lora_rank), ("kv_a_proj_with_mqa", latent_dim)]
-        fused_wk = index_slot is not None and not bias  # wk has no bias to stack
-        if fused_wk:
+        q_parts = [("q_b_proj", self.num_heads * qk_dim)]
+        fused_indexer = index_slot is not None and not bias  # wk, wq_b have no bias to stack
+        if fused_indexer:
             parts.append(("indexer.wk", cfg.dsa.index_head_dim))
+            q_parts.append(("indexer.wq_b", cfg.dsa.index_n_heads * cfg.dsa.index_head_dim))
         self.fused_qkv_a_proj = model.fused_linear(
             prefix, "fused_qkv_a_proj", parts, cfg.hidden_size, bias, pad_fp8=True
         )
         self.q_a_layernorm = RMSNorm(
             mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
         )
-        self.q_b_proj = model.linear(f"{prefix}.q_b_proj", mla.q_lora_rank, self.num_heads * qk_dim)
+        self.fused_q_b_proj = model.fused_linear(
+            prefix, "fused_q_b_proj", q_parts, mla.q_lora_rank, bias, pad_fp8=True
+        )
         self.kv_a_layernorm = RMSNorm(
             self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
         )
@@ -139,7 +148,7 @@ class MLAttention(nn.Module):
             f"{prefix}.o_proj", self.num_heads * mla.v_head_dim, cfg.hidden_size, bias
         )
         if index_slot is not None:
-            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot, fused_wk)
+            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot, fused_indexer)
 
     def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool, prev_topk):
         """`x [T, H]` -> (output `[T, H]`, top-k `[T, index_topk]` for the next shared layer)."""
@@ -149,15 +158,18 @@ class MLAttention(nn.Module):
             out[..., slice(*proj.part_spans[p])] if p in proj.part_spans else None
             for p in ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
         )
-        q_resid = self.q_a_layernorm(q_a)  # [T, q_lora]
-        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        # q_b | wq_b of the normed query latent (the norm inside the GEMV at batch 1)
+        q_all, q_resid = self._query_projections(q_a)
+        spans = self.fused_q_b_proj.part_spans
+        q = q_all[..., slice(*spans["q_b_proj"])].view(t, self.num_heads, -1)
+        q_index = q_all[..., slice(*spans["indexer.wq_b"])] if "indexer.wq_b" in spans else None
         cache = kv.layer("latent", self.layer_id)
         norm = self.kv_a_layernorm  # the latent: norm(c) | rope(k_rope), into the cache
         self.backend.norm_rope_store(
             cache, kv_a, norm.weight, norm.eps, cos, sin, rotary.interleaved, batch
         )
         if hasattr(self, "indexer"):
-            topk = self.indexer(x, q_resid, k_proj, cos, sin, rotary, batch, kv)
+            topk = self.indexer(x, q_resid, q_index, k_proj, cos, sin, rotary, batch, kv)
         else:
             assert prev_topk is not None, "config guarantees layer 0 is a full indexer layer"
             topk = prev_topk
@@ -167,3 +179,10 @@ class MLAttention(nn.Module):
             q, cache, w.weight, w.weight_scale_inv, batch, self.scale, topk
         )
         return self.o_proj(out.reshape(t, -1)), topk
+
+    def _query_projections(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`fused_q_b_proj(q_a_layernorm(q_a))`, the normed latent where the indexer needs it
+        and the fused projection did not compute its `wq_b`; else None)."""
+        out, _ = self.q_a_layernorm.add_linear(q_a, None, self.fused_q_b_proj)
+        unfused = hasattr(self, "indexer") and "indexer.wq_b" not in self.fused_q_b_proj.part_spans
+        return out, self.q_a_layernorm(q_a) if unfused else None
