@@ -34,6 +34,7 @@ from snapfn.handler.llm.kernels import triton_gemv, triton_kernels
 from snapfn.handler.llm.quant import quantize_fp8_block
 
 # (name, weight rows, K, kind): kind "add_norm" = add + RMSNorm before, "swiglu" = and SwiGLU
+# after; "fp8_norm": an FP8 weight with RMSNorm (no residual) before
 SHAPES = [
     ("llama8b.qkv", 6144, 4096, "add_norm"),
     ("llama8b.o", 4096, 4096, "plain"),
@@ -49,6 +50,8 @@ SHAPES = [
     ("glm5.fp8.kv_a", 576, 6144, "fp8"),
     ("glm5.fp8.o", 6144, 16384, "fp8"),
     ("glm5.fp8.indexer_wq_b", 4096, 2048, "fp8"),
+    # q_b | wq_b stacked, q_a_layernorm inside (session 14): the norm with no residual
+    ("glm5.fp8.q_b_wq_b", 16384 + 4096, 2048, "fp8_norm"),
     ("glm5.fp8.gate_up", 24576, 6144, "fp8_swiglu"),  # the dense layer's, with the norm
     ("glm5.fp8.down", 6144, 12288, "fp8"),
     ("glm5.fp8.shared_gate_up", 4096, 6144, "fp8"),  # the shared expert's (no norm)
@@ -143,13 +146,16 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     nbytes, copies = rows_w * k * weights[0].element_size(), len(weights)
     x = torch.randn(m, k, device=norm_w.device, dtype=norm_w.dtype)
     res = torch.randn_like(x)
-    normed = kind in ("add_norm", "swiglu", "fp8_swiglu")
+    normed = kind in ("add_norm", "swiglu", "fp8_swiglu", "fp8_norm")
+    residual = None if kind == "fp8_norm" else res
     swiglu = kind.endswith("swiglu")
-    fused = dict(norm_weight=norm_w, eps=1e-5, residual=res) if normed else {}
+    fused = dict(norm_weight=norm_w, eps=1e-5, residual=residual) if normed else {}
 
     def unfused(i):
         h = x
-        if normed:
+        if normed and residual is None:
+            h = triton_kernels.rms_norm(x, norm_w, 1e-5)
+        elif normed:
             h, _ = triton_kernels.add_rms_norm(x, res, norm_w, 1e-5)
         if scales[i] is None:
             y = F.linear(h.to(weights[i].dtype), weights[i])
