@@ -44,7 +44,7 @@ def interpreted_results() -> dict[str, dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # every case interpreted: about 3 minutes on a 2-core CI machine
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines()]
