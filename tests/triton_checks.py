@@ -138,6 +138,7 @@ GEMV_KINDS = (
     "add_norm",
     "swiglu",
     "fp8",
+    "fp8_norm",  # the norm with no residual: GLM-5's q_a_layernorm before q_b | wq_b
     "fp8_add_norm",
     "fp8_swiglu",
     "fp32w",
@@ -151,7 +152,12 @@ GEMV_KINDS = (
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
 # with SwiGLU, gate's rows a whole block (the up half must start on one)
-GEMV_FP8_SHAPES = {"fp8": (200, 300), "fp8_add_norm": (200, 300), "fp8_swiglu": (128, 300)}
+GEMV_FP8_SHAPES = {
+    "fp8": (200, 300),
+    "fp8_norm": (200, 300),
+    "fp8_add_norm": (200, 300),
+    "fp8_swiglu": (128, 300),
+}
 # (atol, rtol) against the unfused reference ops: float32 sums in another order, and in bf16 the
 # reference's two roundings of the normed row skipped (relative 2^-9 each)
 GEMV_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
@@ -583,9 +589,9 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
     fused = {}
     h = x
-    if kind in ("norm", "add_norm", "swiglu", "fp8_add_norm", "fp8_swiglu"):
+    if kind in ("norm", "add_norm", "swiglu", "fp8_norm", "fp8_add_norm", "fp8_swiglu"):
         fused = {"norm_weight": norm, "eps": 1e-6}
-        if kind == "norm":
+        if kind in ("norm", "fp8_norm"):
             normed = ref.rms_norm(x, norm, 1e-6)
         else:
             fused["residual"] = residual
