@@ -5,7 +5,8 @@
 # absorbed products reading the FP8 kv_b as stored, SNAPFN_MLA_ABSORB=triton). Here:
 # - GPU checks, in parallel with making the GLM-5-shaped model: both kernels against the
 #   reference (mla_decode-*, absorb-*), the GEMV with a norm and no residual before an FP8
-#   weight (gemv-fp8_norm: q_b | wq_b, session 14), whole-model greedy tokens with them on the
+#   weight (gemv-fp8_norm: q_b | wq_b, session 14), the logits stored as float32 by the GEMV
+#   (gemv-add_norm_float, session 14), whole-model greedy tokens with them on the
 #   triton backend (glm-tiny-mlatriton) and inside flashinfer's decode graphs (-mlatriton,
 #   -mlaabsorb; glm-small there also runs the stacked q_b | wq_b);
 # - the steady bench at batch 1 and 8, one process each on this machine: the default
@@ -20,7 +21,7 @@ results_tarball s15run1
 t0=$SECONDS
 . bench/device-flashinfer.sh
 (make_glm5; echo "model rc $?") &
-gpu_tests triton 260 tests/test_triton_kernels.py "mla_decode or mlatriton or absorb or fp8_norm" &
+gpu_tests triton 260 tests/test_triton_kernels.py "mla_decode or mlatriton or absorb or fp8_norm or add_norm_float" &
 gpu_tests flashinfer 260 tests/test_flashinfer.py "mlatriton or mlaabsorb" &
 wait
 tests_summary

@@ -142,6 +142,8 @@ GEMV_KINDS = (
     "fp8_add_norm",
     "fp8_swiglu",
     "fp32w",
+    # the final logits' form: the product stored as float32, rounded to x's dtype first
+    "add_norm_float",
     # K split three ways (300 = 3 steps of the interpreter's 128), or five (two splits empty)
     "bias_split3",
     "add_norm_split3",
@@ -573,6 +575,8 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     ref = TorchBackend()
     kind, _, split = kind.partition("_split")
     splits = int(split) if split else None
+    float_out = kind.endswith("_float")
+    kind = kind.removesuffix("_float")
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")
@@ -601,8 +605,12 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     want = ref.linear(normed, weight, bias, scale_inv)
     if swiglu:
         want = ref.silu_mul(want)
-    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits)
+    call = dict(swiglu=swiglu, weight_scale_inv=scale_inv, splits=splits, float_out=float_out)
     got, total = tg.gemv(x, weight, bias, **call, **fused)
+    if float_out:  # float32, holding values of x's dtype (what `.float()` of one would)
+        assert got.dtype == torch.float32, f"gemv {kind}: {got.dtype} logits"
+        assert torch.equal(got, got.to(dtype).float()), f"gemv {kind}: not rounded to {dtype}"
+        got = got.to(dtype)  # exact (just checked): compared at x's dtype's tolerance
     if splits:  # once more: the last program of each column block left its count at 0
         again, _ = tg.gemv(x, weight, bias, **call, **fused)
         assert torch.equal(again, got), f"gemv {kind}: a second split run differs"

@@ -109,6 +109,7 @@ def constants(name: str, fp8: bool, flags: set[str], config: triton.Config) -> d
             "RESIDUAL": "residual" in flags,
             "SWIGLU": "swiglu" in flags,
             "HAS_BIAS": False,
+            "ROUND_TO_X": False,
             **tile,
         }
     if name == "moe_gate_up":

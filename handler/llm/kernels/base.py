@@ -85,17 +85,21 @@ class Backend:
         bias: torch.Tensor | None = None,
         weight_scale_inv: torch.Tensor | None = None,
         swiglu: bool = False,
+        float_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's entry: `h = x + residual` (`x` when `residual` is None), then
         `(linear(rms_norm(h)), h)`; with `swiglu`, `silu_mul` of the projection (a fused
-        gate | up). Default: `add_rms_norm` (or `rms_norm`), `linear`, `silu_mul`, as the
-        models ran them before the fused kernel (`triton_gemv`) took them on."""
+        gate | up); with `float_out`, the product (rounded to its dtype, as ever) as float32,
+        as the final logits are. Default: `add_rms_norm` (or `rms_norm`), `linear`,
+        `silu_mul`, as the models ran them before the fused kernel (`triton_gemv`) took them
+        on."""
         if residual is None:
             normed, h = self.rms_norm(x, norm_weight, eps), x
         else:
             normed, h = self.add_rms_norm(x, residual, norm_weight, eps)
         out = self.linear(normed, weight, bias, weight_scale_inv)
-        return (self.silu_mul(out) if swiglu else out), h
+        out = self.silu_mul(out) if swiglu else out
+        return (out.float() if float_out else out), h
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of `x [..., H]` with `weight [H]` (float32 statistics,

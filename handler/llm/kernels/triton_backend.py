@@ -147,12 +147,21 @@ class TritonBackend(TorchBackend):
         return tg
 
     def add_norm_linear(
-        self, x, residual, norm_weight, eps, weight, bias=None, weight_scale_inv=None, swiglu=False
+        self,
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        bias=None,
+        weight_scale_inv=None,
+        swiglu=False,
+        float_out=False,
     ):
         tg = self._gemv_kernels(x, weight, weight_scale_inv, swiglu)
         if tg is None:
             return super().add_norm_linear(
-                x, residual, norm_weight, eps, weight, bias, weight_scale_inv, swiglu
+                x, residual, norm_weight, eps, weight, bias, weight_scale_inv, swiglu, float_out
             )
         out, total = tg.gemv(
             x,
@@ -164,6 +173,7 @@ class TritonBackend(TorchBackend):
             swiglu=swiglu,
             weight_scale_inv=weight_scale_inv,
             splits=self._gemv_splits,
+            float_out=float_out,  # stored as float32 by the kernel: no cast launch after it
         )
         return out, x if total is None else total
 

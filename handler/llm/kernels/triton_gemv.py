@@ -90,6 +90,7 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROUND_TO_X: tl.constexpr,  # a float32 `out` of 16-bit weights: the product rounded to x's dtype
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -194,6 +195,8 @@ def _gemv_kernel(
         gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
         out = act * out_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_TO_X:
+        out = out.to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -326,13 +329,16 @@ def gemv(
     weight_scale_inv: torch.Tensor | None = None,
     config: triton.Config | None = None,
     splits: int | None = None,
+    float_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(y, h)` for `x [..., K]` (at most `GEMV_MAX_ROWS` rows) and a 16-bit `weight [N, K]`
     of x's dtype, a float32 one (then `y` is float32: x's values multiplied in float32, as
     `Backend.linear` does for a float32 module), or an FP8 one with its `weight_scale_inv`
     (`takes_fp8`): `y` as the module docstring's table gives it for the flags, `h = x +
     residual` when `residual` is given (else None). `config` runs one config untuned (probes,
-    tests); `splits` sets the K splits (else `split_count`'s)."""
+    tests); `splits` sets the K splits (else `split_count`'s). `float_out`: `y` as float32,
+    holding what `.float()` of the product in its own dtype would (the final logits), stored
+    so by the kernel where a cast would take a launch of its own."""
     _check_device(x, weight, bias, norm_weight, residual, weight_scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
@@ -361,8 +367,11 @@ def gemv(
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if float_out and swiglu:
+        raise ValueError("float_out is for a plain product (the logits), not swiglu")
     # a float32 weight (a module kept in float32) gives a float32 product, as `Backend.linear`
-    out_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
+    product_dtype = torch.float32 if weight.dtype == torch.float32 else x.dtype
+    out_dtype = torch.float32 if float_out else product_dtype
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     total = torch.empty_like(rows) if residual is not None else None
     if splits is None:
@@ -379,6 +388,7 @@ def gemv(
         RESIDUAL=residual is not None,
         SWIGLU=swiglu,
         HAS_BIAS=bias is not None,
+        ROUND_TO_X=out_dtype != product_dtype,
     )
 
     def grid(meta):

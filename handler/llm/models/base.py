@@ -181,7 +181,7 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             h, _ = self.model.norm.add(h, residual)
             return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.model.norm.add_linear(h, residual, self.lm_head)[0].float()
+        return self.model.norm.add_linear(h, residual, self.lm_head, float_out=True)[0]
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         raise NotImplementedError

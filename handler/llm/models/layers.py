@@ -114,10 +114,12 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None,
         linear: nn.Module,
         swiglu: bool = False,
+        float_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`add`, then `linear` of the norm, then (`swiglu`) SwiGLU's activation of a fused
-        gate | up: `(out, h)`. Through `Backend.add_norm_linear`, one kernel for a decode step's
-        one row on the triton backend, where `linear` is one `Linear`."""
+        gate | up: `(out, h)`; `float_out`: `out` as float32 (the logits). Through
+        `Backend.add_norm_linear`, one kernel for a decode step's one row on the triton
+        backend, where `linear` is one `Linear`."""
         if self.backend is not None and isinstance(linear, Linear):
             return self.backend.add_norm_linear(
                 x,
@@ -128,12 +130,13 @@ class RMSNorm(nn.Module):
                 linear.bias,
                 linear.weight_scale_inv,
                 swiglu,
+                float_out,
             )
         normed, h = self.add(x, residual)
         out = linear(normed)
         if swiglu:
             out = silu_mul(out) if self.backend is None else self.backend.silu_mul(out)
-        return out, h
+        return (out.float() if float_out else out), h
 
 
 class SwiGLUMLP(nn.Module):
