@@ -16,6 +16,8 @@ Lock step (`CausalLM.lockstep`: expert-parallel ranks that exchange tokens all-t
 running its own requests): every rank's `step()` runs exactly one forward, an idle one
 (`CausalLM.idle_forward`) where it has nothing scheduled, and `generate()` goes on stepping
 until no rank has work left (one all-reduce per step), so that the ranks' collectives pair up.
+Every rank calls `generate()` together, round by round: a rank with no prompts for a round
+calls it with none and serves the others' tokens to its experts.
 Such a model runs eager: its exchange reads split sizes on the host, which no CUDA graph holds.
 """
 
