@@ -8,7 +8,9 @@ gets what one rank alone gives for them)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -44,10 +46,12 @@ def generate(
     device: str = "cpu",
     prompts: list[list[int]] = PROMPTS,
     max_new_tokens: int = 8,
+    backend: str = "auto",
 ) -> list[dict]:
     opts = EngineOptions(
         device=device,
         dtype="float32",
+        backend=backend,
         num_pages=64,
         parallel=parallel,
         scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
@@ -81,6 +85,29 @@ def _rank(
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _triton_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """An all_to_all rank on the triton backend, its kernels interpreted on the CPU."""
+    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before this process first imports triton
+    join_group(rank, world, port)
+    try:
+        parallel = ParallelConfig(ep_size=world, ep_rank=rank, ep_dispatch="all_to_all")
+        prompts, max_new = RANK_WORK["uneven"][rank]
+        result = generate(Path(model_dir), parallel, "cpu", prompts, max_new, backend="triton")
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_all_to_all_ranks_on_the_triton_kernels_generate_what_one_rank_does(glm_dir, tmp_path):
+    """The MoE kernels (`triton_moe`: one token's GEMVs, the sorted-pair tiles) on the rows an
+    exchange dispatched, whose other ids belong to other ranks, and a rank that got none."""
+    run_ranks(_triton_rank, 2, str(glm_dir), str(tmp_path))
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        _assert_same(got, generate(glm_dir, ParallelConfig(), "cpu", *RANK_WORK["uneven"][r]))
 
 
 @pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
