@@ -210,6 +210,20 @@ def test_fp8_attention_with_a_16_bit_indexer_keeps_the_parts_apart(glm_dir, tmp_
     torch.testing.assert_close(ours, hf_logits(hf_model(dequant_dir), ids), atol=2e-4, rtol=1e-4)
 
 
+def test_attention_biases_keep_wk_apart_and_match(tmp_path):
+    """With `attention_bias`, `q_a` and `kv_a` carry biases that the indexer's `wk` lacks, so
+    `wk` runs apart; `q_b` and `wq_b` have none either way and stay stacked."""
+    model_dir = save_tiny_glm(tmp_path / "bias", seed=4, attention_bias=True)
+    engine = our_engine(model_dir, page_size=4)
+    attn = engine.model.model.layers[0].self_attn
+    assert "indexer.wk" not in attn.fused_qkv_a_proj.part_spans and hasattr(attn.indexer, "wk")
+    assert list(attn.fused_q_b_proj.part_spans) == ["q_b_proj", "indexer.wq_b"]
+    assert attn.fused_q_b_proj.bias is None
+    (ids,) = random_prompts(VOCAB, [22], seed=2)
+    ours = our_prefill_logits(engine, ids, 5)
+    torch.testing.assert_close(ours, hf_logits(hf_model(model_dir), ids), atol=2e-4, rtol=1e-4)
+
+
 def test_mtp_layer_is_loaded(glm_dir, tmp_path):
     mtp = write_with_mtp(glm_dir, tmp_path / "mtp")
     engine = our_engine(tmp_path / "mtp", page_size=4)

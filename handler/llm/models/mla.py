@@ -14,9 +14,9 @@ The projections of the layer's input `x` are one: `fused_qkv_a_proj` stacks `q_a
 `kv_a_proj_with_mqa` and (on full layers, without biases) the indexer's `wk`
 (`CausalLM.fused_linear`, each FP8 part on a 128-row scale block of its own): at batch 1 one
 GEMV instead of three short ones (sglang fuses the first two the same way). So are those of
-the query latent: `fused_q_b_proj` stacks `q_b_proj` and (likewise on full layers) the
-indexer's `wq_b`, with `q_a_layernorm` run inside that projection (`RMSNorm.add_linear`: one
-GEMV at batch 1 where a norm launch and two GEMVs ran; session 14).
+the query latent: `fused_q_b_proj` stacks `q_b_proj` and (on full layers) the indexer's
+`wq_b`, neither with a bias in any checkpoint, with `q_a_layernorm` run inside that projection
+(`RMSNorm.add_linear`: one GEMV at batch 1 where a norm launch and two GEMVs ran; session 14).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ class LayerNorm(nn.Module):
 
 class DSAIndexer(nn.Module):
     """Per-query top-k key selection; writes this layer's indexer keys to `index_k[slot]`.
-    `fused`: the attention's fused projections compute `wk` and `wq_b` (else this module has
-    them)."""
+    The attention's fused projections compute its `wq_b`, and its `wk` where `fused_wk` (else
+    this module has `wk`)."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused: bool) -> None:
+    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused_wk: bool) -> None:
         super().__init__()
         cfg, dsa = model.config, model.config.dsa
         self.slot = slot
@@ -78,23 +78,20 @@ class DSAIndexer(nn.Module):
         self.topk = dsa.index_topk
         self.softmax_scale = dsa.index_head_dim**-0.5
         self.backend = model.backend
-        if not fused:
-            self.wq_b = model.linear(
-                f"{prefix}.wq_b", cfg.mla.q_lora_rank, self.num_heads * self.head_dim
-            )
+        if not fused_wk:
             self.wk = model.linear(f"{prefix}.wk", cfg.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, model.dtype, model.device)
         self.weights_proj = model.linear(
             f"{prefix}.weights_proj", cfg.hidden_size, self.num_heads, dtype=torch.float32
         )
 
-    def forward(self, x, q_resid, q_proj, k_proj, cos, sin, rotary: Rotary, batch, kv: KVPool):
-        """`x [T, H]`, `q_resid [T, q_lora]` (the normed query latent), and `q_proj`,
-        `k_proj`: `wq_b(q_resid)` and `wk(x)` when the attention's fused projections computed
-        them (else None) -> top-k key positions `[T, index_topk]` int32."""
+    def forward(self, x, q_proj, k_proj, cos, sin, rotary: Rotary, batch, kv: KVPool):
+        """`x [T, H]`, `q_proj`: `wq_b` of the normed query latent, and `k_proj`: `wk(x)` when
+        the attention's fused projection computed it (else None) -> top-k key positions
+        `[T, index_topk]` int32."""
         t, rope = x.shape[0], self.backend.rope_part
-        if q_proj is None:
-            q_proj, k_proj = self.wq_b(q_resid), self.wk(x)
+        if k_proj is None:
+            k_proj = self.wk(x)
         # the first rope_dim dims of each query and key rotated: rope(q_rot) | q_pass
         q = q_proj.view(t, self.num_heads, self.head_dim)
         q = rope(q, cos, sin, rotary.interleaved, 0)  # [T, Hi, Di]
@@ -126,10 +123,11 @@ class MLAttention(nn.Module):
         latent_dim = self.kv_rank + self.rope_dim
         parts = [("q_a_proj", mla.q_lora_rank), ("kv_a_proj_with_mqa", latent_dim)]
         q_parts = [("q_b_proj", self.num_heads * qk_dim)]
-        fused_indexer = index_slot is not None and not bias  # wk, wq_b have no bias to stack
-        if fused_indexer:
-            parts.append(("indexer.wk", cfg.dsa.index_head_dim))
+        if index_slot is not None:
             q_parts.append(("indexer.wq_b", cfg.dsa.index_n_heads * cfg.dsa.index_head_dim))
+        fused_wk = index_slot is not None and not bias  # wk has no bias to stack
+        if fused_wk:
+            parts.append(("indexer.wk", cfg.dsa.index_head_dim))
         self.fused_qkv_a_proj = model.fused_linear(
             prefix, "fused_qkv_a_proj", parts, cfg.hidden_size, bias, pad_fp8=True
         )
@@ -137,7 +135,7 @@ class MLAttention(nn.Module):
             mla.q_lora_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
         )
         self.fused_q_b_proj = model.fused_linear(
-            prefix, "fused_q_b_proj", q_parts, mla.q_lora_rank, bias, pad_fp8=True
+            prefix, "fused_q_b_proj", q_parts, mla.q_lora_rank, pad_fp8=True
         )
         self.kv_a_layernorm = RMSNorm(
             self.kv_rank, LATENT_NORM_EPS, model.dtype, model.device, model.backend
@@ -148,7 +146,7 @@ class MLAttention(nn.Module):
             f"{prefix}.o_proj", self.num_heads * mla.v_head_dim, cfg.hidden_size, bias
         )
         if index_slot is not None:
-            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot, fused_indexer)
+            self.indexer = DSAIndexer(model, f"{prefix}.indexer", index_slot, fused_wk)
 
     def forward(self, x, cos, sin, rotary: Rotary, batch: ForwardBatch, kv: KVPool, prev_topk):
         """`x [T, H]` -> (output `[T, H]`, top-k `[T, index_topk]` for the next shared layer)."""
@@ -159,7 +157,7 @@ class MLAttention(nn.Module):
             for p in ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")
         )
         # q_b | wq_b of the normed query latent (the norm inside the GEMV at batch 1)
-        q_all, q_resid = self._query_projections(q_a)
+        q_all, _ = self.q_a_layernorm.add_linear(q_a, None, self.fused_q_b_proj)
         spans = self.fused_q_b_proj.part_spans
         q = q_all[..., slice(*spans["q_b_proj"])].view(t, self.num_heads, -1)
         q_index = q_all[..., slice(*spans["indexer.wq_b"])] if "indexer.wq_b" in spans else None
@@ -169,7 +167,7 @@ class MLAttention(nn.Module):
             cache, kv_a, norm.weight, norm.eps, cos, sin, rotary.interleaved, batch
         )
         if hasattr(self, "indexer"):
-            topk = self.indexer(x, q_resid, q_index, k_proj, cos, sin, rotary, batch, kv)
+            topk = self.indexer(x, q_index, k_proj, cos, sin, rotary, batch, kv)
         else:
             assert prev_topk is not None, "config guarantees layer 0 is a full indexer layer"
             topk = prev_topk
@@ -179,10 +177,3 @@ class MLAttention(nn.Module):
             q, cache, w.weight, w.weight_scale_inv, batch, self.scale, topk
         )
         return self.o_proj(out.reshape(t, -1)), topk
-
-    def _query_projections(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(`fused_q_b_proj(q_a_layernorm(q_a))`, the normed latent where the indexer needs it
-        and the fused projection did not compute its `wq_b`; else None)."""
-        out, _ = self.q_a_layernorm.add_linear(q_a, None, self.fused_q_b_proj)
-        unfused = hasattr(self, "indexer") and "indexer.wq_b" not in self.fused_q_b_proj.part_spans
-        return out, self.q_a_layernorm(q_a) if unfused else None
