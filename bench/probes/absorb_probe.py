@@ -73,38 +73,19 @@ def probe(q, o, fp8, dense, reps: int) -> dict:
 
 
 def configs(q, o, fp8, reps: int) -> dict:
-    """Each product's configs alone: microseconds per call."""
+    """Each product's configs alone, forced (the untuned kernel): microseconds per call."""
+    products = {
+        "absorb": (triton_absorb._absorb_tuned, lambda i, c: triton_absorb.absorb_query(q, *fp8[i], ROPE, c)),
+        "expand": (triton_absorb._expand_tuned, lambda i, c: triton_absorb.expand_output(o, *fp8[i], NOPE, c)),
+    }  # fmt: skip
     timed = {}
-    for name, tuned in (
-        ("absorb", triton_absorb._absorb_tuned),
-        ("expand", triton_absorb._expand_tuned),
-    ):
+    for name, (tuned, run) in products.items():
         for config in tuned.configs:
             label = f"{name}:" + "x".join(str(v) for v in config.kwargs.values())
             label += f"w{config.num_warps}"
-            timed[label] = round(
-                graph_us(lambda i, c=config, n=name: one(n, c, q, o, fp8[i]), reps, len(fp8)), 2
-            )
+            us = graph_us(lambda i, c=config, r=run: r(i, c), reps, len(fp8))
+            timed[label] = round(us, 2)
     return timed
-
-
-def one(name: str, config, q, o, weight_and_scale) -> None:
-    """One product with `config` forced (the untuned kernel, as the checks run every config)."""
-    weight, scale = weight_and_scale
-    kernel = triton_absorb._absorb_tuned.fn if name == "absorb" else triton_absorb._expand_tuned.fn
-    params = config.all_kwargs()
-    if name == "absorb":
-        grid = (q.shape[0], HEADS, -(-RANK // params["BLOCK_R"]))
-        out = torch.empty(q.shape[0], HEADS, RANK, dtype=q.dtype, device=q.device)
-        kernel[grid](q, weight, scale, out, q.stride(0), q.stride(1), weight.stride(0),
-                     scale.stride(0), out.stride(0), out.stride(1), NOPE=NOPE,
-                     HEAD_ROWS=NOPE + DV, R=RANK, SCALED=True, **params)  # fmt: skip
-    else:
-        grid = (o.shape[0], HEADS, -(-DV // params["BLOCK_V"]))
-        out = torch.empty(o.shape[0], HEADS, DV, dtype=o.dtype, device=o.device)
-        kernel[grid](o, weight, scale, out, o.stride(0), o.stride(1), weight.stride(0),
-                     scale.stride(0), out.stride(0), out.stride(1), NOPE=NOPE,
-                     HEAD_ROWS=NOPE + DV, DV=DV, R=RANK, SCALED=True, **params)  # fmt: skip
 
 
 def rel_err(q, o, weight, scale) -> float:

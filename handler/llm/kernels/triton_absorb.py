@@ -145,8 +145,10 @@ def absorb_query(
     kv_b: torch.Tensor,  # [H * (Dn + Dv), R]
     kv_b_scale_inv: torch.Tensor | None,
     rope: int,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
-    """Each head's `W_k^T q_nope` (`torch_ref.absorb_query`'s first output)."""
+    """Each head's `W_k^T q_nope` (`torch_ref.absorb_query`'s first output). `config` runs
+    one config untuned (probes)."""
     _check_device(q, kv_b, kv_b_scale_inv)
     q = q if q.stride(-1) == 1 else q.contiguous()
     tokens, heads = q.shape[:2]
@@ -154,7 +156,7 @@ def absorb_query(
     out = torch.empty(tokens, heads, rank, dtype=q.dtype, device=q.device)
     if tokens:
         scale = kv_b_scale_inv if kv_b_scale_inv is not None else kv_b  # unread when unscaled
-        kernel, fixed = tuned_or_fixed(_absorb_tuned, BLOCK_D=64, BLOCK_R=64)
+        kernel, fixed = tuned_or_fixed(_absorb_tuned, config, BLOCK_D=64, BLOCK_R=64)
         grid = lambda meta: (tokens, heads, triton.cdiv(rank, meta["BLOCK_R"]))  # noqa: E731
         kernel[grid](
             q,
@@ -181,8 +183,10 @@ def expand_output(
     kv_b: torch.Tensor,  # [H * (Dn + Dv), R]
     kv_b_scale_inv: torch.Tensor | None,
     nope: int,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:  # [T, H, Dv] in out_latent's dtype
-    """Each head's `W_v o` (`torch_ref.expand_output`)."""
+    """Each head's `W_v o` (`torch_ref.expand_output`). `config` runs one config untuned
+    (probes)."""
     _check_device(out_latent, kv_b, kv_b_scale_inv)
     out_latent = out_latent if out_latent.stride(-1) == 1 else out_latent.contiguous()
     tokens, heads, rank = out_latent.shape
@@ -191,7 +195,7 @@ def expand_output(
     out = torch.empty(tokens, heads, dv, dtype=out_latent.dtype, device=out_latent.device)
     if tokens:
         scale = kv_b_scale_inv if kv_b_scale_inv is not None else kv_b
-        kernel, fixed = tuned_or_fixed(_expand_tuned, BLOCK_V=32, BLOCK_R=128)
+        kernel, fixed = tuned_or_fixed(_expand_tuned, config, BLOCK_V=32, BLOCK_R=128)
         grid = lambda meta: (tokens, heads, triton.cdiv(dv, meta["BLOCK_V"]))  # noqa: E731
         kernel[grid](
             out_latent,
