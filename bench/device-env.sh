@@ -19,6 +19,17 @@ make_glm5() {
   snapfn make-model --preset glm5-reduced --num-layers 2 --dtype fp8 --device cuda \
     --out "$work/glm5" > "$res/make-model.log" 2>&1
 }
+# steady_glm5 NAME SECONDS [VAR=VALUE ...]: the GLM-5-shaped model's steady bench on flashinfer
+# at batch 1 and 8 (the VAR=VALUE switches set), into $res/steady-NAME.{json,log}; prints its
+# decode line
+steady_glm5() {
+  local name=$1 seconds=$2; shift 2
+  env SNAPFN_BACKEND=flashinfer "$@" timeout "$seconds" python3 -m snapfn.handler.cli bench \
+    --model "$work/glm5" --device cuda --workdir "$work/steady-$name" --modes steady \
+    --decode-batches 1,8 --decode-tokens 32 --prefill-tokens 2048 \
+    --out "$res/steady-$name.json" > "$res/steady-$name.log" 2>&1
+  echo "$name: $(grep -o 'decode ms/step.*' "$res/steady-$name.log" || tail -2 "$res/steady-$name.log")"
+}
 # gpu_tests NAME SECONDS FILE K: `pytest -m gpu` on FILE's cases matching K (verbose, its own
 # Triton cache, SECONDS at most) into $res/gpu-tests-NAME.log; run several with & and wait
 gpu_tests() {

@@ -26,14 +26,7 @@ gpu_tests flashinfer 260 tests/test_flashinfer.py "mlatriton or mlaabsorb" &
 wait
 tests_summary
 echo "[$((SECONDS - t0)) s] tests and model done"
-steady() {  # steady NAME SECONDS [ENV=VALUE]: batch 1 and 8, into $res/steady-NAME.{json,log}
-  env SNAPFN_BACKEND=flashinfer ${3:-} timeout "$2" python3 -m snapfn.handler.cli bench \
-    --model "$work/glm5" --device cuda --workdir "$work/steady-$1" --modes steady \
-    --decode-batches 1,8 --decode-tokens 32 --prefill-tokens 2048 \
-    --out "$res/steady-$1.json" > "$res/steady-$1.log" 2>&1
-  echo "$1: $(grep -o 'decode ms/step.*' "$res/steady-$1.log" || tail -2 "$res/steady-$1.log")"
-}
-steady default $((420 - SECONDS))
+steady_glm5 default $((420 - SECONDS))
 echo "[$((SECONDS - t0)) s] steady (default) done"
-steady absorb $((580 - SECONDS)) SNAPFN_MLA_ABSORB=triton
+steady_glm5 absorb $((580 - SECONDS)) SNAPFN_MLA_ABSORB=triton
 echo "[$((SECONDS - t0)) s] done"

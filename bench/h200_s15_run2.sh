@@ -20,12 +20,7 @@ for line in open(sys.argv[1]):
 echo "[$((SECONDS - t0)) s] probe done"
 [ -f "$work/glm5/config.json" ] || { make_glm5; echo "model rc $?"; }
 echo "[$((SECONDS - t0)) s] model ready"
-SNAPFN_BACKEND=flashinfer SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton \
-  timeout $((420 - SECONDS)) python3 -m snapfn.handler.cli bench \
-  --model "$work/glm5" --device cuda --workdir "$work/steady-both" --modes steady \
-  --decode-batches 1,8 --decode-tokens 32 --prefill-tokens 2048 \
-  --out "$res/steady-both.json" > "$res/steady-both.log" 2>&1
-echo "both: $(grep -o 'decode ms/step.*' "$res/steady-both.log" || tail -2 "$res/steady-both.log")"
+steady_glm5 both $((420 - SECONDS)) SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton
 echo "[$((SECONDS - t0)) s] steady done"
 SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton timeout $((570 - SECONDS)) \
   python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs \
