@@ -9,3 +9,9 @@ cache="$work/steady-flashinfer/cache/compile/flashinfer"
 mkdir -p "$cache"
 if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
 export FLASHINFER_WORKSPACE_BASE="$cache"
+# save_jit_cache: that cache as $out/flashinfer-jit.tgz, to carry as .ficache/ next time, when
+# none was carried (a fresh machine otherwise compiles flashinfer's kernels again)
+save_jit_cache() {
+  [ -f .ficache/flashinfer-jit.tgz ] && return
+  tar -czf "$out/flashinfer-jit.tgz" -C "$cache" . && ls -la "$out/flashinfer-jit.tgz"
+}

@@ -29,4 +29,5 @@ echo "[$((SECONDS - t0)) s] tests and model done"
 steady_glm5 default $((420 - SECONDS))
 echo "[$((SECONDS - t0)) s] steady (default) done"
 steady_glm5 absorb $((580 - SECONDS)) SNAPFN_MLA_ABSORB=triton
+save_jit_cache
 echo "[$((SECONDS - t0)) s] done"

@@ -26,4 +26,5 @@ SNAPFN_MLA_DECODE=triton SNAPFN_MLA_ABSORB=triton timeout $((570 - SECONDS)) \
   python3 bench/probes/decode_profile.py "$work/glm5" --backend flashinfer --batch 1 --graphs \
   --top 40 > "$res/profile-glm-b1.json" 2> "$res/profile-glm-b1.err"
 profile_summary profile-glm-b1 25
+save_jit_cache
 echo "[$((SECONDS - t0)) s] done"
