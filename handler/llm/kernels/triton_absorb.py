@@ -9,10 +9,15 @@ cuBLAS bmms over a dense copy of `kv_b` in q's dtype.
 128x128 block scales when FP8. On the H200 the two bmms took 24 us of a GLM-5-shaped batch-1
 step (two layers, session 13's profile), about 2.4 TB/s over the 59 MB bf16 copy; an FP8
 `kv_b` is half those bytes. Each program here reads one tile of one head's `W_k` or `W_v` once
-at its stored width, dequantizes it in float32 and applies it to one token's row, the products
-summed in float32 (the bmms round `kv_b` to q's dtype first). Meant for decode batches
-(`MAX_TOKENS` rows at most: each token's programs read the head's tile again, from L2);
-longer ones keep the bmms.
+at its stored width, dequantizes it in float32 and applies it to every token of the batch in
+one tensor-core product (`tl.dot` over a `MAX_TOKENS`-row tile, TF32: a 16-bit q is exact in
+it and the dequantized weight keeps 10 bits, where the bmms round `kv_b` to q's dtype; float32
+inputs take a float32 dot), summed in float32. Meant for decode batches (`MAX_TOKENS` rows at
+most); longer ones keep the bmms.
+
+Measured on the H200 (session 15, `bench/probes/absorb_probe.py`): the first form, a program
+per token that re-read its head's tile from L2, was 10.8 us against the bmms' 11.6 at one
+token but 42 us against 12.6 at eight; hence the one tile for all tokens.
 
 NOTE: a tile's columns never cross a 128-wide scale block (its width divides 128), so each of
 its rows takes one scale. Imports triton at import time, like triton_kernels.py;
@@ -37,6 +42,7 @@ def _absorb_kernel(
     w_ptr,  # [H * (Dn + Dv), R]
     s_ptr,  # [rows / 128, R / 128] float32, when SCALED
     out_ptr,  # [T, H, R]
+    tokens,
     stride_qt,
     stride_qh,
     stride_w,
@@ -47,13 +53,17 @@ def _absorb_kernel(
     HEAD_ROWS: tl.constexpr,  # Dn + Dv
     R: tl.constexpr,
     SCALED: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: a float32 dot, else TF32 (16-bit q is exact in it)
+    BLOCK_T: tl.constexpr,  # MAX_TOKENS: every token of the batch in one tile
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,  # divides 128: one scale column
 ):
-    t, h, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h, rb = tl.program_id(0), tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < tokens
     cols = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     col_ok = cols < R
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
     for d0 in tl.static_range(0, NOPE, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < NOPE
@@ -65,10 +75,14 @@ def _absorb_kernel(
             s_row = s_ptr + (rows // 128) * stride_s + (rb * BLOCK_R) // 128
             s = tl.load(s_row, mask=d_ok, other=0.0)
             w = w * s[:, None]
-        x = tl.load(q_ptr + t * stride_qt + h * stride_qh + d, mask=d_ok, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
-    out = out_ptr + t * stride_ot + h * stride_oh + cols
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        x_at = q_ptr + t[:, None] * stride_qt + h * stride_qh + d[None, :]
+        x = tl.load(x_at, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w, input_precision="tf32")
+    out = out_ptr + t[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -77,6 +91,7 @@ def _expand_kernel(
     w_ptr,  # [H * (Dn + Dv), R]
     s_ptr,
     out_ptr,  # [T, H, Dv]
+    tokens,
     stride_ot,
     stride_oh,
     stride_w,
@@ -88,14 +103,18 @@ def _expand_kernel(
     DV: tl.constexpr,
     R: tl.constexpr,
     SCALED: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr,  # divides 128: one scale column
 ):
-    t, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h, vb = tl.program_id(0), tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < tokens
     v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < DV
     rows = h * HEAD_ROWS + NOPE + v
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     for r0 in tl.static_range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < R
@@ -105,28 +124,32 @@ def _expand_kernel(
         if SCALED:
             s = tl.load(s_ptr + (rows // 128) * stride_s + r0 // 128, mask=v_ok, other=0.0)
             w = w * s[:, None]
-        x = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
-        acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-    out = out_ptr + t * stride_yt + h * stride_yh + v
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=v_ok)
+        x_at = o_ptr + t[:, None] * stride_ot + h * stride_oh + r[None, :]
+        x = tl.load(x_at, mask=t_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+    out = out_ptr + t[:, None] * stride_yt + h * stride_yh + v[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
 
 
-# NOTE: keyed by the model's widths and kv_b's kind only; the token count is the grid's
+# NOTE: keyed by the model's widths and kv_b's kind only; the token count is a runtime argument
 _absorb_tuned = autotuned(
     _absorb_kernel,
     [
         triton.Config({"BLOCK_D": d, "BLOCK_R": r}, num_warps=w)
-        for d, r, w in ((64, 64, 2), (64, 64, 4), (32, 128, 4), (64, 128, 4), (64, 32, 2))
+        for d, r, w in ((64, 64, 4), (32, 64, 4), (64, 32, 4), (64, 128, 4), (32, 128, 8))
     ],
-    key=["NOPE", "HEAD_ROWS", "R", "SCALED"],
+    key=["NOPE", "HEAD_ROWS", "R", "SCALED", "IEEE"],
 )
 _expand_tuned = autotuned(
     _expand_kernel,
     [
         triton.Config({"BLOCK_V": v, "BLOCK_R": r}, num_warps=w)
-        for v, r, w in ((16, 128, 4), (32, 128, 4), (8, 128, 2), (32, 64, 4), (64, 128, 8))
+        for v, r, w in ((32, 128, 4), (16, 128, 4), (64, 64, 4), (32, 64, 4), (64, 128, 8))
     ],
-    key=["NOPE", "HEAD_ROWS", "DV", "R", "SCALED"],
+    key=["NOPE", "HEAD_ROWS", "DV", "R", "SCALED", "IEEE"],
 )
 
 
@@ -157,12 +180,13 @@ def absorb_query(
     if tokens:
         scale = kv_b_scale_inv if kv_b_scale_inv is not None else kv_b  # unread when unscaled
         kernel, fixed = tuned_or_fixed(_absorb_tuned, config, BLOCK_D=64, BLOCK_R=64)
-        grid = lambda meta: (tokens, heads, triton.cdiv(rank, meta["BLOCK_R"]))  # noqa: E731
+        grid = lambda meta: (heads, triton.cdiv(rank, meta["BLOCK_R"]))  # noqa: E731
         kernel[grid](
             q,
             kv_b,
             scale,
             out,
+            tokens,
             q.stride(0),
             q.stride(1),
             kv_b.stride(0),
@@ -173,6 +197,8 @@ def absorb_query(
             HEAD_ROWS=kv_b.shape[0] // heads,
             R=rank,
             SCALED=kv_b_scale_inv is not None,
+            IEEE=q.dtype == torch.float32,
+            BLOCK_T=MAX_TOKENS,
             **fixed,
         )
     return out
@@ -196,12 +222,13 @@ def expand_output(
     if tokens:
         scale = kv_b_scale_inv if kv_b_scale_inv is not None else kv_b
         kernel, fixed = tuned_or_fixed(_expand_tuned, config, BLOCK_V=32, BLOCK_R=128)
-        grid = lambda meta: (tokens, heads, triton.cdiv(dv, meta["BLOCK_V"]))  # noqa: E731
+        grid = lambda meta: (heads, triton.cdiv(dv, meta["BLOCK_V"]))  # noqa: E731
         kernel[grid](
             out_latent,
             kv_b,
             scale,
             out,
+            tokens,
             out_latent.stride(0),
             out_latent.stride(1),
             kv_b.stride(0),
@@ -213,6 +240,8 @@ def expand_output(
             DV=dv,
             R=rank,
             SCALED=kv_b_scale_inv is not None,
+            IEEE=out_latent.dtype == torch.float32,
+            BLOCK_T=MAX_TOKENS,
             **fixed,
         )
     return out

@@ -1,0 +1,58 @@
+"""bench/probes/model_parity.py, the benchmark models' whole-model check on the GPU, run here
+on the embedded model with the torch backend on both sides: it must pass a faithful run and
+catch a wrong token or logprob."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "probes"))
+import model_parity  # noqa: E402
+
+from snapfn.handler.llm.embedded import embedded_model_dir  # noqa: E402
+
+
+def test_a_faithful_run_passes(capsys):
+    argv = [str(embedded_model_dir()), "--backend", "torch", "--graphs", "", "--device", "cpu"]
+    assert model_parity.main([*argv, "--prompts", "2", "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert '"ok": true' in out and '"positions": 12' in out and '"exact": 12' in out
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The reference engine, prompts, and its own greedy tokens and logprobs."""
+    import argparse
+
+    args = argparse.Namespace(model=str(embedded_model_dir()), dtype="auto", device="cpu")
+    ref = model_parity.engine(args, "torch")
+    prompts = [[5, 9, 200, 31, 7], [44, 2, 18]]
+    params = model_parity.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    results = ref.generate([list(p) for p in prompts], [params] * 2)
+    tokens = [list(r.token_ids) for r in results]
+    logprobs = [list(r.logprobs) for r in results]
+    return ref, prompts, tokens, logprobs
+
+
+def test_compare_agrees_with_the_engine_itself(run):
+    ref, prompts, tokens, logprobs = run
+    report = model_parity.compare(ref, prompts, tokens, logprobs, tie=0.05, logprob_atol=1e-3)
+    assert report["failures"] == [] and report["exact"] == report["positions"] == 10
+
+
+def test_compare_catches_a_wrong_token_and_logprob(run):
+    ref, prompts, tokens, logprobs = run
+    tokens = [list(t) for t in tokens]
+    logprobs = [list(lp) for lp in logprobs]
+    logits = model_parity.prefill_logits(ref, prompts[1] + tokens[1][:4])[-1]
+    tokens[1][4] = int(logits.argmin())  # the reference's least likely token at the last step
+    logprobs[0][3] -= 0.5
+    report = model_parity.compare(ref, prompts, tokens, logprobs, tie=0.05, logprob_atol=0.1)
+    where = sorted(f.split(":")[0] + (" token" if "nats below" in f else " logprob")
+                   for f in report["failures"])  # fmt: skip
+    # the swapped token also carries the old token's logprob
+    assert where == ["prompt 0 step 3 logprob", "prompt 1 step 4 logprob", "prompt 1 step 4 token"]
+    assert report["exact"] == 9 and report["positions"] == 10
