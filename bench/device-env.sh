@@ -22,12 +22,14 @@ make_glm5() {
 # steady_glm5 NAME SECONDS [VAR=VALUE ...]: the GLM-5-shaped model's steady bench on flashinfer
 # at batch 1 and 8 (the VAR=VALUE switches set), into $res/steady-NAME.{json,log}; prints its
 # decode line. Every run shares one workdir, $work/steady-flashinfer, so that flashinfer's JIT
-# cache (device-flashinfer.sh unpacks it there) is one path that each run reuses.
+# cache (device-flashinfer.sh unpacks it there) is one path that each run reuses. Decode steps
+# are timed over 128 tokens ($steady_tokens): session 15's runs at 32 scattered +-5% from one
+# process to the next.
 steady_glm5() {
   local name=$1 seconds=$2; shift 2
   env SNAPFN_BACKEND=flashinfer "$@" timeout "$seconds" python3 -m snapfn.handler.cli bench \
     --model "$work/glm5" --device cuda --workdir "$work/steady-flashinfer" --modes steady \
-    --decode-batches 1,8 --decode-tokens 32 --prefill-tokens 2048 \
+    --decode-batches 1,8 --decode-tokens "${steady_tokens:-128}" --prefill-tokens 2048 \
     --out "$res/steady-$name.json" > "$res/steady-$name.log" 2>&1
   echo "$name: $(grep -o 'decode ms/step.*' "$res/steady-$name.log" || tail -2 "$res/steady-$name.log")"
 }
