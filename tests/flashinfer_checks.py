@@ -76,13 +76,24 @@ MLA_TOL = (3e-2, 2e-2)
 MLA_DECODE_SEQ_LENS = (1, 300, MLA_TOPK, MLA_TOPK + 1, 5000)  # fewer keys than topk, exactly, more
 MLA_PREFILL_REQUESTS = ((37, 37), (5, 3000), (1, 2100), (100, 300))
 MLA_GRAPH_REPLAYS = ((130, 1, 4000), (2048, 37, PAGE_SIZE, 2500), (33,))
-# glm-small with graphs and one switch on: (its variable, set to "triton"; the kernel module
-# and the function of it the step must have called)
+# glm-small with graphs and one switch set: (its variable and value; the kernel module, the
+# function of it, and whether the run must have called it). Without a switch (the
+# engine_greedy-glm cases), decode MLA runs `triton_mla`, prefill flashinfer's kernel.
 SWITCHED_GREEDY = {
-    # decode MLA by `triton_mla` instead of flashinfer's kernel
-    "engine_greedy-glm-graphs-mlatriton": ("SNAPFN_MLA_DECODE", "triton_mla", "mla_decode_latent"),
-    # flashinfer's MLA, its absorbed products by `triton_absorb`
-    "engine_greedy-glm-graphs-mlaabsorb": ("SNAPFN_MLA_ABSORB", "triton_absorb", "expand_output"),
+    # decode MLA by flashinfer's kernel instead of `triton_mla`
+    "engine_greedy-glm-graphs-mlaoff": (
+        ("SNAPFN_MLA_DECODE", "off"),
+        "triton_mla",
+        "mla_decode_latent",
+        False,
+    ),
+    # the absorbed products (decode, and prefill chunks of up to 16 tokens) by `triton_absorb`
+    "engine_greedy-glm-graphs-mlaabsorb": (
+        ("SNAPFN_MLA_ABSORB", "triton"),
+        "triton_absorb",
+        "expand_output",
+        True,
+    ),
 }
 
 CASES = [
@@ -205,13 +216,20 @@ def mla_reference(q, latent, kv_b, batch, topk, scale: float = MLA_SCALE) -> tor
     )
 
 
+def flashinfer_mla_backend():
+    """The flashinfer backend with its decode MLA on flashinfer's kernel (SNAPFN_MLA_DECODE=off:
+    by default decode batches run `triton_mla`), which the MLA cases check."""
+    with mock.patch.dict(os.environ, {"SNAPFN_MLA_DECODE": "off"}):
+        return get_backend("flashinfer")
+
+
 def _check_mla(q_lens: list[int], seq_lens: list[int], device: str) -> dict:
     """Two layers' calls (one plan, each its own selection) against the float32 reference."""
     gen = torch.Generator().manual_seed(sum(seq_lens))
     num_pages = sum(-(-s // PAGE_SIZE) for s in seq_lens) + 5
     batch = _paged_batch(q_lens, seq_lens, num_pages, gen, device)
     _, latent, kv_b = _mla_inputs(0, num_pages, gen, device)
-    backend, errors = get_backend("flashinfer"), []
+    backend, errors = flashinfer_mla_backend(), []
     for _layer in range(2):
         q, _, _ = _mla_inputs(sum(q_lens), 0, gen, device)
         topk = random_topk(batch, MLA_TOPK, gen)
@@ -226,7 +244,7 @@ class _MLAModel:
     """Two MLA layers for DecodeGraphs: queries and selections read from static buffers."""
 
     def __init__(self, q: torch.Tensor, topk: torch.Tensor, kv_b: torch.Tensor) -> None:
-        self.backend, self.device = get_backend("flashinfer"), q.device
+        self.backend, self.device = flashinfer_mla_backend(), q.device
         self.q, self.topk, self.kv_b = q, topk, kv_b  # [layers, rows, ...]
 
     def __call__(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:  # [rows, layers, H, Dv]
@@ -358,13 +376,13 @@ def run_case(case: str, device: str) -> dict:
     if case in SWITCHED_GREEDY:
         import importlib
 
-        env, module, function = SWITCHED_GREEDY[case]
+        (env, value), module, function, called = SWITCHED_GREEDY[case]
         kernels = importlib.import_module(f"snapfn.handler.llm.kernels.{module}")
         with (
-            mock.patch.dict(os.environ, {env: "triton"}),
+            mock.patch.dict(os.environ, {env: value}),
             _counting(kernels, function) as calls,
         ):
             result = _check_engine_greedy(GLM_GREEDY, "flashinfer-graphs", device)
-        assert calls, f"{module}.{function} never ran"
+        assert bool(calls) == called, f"{module}.{function} ran {len(calls)} times"
         return result
     raise ValueError(f"unknown case {case!r}")

@@ -4,6 +4,7 @@ catch a wrong token or logprob."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,13 +29,23 @@ def run():
     import argparse
 
     args = argparse.Namespace(model=str(embedded_model_dir()), dtype="auto", device="cpu")
-    ref = model_parity.engine(args, "torch")
+    ref = model_parity.engine(args, "torch", "auto")
     prompts = [[5, 9, 200, 31, 7], [44, 2, 18]]
     params = model_parity.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     results = ref.generate([list(p) for p in prompts], [params] * 2)
     tokens = [list(r.token_ids) for r in results]
     logprobs = [list(r.logprobs) for r in results]
     return ref, prompts, tokens, logprobs
+
+
+def test_a_bf16_run_against_a_float32_reference_reports_its_rounding(capsys):
+    argv = [str(embedded_model_dir()), "--backend", "torch", "--graphs", "", "--device", "cpu"]
+    argv += ["--prompts", "1", "--new-tokens", "4", "--dtype", "bfloat16"]
+    argv += ["--ref-dtype", "float32", "--tie", "10", "--logprob-atol", "10"]
+    assert model_parity.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["dtype"], out["ref_dtype"]) == ("bfloat16", "float32")
+    assert 0 < out["largest_logprob_diff"] < 1  # bf16 rounding: not zero, not wild
 
 
 def test_compare_agrees_with_the_engine_itself(run):

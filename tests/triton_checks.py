@@ -240,7 +240,7 @@ CASES = (
         "engine_greedy-glm-tiny-fp32",
         "engine_greedy-glm-tiny-bf16ckpt-fp32",
         "engine_greedy-glm-tiny-switchesoff-fp32",
-        "engine_greedy-glm-tiny-mlatriton-fp32",
+        "engine_greedy-glm-tiny-mlaabsorb-fp32",
         "autotuned",
     ]
 )
@@ -737,15 +737,16 @@ def assert_same_greedy(got, want, logprob_atol: float, what: str = "greedy token
 def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
-    # -switchesoff: with the Triton MoE router, the indexer's decode pick and the one-launch
-    # cache stores switched off (the switches are read when the backend is built), so their
-    # reference paths run instead; -mlatriton: decode MLA by `triton_mla` (SNAPFN_MLA_DECODE),
-    # its absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB)
+    # -switchesoff: with the Triton MoE router, the indexer's decode pick, the one-launch
+    # cache stores and the decode MLA by `triton_mla` switched off (the switches are read when
+    # the backend is built), so their reference paths run instead; -mlaabsorb: decode MLA's
+    # absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB, off by default)
     switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT", "SNAPFN_CACHE_STORES")
+    switches += ("SNAPFN_MLA_DECODE",)
     on = not preset.endswith("-switchesoff")
     preset = preset.removesuffix("-switchesoff")
-    mla_triton = preset.endswith("-mlatriton")
-    preset = preset.removesuffix("-mlatriton")
+    absorb = preset.endswith("-mlaabsorb")
+    preset = preset.removesuffix("-mlaabsorb")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
     from snapfn.handler.llm.kernels import triton_absorb as tab
@@ -754,14 +755,13 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     from snapfn.handler.llm.kernels import triton_mla
     from snapfn.handler.llm.kernels import triton_moe as tm
 
-    mla_switches = ("SNAPFN_MLA_DECODE", "SNAPFN_MLA_ABSORB")
     with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
-        for name in (*switches, *mla_switches):
+        for name in (*switches, "SNAPFN_MLA_ABSORB"):
             os.environ.pop(name, None)
         if not on:
             os.environ.update(dict.fromkeys(switches, "off"))
-        if mla_triton:
-            os.environ.update(dict.fromkeys(mla_switches, "triton"))
+        if absorb:
+            os.environ["SNAPFN_MLA_ABSORB"] = "triton"
         with (
             _counting(tm, "route") as routed,
             _counting(ti, "select_topk_decode") as picked,
@@ -771,10 +771,10 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
         ):
             result = _engine_greedy(preset, checkpoint, dtype, device)
     if preset.startswith("glm"):
-        ran = (len(routed), len(picked), len(stored))
-        assert bool(routed) == bool(picked) == bool(stored) == on, f"ran {ran} times"
-        assert bool(attended) == mla_triton, f"triton_mla ran {len(attended)} times"
-        assert len(expanded) == len(attended), f"triton_absorb ran {len(expanded)} times"
+        ran = (len(routed), len(picked), len(stored), len(attended))
+        assert bool(routed) == bool(picked) == bool(stored) == bool(attended) == on, ran
+        want = len(attended) if absorb else 0
+        assert len(expanded) == want, f"triton_absorb ran {len(expanded)} times"
     return result
 
 

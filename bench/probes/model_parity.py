@@ -2,15 +2,21 @@
 benchmark models, whose random weights give logits too flat for plain greedy equality.
 
 python3 bench/probes/model_parity.py MODEL_DIR [--backend flashinfer] [--prompts 4]
-    [--new-tokens 32] [--graphs 1,2,4,8] [--tie 0.05] [--device cuda]
+    [--new-tokens 32] [--graphs 1,2,4,8] [--tie 0.05] [--dtype auto] [--ref-dtype DTYPE]
+    [--device cuda]
 
 The fast engine (`--backend`, decode graphs captured for `--graphs`, the model's own dtype)
 generates greedily for `--prompts` random prompts at once. The reference engine (`torch`,
-eager, same dtype) then reads each prompt with the fast engine's tokens appended and gives its
+eager, the same dtype unless `--ref-dtype` says another) then reads each prompt with the fast engine's tokens appended and gives its
 logits at every generated position (teacher forcing, so that one near-tie cannot send the two
 down different continuations). At each position the fast token must be the reference's argmax,
 or within `--tie` nats of it (a near-tie, counted), and its logprob must agree within
 `--logprob-atol`. Prints one JSON object; exits 1 on a mismatch.
+
+`--ref-dtype float32` measures a 16-bit path against exact arithmetic: run once with the fast
+backend and once with `--backend torch --graphs ''` (the reference's own 16-bit path) to see
+whether the fast one strays further than 16-bit rounding does anyway (an MoE model's routing
+flips at near-ties in bf16).
 """
 
 from __future__ import annotations
@@ -40,12 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tie", type=float, default=0.05)
     parser.add_argument("--logprob-atol", type=float, default=0.1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--ref-dtype", default=None, help="the reference's (default: --dtype)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPT_LENGTHS):
         parser.error(f"--prompts must be 1..{len(PROMPT_LENGTHS)}")
     buckets = [int(b) for b in args.graphs.split(",") if b]
-    fast = engine(args, args.backend)
+    fast = engine(args, args.backend, args.dtype)
     vocab = fast.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    ref = engine(args, "torch")
+    ref = engine(args, "torch", args.ref_dtype or args.dtype)
     report = compare(
         ref,
         prompts,
@@ -73,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         args.tie,
         args.logprob_atol,
     )
-    report = {"model": args.model, "backend": args.backend, "graphs": graphs, **report}
+    dtypes = {"dtype": args.dtype, "ref_dtype": args.ref_dtype or args.dtype}
+    report = {"model": args.model, "backend": args.backend, **dtypes, "graphs": graphs, **report}
     if graphs is not None and (graphs["replays"] == 0 or graphs["eager_fallbacks"]):
         report["failures"].append(f"decode graphs not used as captured: {graphs}")
     report["ok"] = not report["failures"]
@@ -81,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-def engine(args: argparse.Namespace, backend: str):
+def engine(args: argparse.Namespace, backend: str, dtype: str):
     opts = EngineOptions(
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype,
         backend=backend,
         num_pages=256,
         scheduler=SchedulerConfig(page_size=16, max_num_batched_tokens=1024),

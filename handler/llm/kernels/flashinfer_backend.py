@@ -24,8 +24,8 @@ forward is planned is `flashinfer_plan.ForwardPlan`'s to say (announced graph fo
 GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (session 5 run 3, session 6 run 3;
 docs/kernels.md). `mla_attention` with a DSA selection and latent widths flashinfer is built for
 goes to `FlashInferMLA`, which plans like the above (per forward, a graph's into its buffers);
-decode batches go to `triton_mla` instead under `mla_decode="triton"` (SNAPFN_MLA_DECODE),
-which plans nothing.
+decode batches on the GPU go to `triton_mla` instead (no plan, no pinned copy a step; faster on
+the H200, docs/kernels.md), unless `mla_decode="off"` (SNAPFN_MLA_DECODE=off).
 """
 
 from __future__ import annotations
@@ -171,16 +171,17 @@ class FlashInferBackend(TritonBackend):
     def begin_forward(self, batch, graph=False):
         if not self._triton_decode(batch):  # else nothing of flashinfer's to plan
             self._forward.begin_forward(batch, graph)
-        if not (self._mla_decode and batch.is_decode):  # else `triton_mla`: nothing to plan
+        if self._triton_mla(batch, batch.seq_lens) is None:  # else nothing of flashinfer's
             self._mla.begin_forward(batch, graph)
 
     def mla_attention(
         self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
     ):
         shape = MLAShape.of(q, latent_cache, kv_b_weight.shape[1], scale, topk_indices)
-        if shape is None or (self._mla_decode and batch.is_decode):
+        if shape is None or self._triton_mla(batch, q) is not None:
             # dense, float32 or latent widths flashinfer is not built for: the reference;
-            # decode under mla_decode="triton": `triton_mla` (TritonBackend.mla_attention)
+            # decode on the GPU: `triton_mla` (TritonBackend.mla_attention; mla_decode="off"
+            # keeps flashinfer's kernel)
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
             )

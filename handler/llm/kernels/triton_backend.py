@@ -31,10 +31,11 @@
   SNAPFN_PREFILL_INDEXER=off, keeps the reference's float32 GEMM), picked by the reference;
 - `paged_attention` for decode batches: `triton_attention.paged_decode_attention`, which reads
   only each request's own pages;
-- `mla_attention` for decode batches, with `mla_decode="triton"` (SNAPFN_MLA_DECODE=triton):
-  `triton_mla.mla_decode`, the latent attention with `kv_b` absorbed and the DSA selection read
-  on the GPU (no host planning); "auto", the default until it is timed on a GPU, keeps the
-  reference here and flashinfer's MLA kernel in the flashinfer backend;
+- `mla_attention` for decode batches: `triton_mla.mla_decode_latent`, the latent attention
+  with `kv_b` absorbed and the DSA selection read on the GPU (no host planning);
+  `mla_decode="off"` (SNAPFN_MLA_DECODE=off) keeps the reference here and flashinfer's MLA
+  kernel in the flashinfer backend (on the H200, session 15 run 4: 0.870 ms against 1.093 a
+  GLM-5-shaped batch-1 step, the same at batch 8);
 - MLA's absorbed products (`absorb_kv_b`, for `triton_mla` here and flashinfer's MLA kernel),
   with `mla_absorb="triton"` (SNAPFN_MLA_ABSORB=triton) and a decode-sized batch:
   `triton_absorb`, reading `kv_b` as stored (FP8: half the bytes); "auto", the default until
@@ -108,9 +109,9 @@ class TritonBackend(TorchBackend):
         self._indexer_select = indexer_select == "auto"
         self._gemv_splits = None if gemv_split == "auto" else 1  # `split_count`'s, or none
         self._cache_stores = cache_stores == "auto"
-        if mla_decode not in ("auto", "triton"):
-            raise ValueError(f"mla_decode must be 'auto' or 'triton', not {mla_decode!r}")
-        self._mla_decode = mla_decode == "triton"
+        if mla_decode not in ("auto", "off", "triton"):  # triton: the opt-in before session 15
+            raise ValueError(f"mla_decode must be 'auto' or 'off', not {mla_decode!r}")
+        self._mla_decode = mla_decode != "off"
         if mla_absorb not in ("auto", "triton"):
             raise ValueError(f"mla_absorb must be 'auto' or 'triton', not {mla_absorb!r}")
         self._mla_absorb = mla_absorb == "triton"
@@ -286,7 +287,7 @@ class TritonBackend(TorchBackend):
     def mla_attention(
         self, q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices=None
     ):
-        tm = _kernels(q, "triton_mla") if self._mla_decode and batch.is_decode else None
+        tm = self._triton_mla(batch, q)
         if tm is None or not tm.takes(q, latent_cache, kv_b_weight.shape[1]):
             return super().mla_attention(
                 q, latent_cache, kv_b_weight, kv_b_scale_inv, batch, scale, topk_indices
@@ -297,6 +298,13 @@ class TritonBackend(TorchBackend):
             q_lat, q_pe, latent_cache, batch.page_table, batch.seq_lens, scale, topk_indices
         )
         return expand(out_latent)
+
+    def _triton_mla(self, batch, like: torch.Tensor) -> ModuleType | None:
+        """`triton_mla` where it runs `batch`'s MLA (a decode batch, `mla_decode` on, tensors
+        like `like` on the GPU or interpreted), else None."""
+        if not (self._mla_decode and batch.is_decode):
+            return None
+        return _kernels(like, "triton_mla")
 
     def absorb_kv_b(self, q, kv_b_weight, kv_b_scale_inv, rope: int):
         """MLA's `kv_b` folded into `q [T, H, Dn + Dr]`: `(q_latent [T, H, R], q_pe [T, H,
