@@ -26,7 +26,7 @@ from snapfn.handler.llm.make_model.hf_layout import (
 from snapfn.handler.llm.presets import PRESETS
 from snapfn.handler.llm.quant import dequantize_fp8_block, scale_shape
 
-TINY_PRESETS = ["tiny", "qwen3-tiny", "qwen2-tiny", "glm-tiny", "glm-small"]
+TINY_PRESETS = ["tiny", "qwen3-tiny", "qwen2-tiny", "glm-tiny", "glm-small", "glm-route"]
 
 
 @pytest.fixture(scope="module")

@@ -189,6 +189,25 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             index_head_dim=128,
             index_topk=8,
         ),
+        # GLM-5's routing (256 experts, top 8, one group) at small widths: on CPU, how far bf16
+        # rounding alone moves an MoE model's greedy tokens (routing near-ties flip), for
+        # bench/probes/model_parity.py --ref-dtype float32
+        "glm-route": GlmMoeDsaPreset(
+            **_TINY_GLM
+            | dict(vocab_size=8192, n_routed_experts=256, num_experts_per_tok=8, n_group=1),
+            hidden_size=512,
+            num_layers=2,
+            num_heads=8,
+            q_lora_rank=128,
+            kv_lora_rank=512,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            intermediate_size=512,
+            moe_intermediate_size=64,
+            index_head_dim=128,
+            index_topk=512,
+        ),
         "glm5-reduced": GlmMoeDsaPreset(  # GLM-5 per-layer shapes, 1 dense + 3 MoE layers + MTP
             vocab_size=154880,
             hidden_size=6144,
