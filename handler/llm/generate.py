@@ -3,6 +3,17 @@
 Timing figures (load, prefill, decode ms/token) go to stderr so `--json` output stays clean.
 `--batch-size N` runs N copies of the prompt together, which is how decode speed at batch N
 is measured.
+
+`--ep-size N` runs a MoE model expert-parallel, one process per rank, each holding 1/N of the
+routed experts (`sharding.ParallelConfig`); launch it with torchrun, which gives each process
+its rank:
+
+    torchrun --nproc-per-node 2 -m snapfn.handler.cli generate --model M --ep-size 2 [--device cuda]
+
+Every rank generates the prompt (`--ep-dispatch all_to_all`: each its own copy, the tokens
+dispatched to their experts' ranks; `replicated`: every rank runs every token and the experts'
+shares are all-reduced); rank 0 prints. The ranks meet over NCCL on CUDA (`cuda:LOCAL_RANK`
+each) and gloo on CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from pathlib import Path
 
 from ..targets import add_snapshot_arguments, snapshot_path
 from .errors import BadRequest
+from .sharding import EP_DISPATCHES, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", help='print {"token_ids", "text", "logprobs"} as JSON'
     )
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks of a MoE model, one process each: launch under torchrun",
+    )
+    p.add_argument(
+        "--ep-dispatch",
+        choices=EP_DISPATCHES,
+        default=ParallelConfig.ep_dispatch,
+        help="how tokens meet other ranks' experts (with --ep-size > 1)",
+    )
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -101,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
+    if args.ep_size != 1:
+        if snapshot is not None:
+            raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
+        return _run_expert_parallel(args, params)
     if process_restore_enabled(snapshot):
         return _run_restored_service(args, snapshot, params)
     from .build import EngineOptions, build_engine
@@ -123,6 +151,75 @@ def run(args: argparse.Namespace) -> int:
     _report(args, args.snapshot or model_dir, model_type, engine, load_s, timing)
     _print_result(args, result, engine.tokenizer is not None)
     return 0
+
+
+def _run_expert_parallel(args: argparse.Namespace, params) -> int:
+    """This process's rank of `--ep-size` (module docstring): join the group torchrun set up,
+    load this rank's experts, generate in lock step with the other ranks; rank 0 prints."""
+    import torch.distributed as dist
+
+    from .build import EngineOptions, build_engine
+    from .embedded import embedded_model_dir
+
+    parallel, device = _ep_rank(args)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        model_dir = args.model or embedded_model_dir()
+        t0 = time.perf_counter()
+        opts = EngineOptions(
+            device=device,
+            dtype=args.dtype,
+            kv_cache_bytes=args.kv_cache_mb << 20,
+            parallel=parallel,
+        )
+        loaded = build_engine(model_dir, opts)
+        load_s = time.perf_counter() - t0
+        engine = loaded.engine
+        held = [m.local_experts for m in engine.model.modules() if hasattr(m, "local_experts")]
+        if not held:
+            raise BadRequest(f"--ep-size: {model_dir} has no routed experts to split")
+        print(
+            f"[snapfn] ep rank {parallel.ep_rank} of {parallel.ep_size}: routed experts "
+            f"{held[0].start}-{held[0].stop - 1} of each MoE layer's "
+            f"{loaded.config.moe.n_routed_experts}",
+            file=sys.stderr,
+        )
+        ids = _prompt_ids(args, engine.tokenizer)
+        timing = _timed_generate(engine, [ids] * args.batch_size, params)
+        result = timing.pop("results")[0]
+        if parallel.ep_rank == 0:
+            source = f"{model_dir} (ep {parallel.ep_size}, {parallel.ep_dispatch})"
+            _report(args, source, loaded.config.model_type, engine, load_s, timing)
+            _print_result(args, result, engine.tokenizer is not None)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _ep_rank(args: argparse.Namespace) -> tuple[ParallelConfig, str]:
+    """This process's `ParallelConfig` and device, from torchrun's environment."""
+    launch = (
+        f"launch one process per rank: torchrun --nproc-per-node {args.ep_size} "
+        f"-m snapfn.handler.cli generate --ep-size {args.ep_size} ..."
+    )
+    if args.ep_size < 1:
+        raise BadRequest(f"--ep-size must be >= 1, got {args.ep_size}")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise BadRequest(f"--ep-size {args.ep_size} needs RANK and WORLD_SIZE: {launch}") from None
+    if world != args.ep_size:
+        raise BadRequest(f"--ep-size {args.ep_size} but WORLD_SIZE={world}: {launch}")
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{local}"
+    parallel = ParallelConfig(ep_size=args.ep_size, ep_rank=rank, ep_dispatch=args.ep_dispatch)
+    return parallel, device
 
 
 def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> int:
@@ -179,7 +276,7 @@ def _timed_generate(engine, prompts: list[list[int]], params) -> dict:
     ids = [engine.add_request(p, params) for p in prompts]
     t0 = time.perf_counter()
     first, steps, outputs = None, 0, []
-    while engine.has_work():
+    while engine.any_rank_busy(engine.has_work()):  # an expert-parallel rank: in lock step
         outs = engine.step()
         _sync(engine)
         steps += 1

@@ -321,14 +321,15 @@ class Engine:
         for ids, p in zip(prompts, per_prompt, strict=True):
             rid = self.add_request(ids, p)
             reqs.append(self._requests[rid])
-        while self._any_rank_busy(any(not r.finished for r in reqs)):
+        while self.any_rank_busy(any(not r.finished for r in reqs)):
             self.step()
         while self._in_flight is not None:  # a speculated step of finished requests: dropped
             self.step()
         return [_result(r) for r in reqs]
 
-    def _any_rank_busy(self, busy: bool) -> bool:
-        """`busy` here, or on any rank of a lock-step model (see the module docstring)."""
+    def any_rank_busy(self, busy: bool) -> bool:
+        """`busy` here, or on any rank of a lock-step model (see the module docstring): a
+        driver loop of such a model steps while this is true, with or without work of its own."""
         if not self.model.lockstep:
             return busy
         import torch.distributed as dist
