@@ -16,3 +16,15 @@ timeout 400 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_exper
   > "$res/gpu-tests-ep.log" 2>&1
 tests_summary
 echo "[$((SECONDS - t0)) s] done"
+# the command line's expert-parallel path (snapfn generate --ep-size 2, session 15) over NCCL,
+# against one GPU holding every expert: the same tokens
+snapfn make-model --preset glm-tiny --dtype bf16 --seed 11 --out "$work/glm-tiny" > /dev/null 2>&1
+gen=(generate --model "$work/glm-tiny" --prompt-ids 5,17,3,9,12 --max-new-tokens 8 --ignore-eos --json --device cuda)
+snapfn "${gen[@]}" 2> /dev/null | tail -1 > "$res/ep1.json"
+for dispatch in replicated all_to_all; do
+  timeout 120 torchrun --standalone --nproc-per-node 2 -m snapfn.handler.cli "${gen[@]}" --ep-size 2 \
+    --ep-dispatch $dispatch 2> "$res/ep2-$dispatch.err" | grep '^{' > "$res/ep2-$dispatch.json"
+  python3 -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); print('$dispatch', 'same tokens' if a['token_ids']==b['token_ids'] else ('DIFFERENT', a['token_ids'], b['token_ids']))" \
+    "$res/ep1.json" "$res/ep2-$dispatch.json" || tail -3 "$res/ep2-$dispatch.err"
+done
+echo "[$((SECONDS - t0)) s] cli done"
