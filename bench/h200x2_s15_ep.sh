@@ -22,7 +22,7 @@ snapfn make-model --preset glm-tiny --dtype bf16 --seed 11 --out "$work/glm-tiny
 gen=(generate --model "$work/glm-tiny" --prompt-ids 5,17,3,9,12 --max-new-tokens 8 --ignore-eos --json --device cuda)
 snapfn "${gen[@]}" 2> /dev/null | tail -1 > "$res/ep1.json"
 for dispatch in replicated all_to_all; do
-  timeout 120 torchrun --standalone --nproc-per-node 2 -m snapfn.handler.cli "${gen[@]}" --ep-size 2 \
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m snapfn.handler.cli "${gen[@]}" --ep-size 2 \
     --ep-dispatch $dispatch 2> "$res/ep2-$dispatch.err" | grep '^{' > "$res/ep2-$dispatch.json"
   python3 -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); print('$dispatch', 'same tokens' if a['token_ids']==b['token_ids'] else ('DIFFERENT', a['token_ids'], b['token_ids']))" \
     "$res/ep1.json" "$res/ep2-$dispatch.json" || tail -3 "$res/ep2-$dispatch.err"
