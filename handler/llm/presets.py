@@ -8,7 +8,7 @@ into tensor shapes and a `config.json`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from .errors import BadRequest
@@ -110,6 +110,22 @@ _TINY_GLM = dict(
     rope_theta=1000000.0,
 )
 
+_GLM_SMALL = GlmMoeDsaPreset(
+    **_TINY_GLM,
+    hidden_size=256,
+    num_layers=3,
+    num_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=512,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=64,
+    v_head_dim=64,
+    intermediate_size=512,
+    moe_intermediate_size=64,
+    index_head_dim=128,
+    index_topk=8,
+)
+
 PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
     {
         "tiny": DensePreset(
@@ -174,38 +190,18 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
         # glm-tiny's routing, wider: the latent widths of GLM-5's MLA (kv_lora_rank 512, rope
         # 64), which flashinfer's MLA kernels are built for, and heads and an indexer to match:
         # the whole-model check of that backend
-        "glm-small": GlmMoeDsaPreset(
-            **_TINY_GLM,
-            hidden_size=256,
-            num_layers=3,
-            num_heads=8,
-            q_lora_rank=128,
-            kv_lora_rank=512,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=64,
-            v_head_dim=64,
-            intermediate_size=512,
-            moe_intermediate_size=64,
-            index_head_dim=128,
-            index_topk=8,
-        ),
-        # GLM-5's routing (256 experts, top 8, one group) at small widths: on CPU, how far bf16
-        # rounding alone moves an MoE model's greedy tokens (routing near-ties flip), for
+        "glm-small": _GLM_SMALL,
+        # GLM-5's routing (256 experts, top 8, one group) at glm-small's widths: on CPU, how far
+        # bf16 rounding alone moves an MoE model's greedy tokens (routing near-ties flip), for
         # bench/probes/model_parity.py --ref-dtype float32
-        "glm-route": GlmMoeDsaPreset(
-            **_TINY_GLM
-            | dict(vocab_size=8192, n_routed_experts=256, num_experts_per_tok=8, n_group=1),
+        "glm-route": replace(
+            _GLM_SMALL,
+            vocab_size=8192,
             hidden_size=512,
             num_layers=2,
-            num_heads=8,
-            q_lora_rank=128,
-            kv_lora_rank=512,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=64,
-            v_head_dim=64,
-            intermediate_size=512,
-            moe_intermediate_size=64,
-            index_head_dim=128,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            n_group=1,
             index_topk=512,
         ),
         "glm5-reduced": GlmMoeDsaPreset(  # GLM-5 per-layer shapes, 1 dense + 3 MoE layers + MTP
