@@ -36,7 +36,7 @@ from .triton_kernels import _check_device, autotuned, tuned_or_fixed
 MAX_TOKENS = 16  # rows the kernels take; longer batches keep the bmms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # one compile for every batch size
 def _absorb_kernel(
     q_ptr,  # [T, H, Dn + Dr]
     w_ptr,  # [H * (Dn + Dv), R]
@@ -85,7 +85,7 @@ def _absorb_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _expand_kernel(
     o_ptr,  # [T, H, R]
     w_ptr,  # [H * (Dn + Dv), R]
