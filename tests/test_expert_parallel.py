@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,11 @@ def generate(
     prompts: list[list[int]] = PROMPTS,
     max_new_tokens: int = 8,
     backend: str = "auto",
+    dtype: str = "float32",
 ) -> list[dict]:
     opts = EngineOptions(
         device=device,
-        dtype="float32",
+        dtype=dtype,
         backend=backend,
         num_pages=64,
         parallel=parallel,
@@ -63,9 +65,20 @@ def generate(
 
 
 def _rank(
-    rank: int, world: int, port: int, model_dir: str, out_dir: str, cuda: bool, dispatch: str
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    out_dir: str,
+    cuda: bool,
+    dispatch: str,
+    dtype: str = "float32",
 ) -> None:
     device = f"cuda:{rank}" if cuda else "cpu"
+    if dispatch == "deepep" and not cuda:  # DeepEP's contract over gloo (fake_deep_ep.py)
+        import fake_deep_ep
+
+        sys.modules["deep_ep"] = fake_deep_ep
     join_group(rank, world, port, cuda)
     try:
         parallel = ParallelConfig(ep_size=world, ep_rank=rank, ep_dispatch=dispatch)
@@ -73,15 +86,17 @@ def _rank(
             result = generate(Path(model_dir), parallel, device)
         else:
             result = {
-                name: generate(Path(model_dir), parallel, device, *work[rank])
+                name: generate(Path(model_dir), parallel, device, *work[rank], dtype=dtype)
                 for name, work in RANK_WORK.items()
             }
-            opts = EngineOptions(device, num_pages=16, parallel=parallel)
+            opts = EngineOptions(device, dtype=dtype, num_pages=16, parallel=parallel)
             engine = build_engine(Path(model_dir), opts).engine
             try:
                 engine.capture_graphs([1], 64)
             except BadRequest as e:
                 result["graphs"] = str(e)
+            if dispatch == "deepep":
+                result["buffers"] = sys.modules["deep_ep"].Buffer.created
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -115,11 +130,64 @@ def test_two_expert_parallel_ranks_generate_what_one_rank_does(glm_dir, tmp_path
     _check_two_ranks(glm_dir, tmp_path, cuda=False, dispatch=dispatch)
 
 
+def test_deepep_ranks_generate_what_all_to_all_ranks_do(glm_dir, tmp_path):
+    """`DeepEPExchange` against `fake_deep_ep`, DeepEP's contract over gloo."""
+    _check_deepep(glm_dir, tmp_path, cuda=False)
+
+
+def test_deepep_refuses_float32_rows():
+    import fake_deep_ep
+
+    from snapfn.handler.llm.models.expert_exchange import DeepEPExchange
+
+    parallel = ParallelConfig(ep_size=2, ep_rank=0, ep_dispatch="deepep")
+    exchange = DeepEPExchange(parallel, 8, fake_deep_ep)
+    x, ids, weights = torch.zeros(3, 16), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    with pytest.raises(BadRequest, match="'deepep' moves bf16 rows .* not torch.float32"):
+        exchange(x, ids, weights, lambda *a: pytest.fail("experts ran"))
+
+
+def test_deepep_without_deep_ep_says_how_to_get_it(glm_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep raises ImportError
+    with pytest.raises(BadRequest, match="ep_dispatch='deepep' needs DeepEP"):
+        generate(glm_dir, ParallelConfig(ep_size=2, ep_rank=0, ep_dispatch="deepep"))
+
+
+NO_DEEP_EP = importlib.util.find_spec("deep_ep") is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL between them)")
 @pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
 def test_two_ranks_on_two_gpus_over_nccl_generate_what_one_gpu_does(glm_dir, tmp_path, dispatch):
     _check_two_ranks(glm_dir, tmp_path, cuda=True, dispatch=dispatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NVLink between them)"
+)
+@pytest.mark.skipif(NO_DEEP_EP, reason="DeepEP (deep_ep) is not installed")
+def test_deepep_on_two_gpus_generates_what_all_to_all_does(glm_dir, tmp_path):
+    _check_deepep(glm_dir, tmp_path, cuda=True)
+
+
+def _check_deepep(glm_dir: Path, tmp_path: Path, cuda: bool) -> None:
+    """Two bf16 ranks (DeepEP moves bf16 rows) with `deepep` against two with `all_to_all`:
+    the same arithmetic (each rank's experts summed there, the ranks' sums added in float32,
+    rounded once), so the same tokens; in both, the scenarios of `RANK_WORK`."""
+    for dispatch in ("all_to_all", "deepep"):
+        (tmp_path / dispatch).mkdir()
+        run_ranks(_rank, 2, str(glm_dir), str(tmp_path / dispatch), cuda, dispatch, "bfloat16")
+    for r in range(2):
+        want, got = (
+            json.loads((tmp_path / d / f"rank{r}.json").read_text())
+            for d in ("all_to_all", "deepep")
+        )
+        for name in RANK_WORK:
+            _assert_same(got[name], want[name], logprob_atol=1e-2)  # bf16: row order may vary
+        assert "a CUDA graph cannot hold" in got["graphs"]
+        assert got["buffers"] == 1, got["buffers"]  # one buffer for the layers and engines
 
 
 def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool, dispatch: str) -> None:
@@ -135,12 +203,12 @@ def _check_two_ranks(glm_dir: Path, tmp_path: Path, cuda: bool, dispatch: str) -
         assert "a CUDA graph cannot hold" in got["graphs"]  # refused before any capture
 
 
-def _assert_same(got: list[dict], want: list[dict]) -> None:
+def _assert_same(got: list[dict], want: list[dict], logprob_atol: float = 1e-4) -> None:
     assert len(got) == len(want)
     for mine, theirs in zip(got, want, strict=True):
         assert mine["tokens"] == theirs["tokens"]
         diffs = [abs(a - b) for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)]
-        assert max(diffs) < 1e-4, diffs  # the experts' sum in another order
+        assert max(diffs, default=0.0) < logprob_atol, diffs  # the experts' sum in another order
 
 
 def test_expert_parallel_without_a_process_group_says_what_is_missing(glm_dir):

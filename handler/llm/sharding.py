@@ -65,7 +65,7 @@ EXPERT_COLUMN = Placement("expert", 0)
 EXPERT_ROW = Placement("expert", 1)
 
 
-EP_DISPATCHES = ("replicated", "all_to_all")
+EP_DISPATCHES = ("replicated", "all_to_all", "deepep")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ class ParallelConfig:
     `ep_dispatch` says how tokens meet experts on other ep ranks (`models/expert_exchange.py`):
     "replicated" (every rank runs every token; the experts' shares are all-reduced) or
     "all_to_all" (each rank runs its own requests; tokens are dispatched to their experts'
-    ranks and combined back, and the ranks step in lock step)."""
+    ranks and combined back, and the ranks step in lock step) or "deepep" (the same, with
+    DeepEP's NVLink dispatch and combine kernels in place of the all-to-alls)."""
 
     tp_size: int = 1
     tp_rank: int = 0

@@ -90,7 +90,7 @@ class Engine:
         if self.model.lockstep:
             raise BadRequest(
                 "this model exchanges tokens all-to-all across ep ranks (ep_dispatch="
-                "'all_to_all'), which a CUDA graph cannot hold: run it without graphs"
+                "'all_to_all' or 'deepep'), which a CUDA graph cannot hold: run it without graphs"
             )
         graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
         graphs.capture(pool)

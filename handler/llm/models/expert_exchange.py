@@ -14,6 +14,10 @@ the row's experts that live here (ids outside the block add nothing).
   nothing to run with no tokens (`CausalLM.idle_forward`), so the engine steps the ranks in
   lock step (`Engine.generate`). Split sizes travel first and are read on the host, so these
   layers cannot be captured in a CUDA graph.
+- `deepep` (`DeepEPExchange`): the same data-parallel semantics with DeepEP's (V1, normal mode,
+  intranode) `Buffer.dispatch` / `combine` kernels over NVLink in place of the all-to-alls,
+  where `deep_ep` is importable (an explicit choice until it has run on two GPUs). Its dispatch
+  also waits on the host for the received count, so no graphs here either.
 """
 
 from __future__ import annotations
@@ -107,6 +111,85 @@ class AllToAllExchange(Exchange):
         return out.index_add_(0, token, back.float()).to(x.dtype)
 
 
+class DeepEPExchange(Exchange):
+    """`AllToAllExchange`'s semantics through DeepEP's normal-mode kernels (`deep_ep.Buffer`):
+    `get_dispatch_layout` and `dispatch` send each token once to every rank holding one of its
+    experts, with its ids made local to that rank (-1 and a zero weight for the others);
+    `backend.moe` sums the token's experts there; `combine` adds the ranks' sums back (DeepEP's
+    combine does not weight: the sums carry the weights already). DeepEP takes bf16 rows."""
+
+    lockstep = True
+
+    # NOTE: one buffer for the process, shared by every layer's exchange: each holds NVLink
+    # memory mapped on every rank, sized for a whole layer's traffic
+    _shared: dict[str, object] = {}
+
+    def __init__(self, parallel: ParallelConfig, num_experts: int, deep_ep) -> None:
+        super().__init__(parallel)
+        self.num_experts = num_experts
+        self.experts_per_rank = num_experts // parallel.ep_size
+        self._deep_ep = deep_ep
+
+    def buffer(self, hidden_bytes: int):
+        """DeepEP's communication buffer, sized by its configs' hints for rows of
+        `hidden_bytes` (DeepEP's README), made at first use and again only if too small."""
+        import torch.distributed as dist
+
+        buffer_cls, ranks = self._deep_ep.Buffer, self.parallel.ep_size
+        configs = (buffer_cls.get_dispatch_config(ranks), buffer_cls.get_combine_config(ranks))
+        nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, ranks) for c in configs)
+        buffer = self._shared.get("buffer")
+        if buffer is None or buffer.num_nvl_bytes < nvl or buffer.group_size != ranks:
+            buffer = self._shared["buffer"] = buffer_cls(dist.group.WORLD, nvl, 0)
+        return buffer
+
+    def __call__(self, x, topk_ids, topk_weights, experts: ExpertsFn) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise BadRequest(
+                f"ep_dispatch='deepep' moves bf16 rows (DeepEP's normal kernels), not {x.dtype}:"
+                " run the model in bfloat16, or use ep_dispatch='all_to_all'"
+            )
+        self.check_world()
+        buffer = self.buffer(x.shape[1] * max(x.element_size(), 2))
+        ids = topk_ids.to(getattr(self._deep_ep, "topk_idx_t", torch.int64))
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            ids, self.num_experts
+        )
+        recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=ids,
+            topk_weights=topk_weights.float(),
+        )
+        if recv_x.shape[0]:
+            first = self.parallel.ep_rank * self.experts_per_rank
+            # DeepEP's -1 (an expert of another rank, weight 0): an id outside this rank's
+            # block, which `experts` skips
+            elsewhere = (first + self.experts_per_rank) % self.num_experts
+            global_ids = torch.where(recv_ids >= 0, recv_ids + first, elsewhere)
+            summed = experts(recv_x, global_ids, recv_weights)
+        else:
+            summed = recv_x  # nothing routed here: skip the kernels (some refuse 0 rows)
+        combined, _, _ = buffer.combine(summed, handle)
+        return combined
+
+
+def import_deep_ep():
+    """`deep_ep`, or BadRequest saying how to get it."""
+    try:
+        import deep_ep
+    except ImportError as e:
+        raise BadRequest(
+            f"ep_dispatch='deepep' needs DeepEP (deep_ep), which does not import here ({e}): "
+            "build it from https://github.com/deepseek-ai/DeepEP (bench/deepep_build.sh, "
+            "docs/kernels.md), or use ep_dispatch='all_to_all'"
+        ) from e
+    return deep_ep
+
+
 def _exchange(
     tensor: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None
 ) -> torch.Tensor:
@@ -128,4 +211,6 @@ def make_exchange(parallel: ParallelConfig, num_experts: int) -> Exchange | None
         raise BadRequest("expert parallel with tensor parallel (tp_size > 1) is not supported yet")
     if parallel.ep_dispatch == "replicated":
         return ReplicatedExchange(parallel)
+    if parallel.ep_dispatch == "deepep":
+        return DeepEPExchange(parallel, num_experts, import_deep_ep())
     return AllToAllExchange(parallel, num_experts // parallel.ep_size)
