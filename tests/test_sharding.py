@@ -255,8 +255,8 @@ def test_parallel_config_and_heads_are_validated():
         ParallelConfig(tp_size=2, tp_rank=2)
     with pytest.raises(BadRequest, match="ep_size=0"):
         ParallelConfig(ep_size=0)
-    with pytest.raises(BadRequest, match="ep_dispatch='deepep': choose one of replicated, all_"):
-        ParallelConfig(ep_size=2, ep_dispatch="deepep")
+    with pytest.raises(BadRequest, match="ep_dispatch='nccl': choose one of replicated, all_to_"):
+        ParallelConfig(ep_size=2, ep_dispatch="nccl")
     validate_head_split(HEADS, KV_HEADS, ParallelConfig(tp_size=2))
     with pytest.raises(UnsupportedModel, match="num_key_value_heads=2"):
         validate_head_split(HEADS, KV_HEADS, ParallelConfig(tp_size=4))

@@ -120,15 +120,14 @@ class DeepEPExchange(Exchange):
 
     lockstep = True
 
-    # NOTE: one buffer for the process, shared by every layer's exchange: each holds NVLink
-    # memory mapped on every rank, sized for a whole layer's traffic
-    _shared: dict[str, object] = {}
-
     def __init__(self, parallel: ParallelConfig, num_experts: int, deep_ep) -> None:
         super().__init__(parallel)
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // parallel.ep_size
         self._deep_ep = deep_ep
+        # NOTE: one buffer for the model (its MoE layers share this exchange): each holds NVLink
+        # memory mapped on every rank, sized for a layer's traffic
+        self._buffer = None
 
     def buffer(self, hidden_bytes: int):
         """DeepEP's communication buffer, sized by its configs' hints for rows of
@@ -138,10 +137,9 @@ class DeepEPExchange(Exchange):
         buffer_cls, ranks = self._deep_ep.Buffer, self.parallel.ep_size
         configs = (buffer_cls.get_dispatch_config(ranks), buffer_cls.get_combine_config(ranks))
         nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, ranks) for c in configs)
-        buffer = self._shared.get("buffer")
-        if buffer is None or buffer.num_nvl_bytes < nvl or buffer.group_size != ranks:
-            buffer = self._shared["buffer"] = buffer_cls(dist.group.WORLD, nvl, 0)
-        return buffer
+        if self._buffer is None or self._buffer.num_nvl_bytes < nvl:
+            self._buffer = buffer_cls(dist.group.WORLD, nvl, 0)
+        return self._buffer
 
     def __call__(self, x, topk_ids, topk_weights, experts: ExpertsFn) -> torch.Tensor:
         if x.dtype != torch.bfloat16:

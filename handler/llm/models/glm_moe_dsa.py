@@ -27,6 +27,7 @@ from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..errors import UnsupportedModel
 from ..sharding import local_expert_range
 from .base import CausalLM, WeightTarget
+from .expert_exchange import make_exchange
 from .layers import Rotary, SwiGLUMLP
 from .mla import MLAttention
 from .moe import MoE
@@ -115,6 +116,8 @@ class GlmMoeDsaForCausalLM(CausalLM):
         _check_mlp_layer_types(config)
         mla = config.mla
         self.local_experts = local_expert_range(config.moe.n_routed_experts, self.parallel)
+        # how tokens meet other ep ranks' experts, shared by the MoE layers; None at ep 1
+        self.exchange = make_exchange(self.parallel, config.moe.n_routed_experts)
         self.index_slots = index_slots(config.dsa.indexer_types)
         self.rotary = Rotary(
             config.rope,
@@ -127,7 +130,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         self.mtp = nn.ModuleList(MTPLayer(self, j) for j in range(config.num_mtp_layers))
         self.not_loaded = (MTP_SHARED_COPIES,) if config.num_mtp_layers else ()
         self.add_lm_head()
-        self.lockstep = any(getattr(m.exchange, "lockstep", False) for m in self._moe_layers())
+        self.lockstep = getattr(self.exchange, "lockstep", False)
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config

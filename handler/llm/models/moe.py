@@ -20,7 +20,6 @@ from torch import nn
 
 from ..kernels import ExpertWeights
 from ..quant import FP8_DTYPE, scale_shape
-from .expert_exchange import make_exchange
 from .layers import SwiGLUMLP, is_quantized
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ class MoE(nn.Module):
         self.backend = model.backend
         self.gate = TopkRouter(model)
         self.experts = StackedExperts(model, f"{prefix}.experts")
-        self.exchange = make_exchange(model.parallel, moe.n_routed_experts)
+        self.exchange = model.exchange  # one for the model's MoE layers (DeepEP's buffer)
         if moe.n_shared_experts:
             shared_size = moe.moe_intermediate_size * moe.n_shared_experts
             self.shared_experts = SwiGLUMLP(model, f"{prefix}.shared_experts", shared_size)
