@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..targets import add_snapshot_arguments, snapshot_path
 from .errors import BadRequest
-from .sharding import EP_DISPATCHES, ParallelConfig
+from .parallel import EP_DISPATCHES, ParallelConfig
 
 
 @dataclass(frozen=True)
