@@ -5,7 +5,7 @@ Timing figures (load, prefill, decode ms/token) go to stderr so `--json` output 
 is measured.
 
 `--ep-size N` runs a MoE model expert-parallel, one process per rank, each holding 1/N of the
-routed experts (`sharding.ParallelConfig`); launch it with torchrun, which gives each process
+routed experts (`parallel.ParallelConfig`); launch it with torchrun, which gives each process
 its rank:
 
     torchrun --nproc-per-node 2 -m snapfn.handler.cli generate --model M --ep-size 2 [--device cuda]
@@ -23,6 +23,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,41 +127,50 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
-    if args.ep_size != 1:
-        if snapshot is not None:
-            raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
-        return _run_expert_parallel(args, params)
+    if args.ep_size != 1 and snapshot is not None:
+        raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
     if process_restore_enabled(snapshot):
         return _run_restored_service(args, snapshot, params)
     from .build import EngineOptions, build_engine
     from .embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
-    t0 = time.perf_counter()
-    if snapshot is not None:
-        engine, model_type = _restore(args, snapshot)
-    else:
-        opts = EngineOptions(
-            device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20
-        )
-        loaded = build_engine(model_dir, opts)
-        engine, model_type = loaded.engine, loaded.config.model_type
-    load_s = time.perf_counter() - t0
-    ids = _prompt_ids(args, engine.tokenizer)
-    timing = _timed_generate(engine, [ids] * args.batch_size, params)
-    result = timing.pop("results")[0]
-    _report(args, args.snapshot or model_dir, model_type, engine, load_s, timing)
-    _print_result(args, result, engine.tokenizer is not None)
+    with _expert_parallel_rank(args) as (parallel, device):
+        t0 = time.perf_counter()
+        if snapshot is not None:
+            engine, model_type = _restore(args, snapshot)
+        else:
+            opts = EngineOptions(
+                device=device,
+                dtype=args.dtype,
+                kv_cache_bytes=args.kv_cache_mb << 20,
+                parallel=parallel,
+            )
+            loaded = build_engine(model_dir, opts)
+            engine, model_type = loaded.engine, loaded.config.model_type
+        load_s = time.perf_counter() - t0
+        source = args.snapshot or model_dir
+        if parallel.ep_size > 1:
+            _say_experts_held(engine.model, parallel, model_dir)
+            source = f"{model_dir} (ep {parallel.ep_size}, {parallel.ep_dispatch})"
+        ids = _prompt_ids(args, engine.tokenizer)
+        timing = _timed_generate(engine, [ids] * args.batch_size, params)
+        result = timing.pop("results")[0]
+        if parallel.ep_rank == 0:  # one rank prints
+            _report(args, source, model_type, engine, load_s, timing)
+            _print_result(args, result, engine.tokenizer is not None)
     return 0
 
 
-def _run_expert_parallel(args: argparse.Namespace, params) -> int:
-    """This process's rank of `--ep-size` (module docstring): join the group torchrun set up,
-    load this rank's experts, generate in lock step with the other ranks; rank 0 prints."""
+@contextmanager
+def _expert_parallel_rank(args: argparse.Namespace) -> Iterator[tuple[ParallelConfig, str]]:
+    """(this process's `ParallelConfig`, its device). At `--ep-size` 1: one process,
+    `--device`. Above: the rank torchrun gave this process, in the group it joins here (NCCL on
+    `cuda:LOCAL_RANK`, gloo on CPU) and leaves afterwards."""
+    if args.ep_size == 1:
+        yield ParallelConfig(), args.device
+        return
     import torch.distributed as dist
-
-    from .build import EngineOptions, build_engine
-    from .embedded import embedded_model_dir
 
     parallel, device = _ep_rank(args)
     if device.startswith("cuda"):
@@ -168,36 +179,20 @@ def _run_expert_parallel(args: argparse.Namespace, params) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     try:
-        model_dir = args.model or embedded_model_dir()
-        t0 = time.perf_counter()
-        opts = EngineOptions(
-            device=device,
-            dtype=args.dtype,
-            kv_cache_bytes=args.kv_cache_mb << 20,
-            parallel=parallel,
-        )
-        loaded = build_engine(model_dir, opts)
-        load_s = time.perf_counter() - t0
-        engine = loaded.engine
-        held = [m.local_experts for m in engine.model.modules() if hasattr(m, "local_experts")]
-        if not held:
-            raise BadRequest(f"--ep-size: {model_dir} has no routed experts to split")
-        print(
-            f"[snapfn] ep rank {parallel.ep_rank} of {parallel.ep_size}: routed experts "
-            f"{held[0].start}-{held[0].stop - 1} of each MoE layer's "
-            f"{loaded.config.moe.n_routed_experts}",
-            file=sys.stderr,
-        )
-        ids = _prompt_ids(args, engine.tokenizer)
-        timing = _timed_generate(engine, [ids] * args.batch_size, params)
-        result = timing.pop("results")[0]
-        if parallel.ep_rank == 0:
-            source = f"{model_dir} (ep {parallel.ep_size}, {parallel.ep_dispatch})"
-            _report(args, source, loaded.config.model_type, engine, load_s, timing)
-            _print_result(args, result, engine.tokenizer is not None)
+        yield parallel, device
     finally:
         dist.destroy_process_group()
-    return 0
+
+
+def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:
+    held = getattr(model, "local_experts", None)
+    if held is None:
+        raise BadRequest(f"--ep-size: {model_dir} has no routed experts to split")
+    print(
+        f"[snapfn] ep rank {parallel.ep_rank} of {parallel.ep_size}: routed experts "
+        f"{held.start}-{held.stop - 1} of each MoE layer's {model.config.moe.n_routed_experts}",
+        file=sys.stderr,
+    )
 
 
 def _ep_rank(args: argparse.Namespace) -> tuple[ParallelConfig, str]:
