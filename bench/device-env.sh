@@ -51,3 +51,13 @@ profile_summary() {
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'top'}); [print(' ', t['us'], t['calls_per_step'], t['kernel'][:90]) for t in d['top'][:int(sys.argv[2])]]" \
     "$res/$1.json" "${2:-30}" || tail -3 "$res/$1.err"
 }
+# parity NAME SECONDS MODEL [ARGS...]: bench/probes/model_parity.py on MODEL (ARGS passed on,
+# e.g. --ref-dtype float32), into $res/parity-NAME.{json,err}, Triton's tuning cached in
+# $work/tc-parity; prints its counts with the failures counted, not listed
+parity() {
+  local name=$1 seconds=$2 model=$3; shift 3
+  TRITON_CACHE_DIR=$work/tc-parity timeout "$seconds" python3 bench/probes/model_parity.py \
+    "$model" "$@" > "$res/parity-$name.json" 2> "$res/parity-$name.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['failures']=len(d['failures']); print(sys.argv[2], d)" \
+    "$res/parity-$name.json" "$name" || tail -3 "$res/parity-$name.err"
+}

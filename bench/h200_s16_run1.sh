@@ -27,13 +27,7 @@ bench 120 --workdir "$work/glm-bench" --modes restore --decode-batches 1 --decod
 grep -A2 "^mode" "$res/restore.log" || tail -4 "$res/restore.log"
 python3 bench/startup_summary.py "$res"/h200-glm5-reduced-fp8-s16run1-{init,restore}.json
 echo "[$((SECONDS - t0)) s] restore done"
-parity() {  # parity NAME SECONDS ARGS...
-  local name=$1 seconds=$2; shift 2
-  TRITON_CACHE_DIR=$work/tc-parity timeout "$seconds" python3 bench/probes/model_parity.py \
-    "$work/glm5" --ref-dtype float32 "$@" > "$res/parity-$name.json" 2> "$res/parity-$name.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['failures']=len(d['failures']); print('$name', d)" \
-    "$res/parity-$name.json" || tail -3 "$res/parity-$name.err"
-}
-parity glm5-fast-bf16-vs-fp32 $((520 - SECONDS))
-parity glm5-torch-bf16-vs-fp32 $((590 - SECONDS)) --backend torch --graphs ''
+parity glm5-fast-bf16-vs-fp32 $((520 - SECONDS)) "$work/glm5" --ref-dtype float32
+parity glm5-torch-bf16-vs-fp32 $((590 - SECONDS)) "$work/glm5" --ref-dtype float32 \
+  --backend torch --graphs ''
 echo "[$((SECONDS - t0)) s] done"
