@@ -141,7 +141,7 @@ _absorb_tuned = autotuned(
         triton.Config({"BLOCK_D": d, "BLOCK_R": r}, num_warps=w)
         for d, r, w in ((64, 64, 4), (32, 64, 4), (64, 32, 4), (64, 128, 4), (32, 128, 8))
     ],
-    key=["NOPE", "HEAD_ROWS", "R", "SCALED", "IEEE"],
+    key=["NOPE", "HEAD_ROWS", "R", "SCALED"],  # IEEE follows q's dtype, which triton keys on
 )
 _expand_tuned = autotuned(
     _expand_kernel,
@@ -149,7 +149,7 @@ _expand_tuned = autotuned(
         triton.Config({"BLOCK_V": v, "BLOCK_R": r}, num_warps=w)
         for v, r, w in ((32, 128, 4), (16, 128, 4), (64, 64, 4), (32, 64, 4), (64, 128, 8))
     ],
-    key=["NOPE", "HEAD_ROWS", "DV", "R", "SCALED", "IEEE"],
+    key=["NOPE", "HEAD_ROWS", "DV", "R", "SCALED"],
 )
 
 
