@@ -61,9 +61,13 @@ def sha256_range(root: Path, where: DigestRange) -> str:
     """sha256 of `where`'s bytes; an OSError becomes a one-line BadSnapshot."""
     digest = hashlib.sha256()
     remaining = sys.maxsize if where.length is None else where.length
-    buffer = memoryview(bytearray(min(_READ_BLOCK_BYTES, remaining)))
     try:
         with open(root / where.relpath, "rb", buffering=0) as f:
+            # NOTE: the buffer is no larger than what is left to read: an 8 MiB one for each of
+            # a snapshot's ~600 small kernel-cache files cost 0.45 s of every restore's validate
+            # stage on the H200 (zero-filled and faulted in, then unmapped; session 16)
+            left = max(0, os.fstat(f.fileno()).st_size - where.offset)
+            buffer = memoryview(bytearray(max(1, min(_READ_BLOCK_BYTES, remaining, left))))
             f.seek(where.offset)
             while remaining > 0:
                 num_read = f.readinto(buffer[: min(len(buffer), remaining)])

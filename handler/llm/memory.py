@@ -70,8 +70,23 @@ def step_weights(model: CausalLM, batch: int) -> tuple[int, float]:
 
 
 def dummy_prefill(model: CausalLM, kv: KVPool, num_tokens: int, pages: list[int]) -> torch.Tensor:
-    """One forward of `num_tokens` prompt tokens (id 0) cached in `pages`."""
-    batch = ForwardBatch.build([[0] * num_tokens], [0], [pages], kv.page_size, model.device)
+    """One forward of `num_tokens` prompt tokens (id 0) cached in `pages`, as one prompt, or as
+    several when that is longer than the model's positions: each prompt then holds the most
+    whole pages that fit, as a chunk the scheduler batches would, and they use `pages` in turn.
+    (A single prompt past the positions indexed beyond the RoPE table: a device-side assert on
+    CUDA for a model of fewer positions than `max_num_batched_tokens`.)"""
+    size, positions = kv.page_size, model.config.max_position_embeddings
+    longest = positions // size * size or positions
+    lengths = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(pages[used : used + -(-n // size)])
+        used += len(tables[-1])
+    if used < sum(-(-n // size) for n in lengths):
+        raise ValueError(f"dummy_prefill: {len(pages)} pages cannot hold prompts of {lengths}")
+    batch = ForwardBatch.build(
+        [[0] * n for n in lengths], [0] * len(lengths), tables, size, model.device
+    )
     return model(batch, kv)
 
 
