@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -196,7 +197,12 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
     from snapfn.handler.llm.snapshot_cli import _init_process
     from snapfn.snapshot.runtime import cold_init
 
-    config = InitConfig(device="cuda", mem_fraction_static=0.1, cache_dir=tmp_path / "cache")
+    # NOTE: SNAPFN_BACKEND picks the backend (default: the best installed). With the Triton
+    # kernels, the two cold inits tune every GEMV config first (over 2 minutes on the H200).
+    backend = os.environ.get("SNAPFN_BACKEND", "auto")
+    config = InitConfig(
+        device="cuda", mem_fraction_static=0.1, cache_dir=tmp_path / "cache", backend=backend
+    )
     startup = _init_process(config, embedded_model_dir(), tmp_path / "snap")
     assert startup.tier == "process", startup.fallbacks
 
