@@ -67,3 +67,45 @@ def test_compare_catches_a_wrong_token_and_logprob(run):
     # the swapped token also carries the old token's logprob
     assert where == ["prompt 0 step 3 logprob", "prompt 1 step 4 logprob", "prompt 1 step 4 token"]
     assert report["exact"] == 9 and report["positions"] == 10
+
+
+@pytest.fixture(scope="module")
+def bf16_against_float32(tmp_path_factory):
+    """model_parity's output for the torch reference in bf16 against itself in float32."""
+    out = tmp_path_factory.mktemp("envelope") / "ref.json"
+    argv = [str(embedded_model_dir()), "--backend", "torch", "--graphs", "", "--device", "cpu"]
+    argv += ["--prompts", "2", "--new-tokens", "6", "--dtype", "bfloat16"]
+    argv += ["--ref-dtype", "float32", "--tie", "0.001", "--logprob-atol", "0.001"]
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        model_parity.main(argv)
+    out.write_text(stdout.getvalue())
+    return out
+
+
+def test_envelope_passes_a_path_as_faithful_as_the_reference_and_fails_one_further(
+    bf16_against_float32, tmp_path, capsys
+):
+    import parity_envelope
+
+    ref = json.loads(bf16_against_float32.read_text())
+    assert ref["mean_logprob_diff"] > 0  # bf16 strays from float32: something to compare
+    assert parity_envelope.main([str(bf16_against_float32)] * 2) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["ok"] and verdict["positions"] == 12
+    further = dict(ref, mean_logprob_diff=ref["mean_logprob_diff"] * 1.3)
+    (tmp_path / "further.json").write_text(json.dumps(further))
+    assert parity_envelope.main([str(tmp_path / "further.json"), str(bf16_against_float32)]) == 1
+    assert not json.loads(capsys.readouterr().out)["ok"]
+
+
+def test_envelope_refuses_runs_not_against_float32(bf16_against_float32, tmp_path, capsys):
+    import parity_envelope
+
+    same_dtype = dict(json.loads(bf16_against_float32.read_text()), ref_dtype="bfloat16")
+    (tmp_path / "same.json").write_text(json.dumps(same_dtype))
+    assert parity_envelope.main([str(tmp_path / "same.json"), str(bf16_against_float32)]) == 2
+    assert "float32" in capsys.readouterr().err
