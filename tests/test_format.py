@@ -129,3 +129,17 @@ def test_malformed_entries(snap: Path) -> None:
     assert "4 chunk digests for 5120 bytes in chunks of 1024" in refusal(BadSnapshot, snap)
     edit_manifest(snap, lambda m: m["files"]["tokenizer.json"].update(sha256="ABC"))
     assert "sha256 'ABC' is not 64 lowercase hex digits" in refusal(BadSnapshot, snap)
+
+
+@pytest.mark.parametrize(
+    "size, offset, length",
+    [(0, 0, None), (1, 0, None), (1000, 0, None), ((8 << 20) + 3, 0, None), (5000, 4000, 1000)],
+)
+def test_sha256_range_reads_whole_files_and_ranges_of_any_size(tmp_path, size, offset, length):
+    from snapfn.snapshot.digests import DigestRange, sha256_range
+
+    data = os.urandom(size)
+    (tmp_path / "f.bin").write_bytes(data)
+    part = data[offset:] if length is None else data[offset : offset + length]
+    where = DigestRange("f.bin", length is None, 0, offset, length, "")
+    assert sha256_range(tmp_path, where) == hashlib.sha256(part).hexdigest()
