@@ -61,3 +61,8 @@ parity() {
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d['failures']=len(d['failures']); print(sys.argv[2], d)" \
     "$res/parity-$name.json" "$name" || tail -3 "$res/parity-$name.err"
 }
+# envelope FAST REF: bench/probes/parity_envelope.py on two `parity` runs made with --ref-dtype
+# float32 (FAST: the fast backend; REF: --backend torch --graphs ''): its verdict line
+envelope() {
+  python3 bench/probes/parity_envelope.py "$res/parity-$1.json" "$res/parity-$2.json"
+}

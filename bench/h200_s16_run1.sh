@@ -31,3 +31,6 @@ parity glm5-fast-bf16-vs-fp32 $((520 - SECONDS)) "$work/glm5" --ref-dtype float3
 parity glm5-torch-bf16-vs-fp32 $((590 - SECONDS)) "$work/glm5" --ref-dtype float32 \
   --backend torch --graphs ''
 echo "[$((SECONDS - t0)) s] done"
+# After this run (so not in its output): the verdict on those two files, bench/probes/
+# parity_envelope.py, which passes them (docs/benchmarks.md)
+envelope glm5-fast-bf16-vs-fp32 glm5-torch-bf16-vs-fp32
