@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ranks import join_group, run_ranks
 
 from snapfn.handler.llm.models.expert_exchange import AllToAllExchange, make_exchange
-from snapfn.handler.llm.sharding import ParallelConfig
+from snapfn.handler.llm.parallel import ParallelConfig
 
 NUM_EXPERTS, TOPK, HIDDEN = 8, 3, 16
 TOKENS = {"float32": (5, 7), "bfloat16": (6, 3), "one_sends_nothing": (4, 0)}  # per rank

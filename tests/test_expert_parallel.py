@@ -24,7 +24,7 @@ from snapfn.handler.llm.engine.engine import SchedulerConfig
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.make_model import make_model
-from snapfn.handler.llm.sharding import ParallelConfig
+from snapfn.handler.llm.parallel import ParallelConfig
 
 PROMPTS = [[5, 17, 3, 9, 12, 40, 7, 2], [30, 1, 4], [8, 8, 21, 6, 19, 23, 2, 9, 10, 11]]
 

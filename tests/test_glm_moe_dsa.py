@@ -18,7 +18,7 @@ from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.kernels.torch_ref import causal_attention, topk_mask
 from snapfn.handler.llm.loader import load_weights
 from snapfn.handler.llm.models.base import ConcatLinear
-from snapfn.handler.llm.sharding import ParallelConfig
+from snapfn.handler.llm.parallel import ParallelConfig
 
 from glm_checkpoints import (
     NOT_QUANTIZED,

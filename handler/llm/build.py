@@ -21,7 +21,7 @@ from .kernels import get_backend
 from .loader import LoadReport, load_weights
 from .models import model_class
 from .models.base import CausalLM
-from .sharding import ParallelConfig
+from .parallel import ParallelConfig
 from .tokenizer import load_tokenizer
 
 

@@ -35,7 +35,7 @@ from types import MappingProxyType
 import torch
 
 from .errors import CheckpointError, UnsupportedModel
-from .parallel import ParallelConfig  # noqa: F401  (re-exported: its users import it from here)
+from .parallel import ParallelConfig
 from .quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 
 KINDS = ("column", "row", "replicated", "expert", "vocab")

@@ -20,8 +20,8 @@ from ..config import ModelConfig
 from ..engine.batch import ForwardBatch
 from ..engine.kv_pool import KVBufferSpec, KVPool
 from ..kernels import Backend
+from ..parallel import ParallelConfig
 from ..quant import FP8_BLOCK
-from ..sharding import ParallelConfig
 from .layers import Linear, RMSNorm, is_quantized
 
 

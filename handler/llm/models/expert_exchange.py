@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from ..errors import BadRequest
-from ..sharding import ParallelConfig
+from ..parallel import ParallelConfig
 
 
 class ExpertsFn(Protocol):
