@@ -4,6 +4,8 @@ catch a wrong token or logprob."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -76,9 +78,6 @@ def bf16_against_float32(tmp_path_factory):
     argv = [str(embedded_model_dir()), "--backend", "torch", "--graphs", "", "--device", "cpu"]
     argv += ["--prompts", "2", "--new-tokens", "6", "--dtype", "bfloat16"]
     argv += ["--ref-dtype", "float32", "--tie", "0.001", "--logprob-atol", "0.001"]
-    import contextlib
-    import io
-
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         model_parity.main(argv)

@@ -13,6 +13,7 @@ the snapshot and a restore allocates straight from it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -78,12 +79,11 @@ def dummy_prefill(model: CausalLM, kv: KVPool, num_tokens: int, pages: list[int]
     size, positions = kv.page_size, model.config.max_position_embeddings
     longest = positions // size * size or positions
     lengths = [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
-    tables, used = [], 0
-    for n in lengths:
-        tables.append(pages[used : used + -(-n // size)])
-        used += len(tables[-1])
-    if used < sum(-(-n // size) for n in lengths):
+    counts = [kv.pages_for(n) for n in lengths]
+    if sum(counts) > len(pages):
         raise ValueError(f"dummy_prefill: {len(pages)} pages cannot hold prompts of {lengths}")
+    firsts = itertools.accumulate(counts, initial=0)
+    tables = [pages[first : first + n] for first, n in zip(firsts, counts, strict=False)]
     batch = ForwardBatch.build(
         [[0] * n for n in lengths], [0] * len(lengths), tables, size, model.device
     )
