@@ -23,7 +23,8 @@ MEASURES = ("mean_logprob_diff", "largest_logprob_diff")
 
 
 def past_tie(run: dict) -> int:
-    """How many positions' tokens were beyond the near-tie (a failure naming a token)."""
+    """How many positions' tokens were beyond the near-tie: the failures that name a token
+    ("token T is N nats below the reference's R", model_parity.compare's wording)."""
     return sum(1 for f in run["failures"] if "nats below" in f)
 
 
