@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,15 +109,28 @@ def cached_snapshot(
             pull(uri, dest, client=client, manifest_bytes=raw, log=log)
         elif log is not None:
             log(f"snapshot cache hit: {where} is at {dest}")
-        os.utime(entry)  # NOTE: an entry's mtime is its last use, the LRU order
+        _mark_used(config.root, entry)
     return dest
+
+
+def _mark_used(root: Path, entry: Path) -> None:
+    """Make `entry` the most recently used: its mtime is its last use, the LRU order.
+
+    NOTE: set past every other entry's mtime, in nanoseconds, because the clock a file's mtime
+    is taken from ticks in milliseconds: two uses within one tick would otherwise tie.
+    """
+    newest = max(
+        (p.stat().st_mtime_ns for p in root.iterdir() if p.is_dir() and p != entry), default=0
+    )
+    now = max(time.time_ns(), newest + 1)
+    os.utime(entry, ns=(now, now))
 
 
 def _evict(config: SnapshotCacheConfig, keep: Path, room_bytes: int, log: Log | None) -> None:
     """Remove least recently used entries (never `keep`) until `keep`'s `room_bytes` fit."""
     entries = sorted(
         (p for p in config.root.iterdir() if p.is_dir() and p != keep),  # .lock is a file
-        key=lambda p: p.stat().st_mtime,
+        key=lambda p: p.stat().st_mtime_ns,
     )
     sizes = {p: _tree_bytes(p) for p in entries}
     used = sum(sizes.values())
