@@ -25,7 +25,19 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=11, ignore_eos=True)
 
 
-pytestmark = pytest.mark.usefixtures("criu_config", "tests_on_pythonpath")
+pytestmark = pytest.mark.usefixtures("criu_config", "tests_on_pythonpath", "worker_threads")
+
+
+@pytest.fixture(scope="module")
+def worker_threads():
+    """The checkpointed worker computes with as many threads as this process (conftest sets
+    one): CPU GEMMs split their sums by thread count, so 1 thread here against the worker's
+    default of one per core differs in the last bits of a logprob."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        yield
 
 
 def config(tmp: Path) -> InitConfig:
