@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run on one H200 (session 9, run 1): where the batch-1 decode step's GEMV time can go.
-# `bench/probes/gemv_probe.py`: the new fused Triton GEMV (`kernels/triton_gemv.py`; add +
+# `bench/probes/gemv_probe.py`: the new fused Triton GEMV (`kernels/triton/gemv.py`; add +
 # RMSNorm before, SwiGLU after) config by config against what the engine runs now (cuBLAS with
 # the Triton norm and activation kernels), on the 8B llama's shapes. Then the GLM-5-shaped
 # model's prefill profile with DeepGEMM off and on (`bench/probes/prefill_profile.py`, session

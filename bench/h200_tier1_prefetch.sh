@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run on one H200: tier-1 restore with the restorer making and filling the worker's
-# regions beside criu (snapshot/region_prefetch.py), against tier 0 and cold init in the same
+# regions beside criu (snapshot/keeper/region_prefetch.py), against tier 0 and cold init in the same
 # run (8B llama bf16), then the same process snapshot restored with the prefetch off; before
 # that, the GPU tests of tier 1 and a probe of what a CUDA context holds on the device.
 # Usage (device tool; criu carried as .criu: cp -a /opt/snapfn-criu .criu): bash bench/h200_tier1_prefetch.sh

@@ -29,7 +29,7 @@ python3 - "$work/mount/snapshot_process" <<'PY' 2>&1 | tail -12
 import json, sys, threading, time
 from pathlib import Path
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.llm.process_restore import restore_process
+from snapfn.handler.llm.recipes.process_restore import restore_process
 from snapfn.handler.llm.engine.request import SamplingParams
 snap = Path(sys.argv[1])
 doc = json.loads((snap / "manifest.json").read_text())

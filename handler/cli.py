@@ -20,68 +20,73 @@ EXIT_USAGE = 2
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "init": (
         "run the init phase and write a portable snapshot",
-        "llm.snapshot_cli",
+        "snapfn.handler.llm.recipes.cli",
         "add_init_arguments",
         "run_init",
     ),
     "inspect": (
         "print a snapshot's startup manifest (and plot its waterfall)",
-        "llm.snapshot_cli",
+        "snapfn.handler.llm.recipes.cli",
         "add_inspect_arguments",
         "run_inspect",
     ),
     "generate": (
         "generate text with a model (default: the embedded model)",
-        "llm.generate",
+        "snapfn.handler.llm.generate",
         "add_arguments",
         "run",
     ),
     "serve": (
         "serve HTTP (OpenAI-compatible + /invoke) under gunicorn; --idle-timeout scales to zero",
-        "serve",
+        "snapfn.handler.http.serve",
         "add_arguments",
         "run",
     ),
-    "worker": ("consume an SQS queue of batch jobs", "queue", "add_arguments", "run"),
+    "worker": (
+        "consume an SQS queue of batch jobs",
+        "snapfn.handler.queue.cli",
+        "add_arguments",
+        "run",
+    ),
     "bench": (
         "measure cold-start modes side by side (HF, safetensors, cold init, restores)",
-        "llm.bench",
+        "snapfn.handler.llm.bench.cli",
         "add_arguments",
         "run",
     ),
     "doctor": (
         "report whether this machine can run each snapshot tier, and why not",
-        "snapfn.snapshot.doctor",
+        "snapfn.snapshot.process.doctor",
         "add_arguments",
         "run",
     ),
     "push": (
         "upload a snapshot to s3://bucket/prefix (verified first, manifest last)",
-        "snapfn.snapshot.store_cli",
+        "snapfn.snapshot.store.cli",
         "add_push_arguments",
         "run_push",
     ),
     "pull": (
         "fetch a snapshot from s3://bucket/prefix (verified, resumable, published atomically)",
-        "snapfn.snapshot.store_cli",
+        "snapfn.snapshot.store.cli",
         "add_pull_arguments",
         "run_pull",
     ),
     "pin": (
         "keep a process snapshot's weights in pinned host memory for faster tier-1 restores here",
-        "snapfn.snapshot.keeper",
+        "snapfn.snapshot.keeper.daemon",
         "add_pin_arguments",
         "run",
     ),
     "keeper": (
         "serve this machine's tier-1 restores from a warm CUDA driver (and pinned weights)",
-        "snapfn.snapshot.keeper",
+        "snapfn.snapshot.keeper.daemon",
         "add_keeper_arguments",
         "run",
     ),
     "make-model": (
         "write a synthetic checkpoint in the Hugging Face layout",
-        "llm.make_model",
+        "snapfn.handler.llm.make_model.cli",
         "add_arguments",
         "run",
     ),
@@ -91,8 +96,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 def _load(name: str, module: str, add: str, run: str) -> tuple[Callable, Callable]:
     """The subcommand's functions; a missing optional dependency disables only that command."""
     try:
-        absolute = module if module.startswith("snapfn.") else f"{__package__}.{module}"
-        mod = importlib.import_module(absolute)
+        mod = importlib.import_module(module)
     except ImportError as exc:
         missing = exc.name or str(exc)
 

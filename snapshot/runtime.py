@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .compat import compat_key
-from .errors import SnapfnError
-from .format import validate_snapshot
-from .function import SnapshotFunction
-from .publish import SnapshotWriter
-from .stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
+from snapfn.snapshot.errors import SnapfnError
+from snapfn.snapshot.function import SnapshotFunction
+from snapfn.snapshot.portable.compat import compat_key
+from snapfn.snapshot.portable.format import validate_snapshot
+from snapfn.snapshot.portable.publish import SnapshotWriter
+from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
 
 
 def cold_init(fn: SnapshotFunction, log: Log | None = stderr_log) -> StartupManifest:

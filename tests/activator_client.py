@@ -23,7 +23,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from snapfn.snapshot.criu import is_running
+from snapfn.snapshot.process.criu import is_running
 
 SERVE = [sys.executable, "-m", "snapfn.handler.cli", "serve"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from snapfn.handler.llm.quant import quantize_fp8_block
+from snapfn.handler.llm.weights.quant import quantize_fp8_block
 
 
 def copy_with(src: Path, dst: Path, drop=(), add=None, config_update=None) -> Path:

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def criu_config():
     """A criu that dumps and restores here (root + criu 4.x), or the test skips with its reason."""
-    from snapfn.snapshot.criu import CriuConfig, check
+    from snapfn.snapshot.process.criu import CriuConfig, check
 
     config = CriuConfig.from_env(os.environ)
     result = check(config)
@@ -135,8 +135,8 @@ def llama_with_tokenizer(tiny_llama_dir, tmp_path_factory):
 def embedded_snapshot(tmp_path_factory):
     """A real tier-0 snapshot of the embedded model, made once (the S3 store and cache tests)."""
     from snapfn.handler.llm.embedded import embedded_model_dir
-    from snapfn.handler.llm.function import LLMFunction
     from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.snapshot.runtime import init_and_snapshot
 
     tmp = tmp_path_factory.mktemp("embedded")

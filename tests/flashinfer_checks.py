@@ -27,7 +27,7 @@ from snapfn.handler.llm.engine.graphs import DecodeGraphs
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.engine.request import GenerationResult, SamplingParams
 from snapfn.handler.llm.kernels import get_backend
-from snapfn.handler.llm.make_model import make_model
+from snapfn.handler.llm.make_model.build import make_model
 
 from triton_checks import _check_close, _counting, assert_same_greedy
 from triton_checks import random_topk as triton_random_topk
@@ -78,16 +78,16 @@ MLA_PREFILL_REQUESTS = ((37, 37), (5, 3000), (1, 2100), (100, 300))
 MLA_GRAPH_REPLAYS = ((130, 1, 4000), (2048, 37, PAGE_SIZE, 2500), (33,))
 # glm-small with graphs and one switch set: (its variable and value; the kernel module, the
 # function of it, and whether the run must have called it). Without a switch (the
-# engine_greedy-glm cases), decode MLA runs `triton_mla`, prefill flashinfer's kernel.
+# engine_greedy-glm cases), decode MLA runs `triton.mla`, prefill flashinfer's kernel.
 SWITCHED_GREEDY = {
-    # decode MLA by flashinfer's kernel instead of `triton_mla`
+    # decode MLA by flashinfer's kernel instead of `triton.mla`
     "engine_greedy-glm-graphs-mlaoff": (
         ("SNAPFN_MLA_DECODE", "off"),
         "triton_mla",
         "mla_decode_latent",
         False,
     ),
-    # the absorbed products (decode, and prefill chunks of up to 16 tokens) by `triton_absorb`
+    # the absorbed products (decode, and prefill chunks of up to 16 tokens) by `triton.absorb`
     "engine_greedy-glm-graphs-mlaabsorb": (
         ("SNAPFN_MLA_ABSORB", "triton"),
         "triton_absorb",
@@ -218,7 +218,7 @@ def mla_reference(q, latent, kv_b, batch, topk, scale: float = MLA_SCALE) -> tor
 
 def flashinfer_mla_backend():
     """The flashinfer backend with its decode MLA on flashinfer's kernel (SNAPFN_MLA_DECODE=off:
-    by default decode batches run `triton_mla`), which the MLA cases check."""
+    by default decode batches run `triton.mla`), which the MLA cases check."""
     with mock.patch.dict(os.environ, {"SNAPFN_MLA_DECODE": "off"}):
         return get_backend("flashinfer")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block, quantize_fp8_block
 
 TINY_GLM = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,

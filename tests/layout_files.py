@@ -1,4 +1,4 @@
-"""Restore-layout test data shared by the tests of layout, layout_writer, checksum, streamer and
+"""Restore-layout test data shared by the tests of the layout table, its writer, checksum, streamer and
 bandwidth: a mix of dtypes and shapes small enough that tensors span chunks and chunks hold
 several tensors, bitwise comparison and byte-flipping helpers, and a Python-int sum64."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from snapfn.snapshot.layout import RestoreLayout
-from snapfn.snapshot.layout_writer import write_restore_layout
+from snapfn.snapshot.layout.table import RestoreLayout
+from snapfn.snapshot.layout.writer import write_restore_layout
 
 ALIGN, CHUNK = 512, 4096  # small, so tensors span chunks and chunks hold several tensors
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from snapfn.snapshot.vmm import Arena, allocate_region
+from snapfn.snapshot.cuda.regions import Arena, allocate_region
 
 WEIGHT_ELEMS = 1 << 20  # 4 MiB of float32 by default (args["weight_mb"])
 
@@ -45,7 +45,7 @@ class CounterHost:
         self.heap = bytearray(os.urandom(int(self.args.get("heap_mb", 0)) << 20))
         self.heap_sha = hashlib.sha256(self.heap).hexdigest()
         self.counter = int(self.args.get("start", 0))
-        from snapfn.snapshot.compat import compat_key
+        from snapfn.snapshot.portable.compat import compat_key
         from snapfn.snapshot.stages import StartupManifest
 
         startup = StartupManifest(kind="init", tier="cold", ok=True)
@@ -126,7 +126,7 @@ def make(args: dict[str, Any]) -> CounterHost:
 def perturbed_llm(args: dict[str, Any]):
     """The built-in LLM host whose restored weights differ from the init's (final norm scaled
     after streaming): the replay check must catch it."""
-    from snapfn.handler.llm.process_host import LLMProcessHost
+    from snapfn.handler.llm.recipes.process_host import LLMProcessHost
 
     class PerturbedLLMHost(LLMProcessHost):
         def _stream(self, figures, path, ring):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot.compat import FORMAT_VERSION
-from snapfn.snapshot.format import validate_snapshot
-from snapfn.snapshot.publish import SnapshotWriter
+from snapfn.snapshot.portable.compat import FORMAT_VERSION
+from snapfn.snapshot.portable.format import validate_snapshot
+from snapfn.snapshot.portable.publish import SnapshotWriter
 
 CHUNK = 1024
 COMPAT = {"format_version": FORMAT_VERSION, "device_type": "cpu", "machine": "x86_64"}

@@ -1,5 +1,5 @@
 """`serve --idle-timeout … --keeper on`: the activator runs one `snapfn keeper` per GPU for its
-instances' tier-1 restores (snapshot/keeper.py). Here: the plan (each GPU's keeper command,
+instances' tier-1 restores (snapshot/keeper/daemon.py). Here: the plan (each GPU's keeper command,
 environment and socket, and the instance that is told that socket), what is refused, and the
 keepers' start and stop as processes — a stand-in command, since a real keeper needs a GPU."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.handler.activator_keepers import Keepers
-from snapfn.handler.activator_plan import ActivatorPlan
+from snapfn.handler.activator.keepers import Keepers
+from snapfn.handler.activator.plan import ActivatorPlan
 from snapfn.handler.cli import build_parser
-from snapfn.handler.serve_config import ServeConfig
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.snapshot.errors import BadRequest
 
 

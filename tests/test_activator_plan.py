@@ -1,4 +1,4 @@
-"""`activator_plan.py`: GPUs found without torch, the instance command line and environment.
+"""`activator/plan.py`: GPUs found without torch, the instance command line and environment.
 
 Also: the activator (CLI, plan, app) never imports torch, checked in a fresh interpreter.
 """
@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from snapfn.handler.activator_plan import (
+from snapfn.handler.activator.plan import (
     ACTIVATOR_FLAGS,
     FORWARDED_FLAGS,
     ActivatorPlan,
     visible_gpu_ids,
 )
 from snapfn.handler.cli import build_parser
-from snapfn.handler.serve_config import ServeConfig
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.snapshot.errors import BadRequest
 
 NVIDIA_SMI_L = "GPU 0: NVIDIA H200 (UUID: GPU-a)\n  MIG 1g.18gb Device 0: (UUID: MIG-x)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
@@ -103,11 +103,11 @@ def test_the_activator_never_imports_torch():
     check = """
 import json, sys
 from snapfn.handler.cli import build_parser
-from snapfn.handler.activator import create_activator_app
-from snapfn.handler.serve import serve_config
+from snapfn.handler.activator.app import create_activator_app
+from snapfn.handler.http.serve import serve_config
 args = build_parser().parse_args(["serve", "--idle-timeout", "1", "--max-instances", "2"])
 config = serve_config(args, {})
-from snapfn.handler.activator_plan import ActivatorPlan
+from snapfn.handler.activator.plan import ActivatorPlan
 plan = ActivatorPlan.build(args, config, {})
 print(json.dumps({"torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
                   "max_instances": plan.max_instances}))

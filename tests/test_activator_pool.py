@@ -1,4 +1,4 @@
-"""`activator_pool.py` with fake instances: routing, the hold queue, scaling, idling, failures.
+"""`activator/pool.py` with fake instances: routing, the hold queue, scaling, idling, failures.
 
 Each test runs one asyncio scenario; a `FakeInstance` comes up when the test says so (or fails
 to), and exits when stopped or "crashed", so every decision of the pool is staged exactly.
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from snapfn.handler.activator_instance import InstanceFailed, InstanceState
-from snapfn.handler.activator_metrics import ActivatorMetrics
-from snapfn.handler.activator_plan import ActivatorPlan
-from snapfn.handler.activator_pool import MAX_START_FAILURES, InstancePool, Unavailable
-from snapfn.handler.serve_config import ServeConfig
+from snapfn.handler.activator.instance import InstanceFailed, InstanceState
+from snapfn.handler.activator.metrics import ActivatorMetrics
+from snapfn.handler.activator.plan import ActivatorPlan
+from snapfn.handler.activator.pool import MAX_START_FAILURES, InstancePool, Unavailable
+from snapfn.handler.http.serve_config import ServeConfig
 
 MANIFEST = {"kind": "restore", "tier": "portable", "total_s": 0.25, "ok": True, "stages": []}
 

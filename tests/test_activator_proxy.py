@@ -1,4 +1,4 @@
-"""`activator_proxy.py` and the activator's app (`activator.py`) against a fake instance.
+"""`activator/proxy.py` and the activator's app (`activator/app.py`) against a fake instance.
 
 The instance is a small aiohttp server whose handlers the test steers (an event stream that
 waits for the test between events, bodies cut short, a closed port), so streaming without
@@ -16,11 +16,11 @@ from types import SimpleNamespace
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from snapfn.handler.activator import _instance_session, create_activator_app
-from snapfn.handler.activator_metrics import ActivatorMetrics
-from snapfn.handler.activator_plan import ActivatorPlan
-from snapfn.handler.activator_pool import Unavailable
-from snapfn.handler.serve_config import ServeConfig
+from snapfn.handler.activator.app import _instance_session, create_activator_app
+from snapfn.handler.activator.metrics import ActivatorMetrics
+from snapfn.handler.activator.plan import ActivatorPlan
+from snapfn.handler.activator.pool import Unavailable
+from snapfn.handler.http.serve_config import ServeConfig
 
 
 class OneInstancePool:

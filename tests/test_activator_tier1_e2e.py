@@ -32,7 +32,7 @@ def activator(criu_config, tmp_path_factory):
 
 def workers() -> list[int]:
     done = subprocess.run(
-        ["pgrep", "-f", "snapfn.snapshot.process_worker"], capture_output=True, text=True
+        ["pgrep", "-f", "snapfn.snapshot.process.worker"], capture_output=True, text=True
     )
     return [int(p) for p in done.stdout.split()]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapfn.snapshot.bandwidth import measure_disk_read_gbps, measure_h2d_gbps
+from snapfn.snapshot.portable.bandwidth import measure_disk_read_gbps, measure_h2d_gbps
 
 from layout_files import write_mixed
 

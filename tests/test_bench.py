@@ -49,8 +49,8 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
 
 
 def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_with_tokenizer):
-    from snapfn.handler.llm.bench import format_report
-    from snapfn.handler.llm.bench_child import MODES, parse_args
+    from snapfn.handler.llm.bench.child import MODES, parse_args
+    from snapfn.handler.llm.bench.cli import format_report
 
     args = parse_args(
         ["steady", "--model", str(llama_with_tokenizer), "--t0", "0", "--decode-batches", "1,4"]
@@ -82,7 +82,7 @@ def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_wit
 
 
 def test_decode_batches_are_distinct_prompts_within_the_vocabulary():
-    from snapfn.handler.llm.bench_child import PROMPT_IDS, distinct_prompts
+    from snapfn.handler.llm.bench.child import PROMPT_IDS, distinct_prompts
 
     prompts = distinct_prompts(32, vocab=1000)
     assert len({tuple(p) for p in prompts}) == 32  # every row its own: MoE rows route apart
@@ -91,7 +91,7 @@ def test_decode_batches_are_distinct_prompts_within_the_vocabulary():
 
 
 def test_ms_per_step_is_the_difference_and_never_zero_when_noise_swamps_it(capsys):
-    from snapfn.handler.llm.bench_child import _ms_per_step
+    from snapfn.handler.llm.bench.child import _ms_per_step
 
     # 8 tokens in 0.9 s, 4 in 0.5 s: 4 steady steps took 0.4 s
     assert _ms_per_step(lambda n: {8: 0.9, 4: 0.5}[n], 4) == pytest.approx(100.0)

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from snapfn.handler.cli import build_parser, main
-from snapfn.handler.serve import default_model_name
-from snapfn.handler.targets import serve_target
-from snapfn.snapshot.cache import (
+from snapfn.handler.function.target_flags import serve_target
+from snapfn.handler.http.serve import default_model_name
+from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.store.cache import (
     DEFAULT_MAX_BYTES,
     SnapshotCacheConfig,
     cached_snapshot,
     parse_byte_count,
 )
-from snapfn.snapshot.errors import BadRequest
-from snapfn.snapshot.store import push
+from snapfn.snapshot.store.transfer import push
 
 from moto_server import fake_aws
 from s3_clients import RecordingClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapfn.snapshot.checksum import odd_weights, sum64, sum64_bytes
+from snapfn.snapshot.layout.checksum import odd_weights, sum64, sum64_bytes
 
 from layout_files import needs_cuda, random_words, reference_sum64
 
@@ -67,7 +67,7 @@ def test_cuda_sum64_matches_cpu():
 
 
 def test_first_bad_chunk_finds_the_changed_chunk_and_passes_the_same_bytes():
-    from snapfn.snapshot.checksum import Sum64Chunk, first_bad_chunk, odd_weights
+    from snapfn.snapshot.layout.checksum import Sum64Chunk, first_bad_chunk, odd_weights
 
     data = torch.randint(0, 256, (5 * 4096 + 100,), dtype=torch.uint8)
     chunk = 4096

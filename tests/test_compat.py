@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from snapfn.snapshot.compat import FORMAT_VERSION, check_compat, compat_key
 from snapfn.snapshot.errors import IncompatibleSnapshot
+from snapfn.snapshot.portable.compat import FORMAT_VERSION, check_compat, compat_key
 
 
 def test_check_compat_names_the_first_mismatch() -> None:

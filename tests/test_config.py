@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from snapfn.handler.llm.config import ModelConfig
-from snapfn.handler.llm.errors import UnsupportedModel
+from snapfn.snapshot.errors import UnsupportedModel
 
 BASE = {
     "model_type": "llama",

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot.criu import (
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.process.criu import (
     CriuConfig,
     TreeOptions,
     check,
@@ -25,7 +26,6 @@ from snapfn.snapshot.criu import (
     is_running,
     restore,
 )
-from snapfn.snapshot.errors import RestoreFailed
 
 from criu_fakes import fake_criu
 
@@ -301,4 +301,4 @@ def test_connection_to_outside_the_tree_cannot_be_dumped(criu_config, tmp_path):
         listener.close()
 
 
-# -- snapfn doctor (snapshot/doctor.py), which reports the same check ------------------------
+# -- snapfn doctor (snapshot/process/doctor.py), which reports the same check ------------------------

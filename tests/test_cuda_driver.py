@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from snapfn.snapshot import cuda_driver
+from snapfn.snapshot.cuda import driver as cuda_driver
 from snapfn.snapshot.errors import RestoreFailed
 
 

@@ -20,8 +20,8 @@ import torch
 from snapfn.handler.llm.kernels.base import ExpertWeights
 from snapfn.handler.llm.kernels.deepgemm import DeepGemm, quantize_rows
 from snapfn.handler.llm.kernels.torch_ref import TorchBackend
-from snapfn.handler.llm.kernels.triton_backend import FP8_FUSED_MAX_ROWS, TritonBackend
-from snapfn.handler.llm.quant import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
+from snapfn.handler.llm.kernels.triton.backend import FP8_FUSED_MAX_ROWS, TritonBackend
+from snapfn.handler.llm.weights.quant import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 HAS_DEEPGEMM = importlib.util.find_spec("deep_gemm") is not None
 # FP8 activations (3 mantissa bits) against the reference's bf16 ones: a few percent per row

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from snapfn.handler.cli import build_parser
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.serve_config import ServeConfig
 
 from keda_schemas import SCHEMAS
 
@@ -303,8 +303,9 @@ def test_healthcheck_reads_snapfns_real_health_endpoint(tmp_path):
     """Against the real Flask app: starting → healthy (not ready), up → ready, failed → not."""
     from werkzeug.serving import make_server
 
-    from snapfn.handler.http import create_app
-    from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+    from snapfn.handler.function.runtime import WorkerRuntime
+    from snapfn.handler.function.target import ServeTarget
+    from snapfn.handler.http.app import create_app
 
     (tmp_path / "fn_ok.py").write_text("def handler(event, context):\n    return event\n")
     check = load_healthcheck()

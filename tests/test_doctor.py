@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from snapfn.snapshot.criu import CriuConfig
+from snapfn.snapshot.process.criu import CriuConfig
 
 from criu_fakes import fake_criu
 
 
 def test_doctor_without_criu_says_tier1_is_impossible(tmp_path):
-    from snapfn.snapshot.doctor import diagnose, format_findings
+    from snapfn.snapshot.process.doctor import diagnose, format_findings
 
     config = CriuConfig(prefix=str(tmp_path / "none"), search_path=str(tmp_path))
     findings = {f.name: f for f in diagnose(criu_config=config, snapshot_dir=tmp_path)}
@@ -21,7 +21,7 @@ def test_doctor_without_criu_says_tier1_is_impossible(tmp_path):
 
 
 def test_doctor_on_a_gpu_host_without_cuda_bindings_is_cpu_only(tmp_path, monkeypatch):
-    from snapfn.snapshot import doctor
+    from snapfn.snapshot.process import doctor
 
     version_file = tmp_path / "version"
     version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Sun\n")
@@ -40,7 +40,7 @@ def test_doctor_on_a_gpu_host_without_cuda_bindings_is_cpu_only(tmp_path, monkey
 def test_doctor_run_exits_1_when_something_fails(tmp_path, monkeypatch, capsys):
     import argparse
 
-    from snapfn.snapshot import doctor
+    from snapfn.snapshot.process import doctor
 
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
@@ -53,9 +53,9 @@ def test_doctor_run_exits_1_when_something_fails(tmp_path, monkeypatch, capsys):
 def test_doctor_says_whether_a_keeper_answers(tmp_path, monkeypatch):
     import threading
 
-    from snapfn.snapshot import doctor
-    from snapfn.snapshot.keeper import Keeper
-    from snapfn.snapshot.pinned_cache import PinnedCache
+    from snapfn.snapshot.keeper.daemon import Keeper
+    from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+    from snapfn.snapshot.process import doctor
 
     assert doctor._keeper_finding(None, {}).detail == "not needed: no NVIDIA driver here"
     address = str(tmp_path / "keeper.sock")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from snapfn.handler.llm.engine.request import SamplingParams
-from snapfn.handler.llm.errors import BadRequest
+from snapfn.snapshot.errors import BadRequest
 
 from parity import greedy, our_engine, random_prompts
 

@@ -80,7 +80,7 @@ def test_all_to_all_returns_each_token_summed_over_all_its_experts(tmp_path):
 
 def test_ep_size_one_needs_no_exchange_and_tp_with_ep_is_refused():
     assert make_exchange(ParallelConfig(), NUM_EXPERTS) is None
-    from snapfn.handler.llm.errors import BadRequest
+    from snapfn.snapshot.errors import BadRequest
 
     with pytest.raises(BadRequest, match="tensor parallel"):
         make_exchange(ParallelConfig(tp_size=2, ep_size=2), NUM_EXPERTS)

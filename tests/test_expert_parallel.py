@@ -22,9 +22,9 @@ from ranks import join_group, run_ranks
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine.engine import SchedulerConfig
 from snapfn.handler.llm.engine.request import SamplingParams
-from snapfn.handler.llm.errors import BadRequest
-from snapfn.handler.llm.make_model import make_model
+from snapfn.handler.llm.make_model.build import make_model
 from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.snapshot.errors import BadRequest
 
 PROMPTS = [[5, 17, 3, 9, 12, 40, 7, 2], [30, 1, 4], [8, 8, 21, 6, 19, 23, 2, 9, 10, 11]]
 
@@ -117,7 +117,7 @@ def _triton_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str)
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_all_to_all_ranks_on_the_triton_kernels_generate_what_one_rank_does(glm_dir, tmp_path):
-    """The MoE kernels (`triton_moe`: one token's GEMVs, the sorted-pair tiles) on the rows an
+    """The MoE kernels (`triton.moe`: one token's GEMVs, the sorted-pair tiles) on the rows an
     exchange dispatched, whose other ids belong to other ranks, and a rank that got none."""
     run_ranks(_triton_rank, 2, str(glm_dir), str(tmp_path))
     for r in range(2):

@@ -20,19 +20,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from snapfn.handler.llm import runtime_env
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.graphs import DecodeGraphs
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
-from snapfn.handler.llm.errors import InitFailed
-from snapfn.handler.llm.kernels import (
-    available_backends,
-    flashinfer_backend,
-    flashinfer_plan,
-    get_backend,
-)
-from snapfn.handler.llm.kernels.flashinfer_backend import paged_kv_metadata
+from snapfn.handler.llm.kernels import available_backends, get_backend
+from snapfn.handler.llm.kernels.flashinfer import backend as flashinfer_backend
+from snapfn.handler.llm.kernels.flashinfer import plan as flashinfer_plan
+from snapfn.handler.llm.kernels.flashinfer.backend import paged_kv_metadata
 from snapfn.handler.llm.kernels.torch_ref import causal_attention
+from snapfn.handler.llm.recipes import runtime_env
+from snapfn.snapshot.errors import InitFailed
 
 import flashinfer_checks
 
@@ -135,7 +132,7 @@ def test_importing_the_package_does_not_import_flashinfer():
     code = (
         "import sys\n"
         "import snapfn.handler.llm.build\n"
-        "from snapfn.handler.llm.kernels import flashinfer_backend\n"
+        "from snapfn.handler.llm.kernels.flashinfer import backend\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
-from snapfn.handler.llm.kernels import flashinfer_plan, get_backend
-from snapfn.handler.llm.kernels.flashinfer_mla import fill_kv_indices, row_plan
-from snapfn.handler.llm.quant import quantize_fp8_block
+from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.kernels.flashinfer import plan as flashinfer_plan
+from snapfn.handler.llm.kernels.flashinfer.mla import fill_kv_indices, row_plan
+from snapfn.handler.llm.weights.quant import quantize_fp8_block
 
 from flashinfer_checks import mla_reference, random_topk
 

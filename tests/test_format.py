@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot.compat import FORMAT_VERSION
 from snapfn.snapshot.errors import BadSnapshot, IncompatibleSnapshot
-from snapfn.snapshot.format import MANIFEST, check_chunk, chunk_digests, validate_snapshot
+from snapfn.snapshot.portable.compat import FORMAT_VERSION
+from snapfn.snapshot.portable.format import MANIFEST, check_chunk, chunk_digests, validate_snapshot
 
 from snapshot_samples import BIG, CHUNK, COMPAT, flip_bit, refusal, write_snapshot
 
@@ -136,7 +136,7 @@ def test_malformed_entries(snap: Path) -> None:
     [(0, 0, None), (1, 0, None), (1000, 0, None), ((8 << 20) + 3, 0, None), (5000, 4000, 1000)],
 )
 def test_sha256_range_reads_whole_files_and_ranges_of_any_size(tmp_path, size, offset, length):
-    from snapfn.snapshot.digests import DigestRange, sha256_range
+    from snapfn.snapshot.portable.digests import DigestRange, sha256_range
 
     data = os.urandom(size)
     (tmp_path / "f.bin").write_bytes(data)

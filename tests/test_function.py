@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from snapfn.handler.llm.function import LLMFunction
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.snapshot.format import validate_snapshot
+from snapfn.handler.llm.recipes.function import LLMFunction
+from snapfn.snapshot.portable.format import validate_snapshot
 from snapfn.snapshot.runtime import init_and_snapshot, restore
 
 from parity import greedy, our_prefill_logits, random_prompts
@@ -200,7 +200,7 @@ def test_any_exception_in_a_restore_stage_falls_back(made, tmp_path, monkeypatch
 
 
 def test_compiles_counted_says_what_a_stage_added_to_the_compile_caches(tmp_path):
-    from snapfn.handler.llm import runtime_env
+    from snapfn.handler.llm.recipes import runtime_env
 
     triton = runtime_env.cache_dirs(tmp_path)["triton"]
     triton.mkdir(parents=True)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from snapfn.handler.cli import main
-from snapfn.handler.llm.make_model import make_model
+from snapfn.handler.llm.make_model.build import make_model
 
 ARGS = ["--prompt-ids", "5,17,3,9,12", "--max-new-tokens", "6", "--ignore-eos", "--json"]
 ARGS += ["--dtype", "float32"]

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from snapfn.handler.llm.build import EngineOptions, build_model
-from snapfn.handler.llm.checkpoint import Checkpoint
 from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
-from snapfn.handler.llm.errors import CheckpointError
 from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.kernels.torch_ref import causal_attention, topk_mask
-from snapfn.handler.llm.loader import load_weights
 from snapfn.handler.llm.models.base import ConcatLinear
 from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.handler.llm.weights.checkpoint import Checkpoint
+from snapfn.handler.llm.weights.loader import load_weights
+from snapfn.snapshot.errors import CheckpointError
 
 from glm_checkpoints import (
     NOT_QUANTIZED,
@@ -244,7 +244,7 @@ def test_mtp_layer_is_loaded(glm_dir, tmp_path):
 
 
 def test_step_weights_count_the_experts_a_step_routes_to_and_skip_mtp(glm_dir, tmp_path):
-    from snapfn.handler.llm.memory import step_weights
+    from snapfn.handler.llm.engine.memory import step_weights
 
     write_with_mtp(glm_dir, tmp_path / "mtp")
     model = our_engine(tmp_path / "mtp", page_size=4).model

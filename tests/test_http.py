@@ -1,8 +1,8 @@
-"""The HTTP front door (`handler/http.py`) through Flask's test client, on a real WorkerRuntime.
+"""The HTTP front door (`handler/http/app.py`) through Flask's test client, on a real WorkerRuntime.
 
 Covers every endpoint, the start-up gate (`startup_gate.py`: wait, queue bound, timeout, failed
-start), every bad-input class (`openai_api.py`, `openai_params.py`: 4xx with an OpenAI error
-body naming the field, `http_json.py`), auth, client-disconnect cancellation (`generation.py`:
+start), every bad-input class (`openai/parse.py`, `openai/params.py`: 4xx with an OpenAI error
+body naming the field, `json_io.py`), auth, client-disconnect cancellation (`generation.py`:
 KV pages freed), the catch-all 500, and greedy parity with `Engine.generate`.
 """
 
@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from snapfn.handler.http import ServeConfig, create_app
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import ServeTarget
+from snapfn.handler.http.app import create_app
+from snapfn.handler.http.metrics import startup_metrics
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.metrics import startup_metrics
-from snapfn.handler.runtime import ServeTarget, WorkerRuntime
 from snapfn.snapshot.stages import Readiness
 
 from parity import our_engine

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot import criu_image as ci
-from snapfn.snapshot import image_memory as im
-from snapfn.snapshot.criu_image import ImageError, Message
+from snapfn.snapshot.process import criu_image as ci
+from snapfn.snapshot.process import image_memory as im
+from snapfn.snapshot.process.criu_image import ImageError, Message
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20

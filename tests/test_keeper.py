@@ -1,4 +1,4 @@
-"""The keeper's restore ops (snapshot/keeper.py) on CPU: the GPU work stands in as fakes (a
+"""The keeper's restore ops (snapshot/keeper/daemon.py) on CPU: the GPU work stands in as fakes (a
 prefetch whose regions are memfds, a recorded CUDA restore), the protocol and the fallbacks are
 real — a restore uses the keeper when it answers and does the work itself when it does not or
 refuses, a closed lease cancels a hand-over nobody took, a GPU-less keeper refuses GPU ops with
@@ -14,12 +14,16 @@ import time
 
 import pytest
 
-from snapfn.snapshot import cuda_checkpoint, keeper, process, region_prefetch
+from snapfn.snapshot.cuda import checkpoint as cuda_checkpoint
 from snapfn.snapshot.errors import RestoreFailed
-from snapfn.snapshot.keeper import Keeper, KeeperPrefetch, KeeperUnavailable
-from snapfn.snapshot.pinned_cache import PinnedCache
-from snapfn.snapshot.process_snapshot import _current_compat
-from snapfn.snapshot.region_prefetch import RegionSpec, prefetch_doc
+from snapfn.snapshot.keeper import client as keeper
+from snapfn.snapshot.keeper import region_prefetch
+from snapfn.snapshot.keeper.client import KeeperPrefetch, KeeperUnavailable
+from snapfn.snapshot.keeper.daemon import Keeper
+from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+from snapfn.snapshot.keeper.region_prefetch import RegionSpec, prefetch_doc
+from snapfn.snapshot.process import worker_process as process
+from snapfn.snapshot.process.snapshot import _current_compat
 
 from test_region_prefetch import MemfdPrefetch, spec
 
@@ -156,7 +160,7 @@ def test_closing_the_lease_cancels_a_hand_over_nobody_took(fake_keeper, tmp_path
 def test_a_restore_asks_the_keeper_for_the_gpu_fields_or_falls_back(
     fake_keeper, tmp_path, monkeypatch
 ):
-    from snapfn.snapshot import compat
+    from snapfn.snapshot.portable import compat
 
     _, address = fake_keeper
     fields = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}

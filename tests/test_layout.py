@@ -9,7 +9,7 @@ import json
 import pytest
 
 from snapfn.snapshot.errors import BadSnapshot
-from snapfn.snapshot.layout import RestoreLayout
+from snapfn.snapshot.layout.table import RestoreLayout
 
 from layout_files import ALIGN, write_mixed
 

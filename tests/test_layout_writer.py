@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from snapfn.snapshot.layout_writer import write_restore_layout
+from snapfn.snapshot.layout.writer import write_restore_layout
 
 from layout_files import ALIGN, CHUNK, mixed_tensors, raw, reference_sum64, write_mixed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapfn.handler.llm.errors import CheckpointError
+from snapfn.snapshot.errors import CheckpointError
 
 from ckpt_edit import copy_with, fp8_quantize_checkpoint
 from conftest import save_tiny

@@ -14,17 +14,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from snapfn.handler.llm.errors import BadRequest
-from snapfn.handler.llm.make_model import add_arguments, list_presets, make_model, run
 from snapfn.handler.llm.make_model import build as build_module
+from snapfn.handler.llm.make_model.build import make_model
+from snapfn.handler.llm.make_model.cli import add_arguments, run
 from snapfn.handler.llm.make_model.hf_layout import (
     DTYPE_BYTES,
     checkpoint_bytes,
     storage_units,
     tensor_specs,
 )
-from snapfn.handler.llm.presets import PRESETS
-from snapfn.handler.llm.quant import dequantize_fp8_block, scale_shape
+from snapfn.handler.llm.make_model.presets import PRESETS, list_presets
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block, scale_shape
+from snapfn.snapshot.errors import BadRequest
 
 TINY_PRESETS = ["tiny", "qwen3-tiny", "qwen2-tiny", "glm-tiny", "glm-small", "glm-route"]
 

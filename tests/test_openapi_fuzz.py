@@ -18,10 +18,12 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from snapfn.handler.http import ServeConfig, create_app
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import ServeTarget
+from snapfn.handler.http.app import create_app
+from snapfn.handler.http.openapi import openapi_document
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.openapi import openapi_document
-from snapfn.handler.runtime import ServeTarget, WorkerRuntime
 
 MODEL = "tiny"
 MAX_EXAMPLES = 30  # per operation and generation mode

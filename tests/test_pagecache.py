@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from snapfn.snapshot.pagecache import drop, prewarm, residency
+from snapfn.snapshot.portable.pagecache import drop, prewarm, residency
 
 
 def write_synced(path, num_bytes: int):

@@ -6,12 +6,12 @@ import subprocess
 import sys
 import time
 
-from snapfn.handler.parent_watch import PARENT_PID_VARIABLE
-from snapfn.snapshot.criu import is_running
+from snapfn.handler.activator.parent_watch import PARENT_PID_VARIABLE
+from snapfn.snapshot.process.criu import is_running
 
 CHILD = """
 import os, time
-from snapfn.handler.parent_watch import exit_with_parent
+from snapfn.handler.activator.parent_watch import exit_with_parent
 assert exit_with_parent(os.environ)
 print("armed", flush=True)
 time.sleep(60)
@@ -44,7 +44,7 @@ def test_the_child_gets_sigterm_when_its_parent_dies():
 def test_a_parent_already_gone_is_reported_and_no_variable_does_nothing():
     # NOTE: in a subprocess: the prctl would otherwise stay armed on the test runner itself
     check = (
-        "import os; from snapfn.handler.parent_watch import exit_with_parent as e; "
+        "import os; from snapfn.handler.activator.parent_watch import exit_with_parent as e; "
         f"print(e({{}}), e({{{PARENT_PID_VARIABLE!r}: str(os.getppid() + 1)}}))"
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot import pinned_cache
-from snapfn.snapshot.keeper import Keeper, request
-from snapfn.snapshot.pinned_cache import Lease, Miss, PinnedCache
+from snapfn.snapshot.keeper import pinned_cache
+from snapfn.snapshot.keeper.client import request
+from snapfn.snapshot.keeper.daemon import Keeper
+from snapfn.snapshot.keeper.pinned_cache import Lease, Miss, PinnedCache
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_a_bad_request_is_answered_and_the_keeper_keeps_serving(keeper):
 
 
 def test_restores_look_for_the_keeper_where_snapfn_pin_serves_by_default(tmp_path):
-    from snapfn.snapshot.process import ProcessConfig
+    from snapfn.snapshot.process.worker_process import ProcessConfig
 
     environ = {"XDG_RUNTIME_DIR": str(tmp_path)}
     expected = str(tmp_path / f"snapfn-pinned-{os.getuid()}.sock")
@@ -120,7 +121,7 @@ def test_snapfn_pin_serves_until_stopped(tmp_path):
     weights.write_bytes(os.urandom(1 << 20))
     address = str(tmp_path / "pin.sock")
     code = (
-        "import sys; from pathlib import Path; from snapfn.snapshot import pinned_cache as p;"
+        "import sys; from pathlib import Path; from snapfn.snapshot.keeper import pinned_cache as p;"
         f"p.files_to_pin = lambda d: [Path({str(weights)!r})];"
         "from snapfn.handler.cli import main; sys.exit(main(sys.argv[1:]))"
     )

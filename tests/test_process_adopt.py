@@ -9,12 +9,12 @@ import threading
 
 import torch
 
-from snapfn.handler.llm.process_host import LLMProcessHost
-from snapfn.snapshot.checksum import Sum64Chunk, odd_weights
+from snapfn.handler.llm.recipes.process_host import LLMProcessHost
 from snapfn.snapshot.errors import RestoreFailed
-from snapfn.snapshot.layout import RestoreLayout
-from snapfn.snapshot.region_fill import RegionPrefetch, _Made
-from snapfn.snapshot.region_prefetch import RegionSpec
+from snapfn.snapshot.keeper.region_fill import RegionPrefetch, _Made
+from snapfn.snapshot.keeper.region_prefetch import RegionSpec
+from snapfn.snapshot.layout.checksum import Sum64Chunk, odd_weights
+from snapfn.snapshot.layout.table import RestoreLayout
 
 CHUNK = 4096
 
@@ -118,7 +118,7 @@ def test_regions_that_do_not_match_ours_are_refused(tmp_path):
 
 
 def test_no_restorer_at_all_is_a_fallback_not_a_failure(tmp_path, monkeypatch):
-    import snapfn.handler.llm.process_host as process_host
+    import snapfn.handler.llm.recipes.process_host as process_host
 
     monkeypatch.setattr(process_host, "ADOPT_TIMEOUT_S", 0.2)
     data = torch.zeros(CHUNK, dtype=torch.uint8)
@@ -129,7 +129,7 @@ def test_no_restorer_at_all_is_a_fallback_not_a_failure(tmp_path, monkeypatch):
 def test_the_regions_a_restorer_makes_are_described_as_region_specs():
     from types import SimpleNamespace
 
-    from snapfn.handler.llm.releasable import ReleasableMemory
+    from snapfn.handler.llm.recipes.releasable import ReleasableMemory
 
     def region(address: int, nbytes: int):
         return SimpleNamespace(address=address, nbytes=nbytes, device_index=0)

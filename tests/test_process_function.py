@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from snapfn.handler.api import FunctionError
-from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import ServeTarget
 from snapfn.snapshot.stages import Readiness
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import torch
 
 from snapfn.handler.llm.embedded import embedded_model_dir
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.snapshot.vmm import Arena, allocate_region
+from snapfn.snapshot.cuda.regions import Arena, allocate_region
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def test_cuda_region_release_and_remap_keep_a_captured_graph_valid():
 
 
 def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
-    from snapfn.snapshot.vmm import RegionPool
+    from snapfn.snapshot.cuda.regions import RegionPool
 
     weights = torch.randn(256, 256, device="cuda")
     x = torch.randn(8, 256, device="cuda")
@@ -71,8 +71,8 @@ def test_graphs_captured_into_a_region_pool_replay_after_release_and_remap():
 def weights_file_and_region(tmp_path):
     """A 6 MiB + 123 B weights file, and a released 8 MiB CUDA region (filled with 7s before
     its release) that a prefetch fills from it: (payload, region, spec)."""
-    from snapfn.snapshot.region_prefetch import RegionSpec
-    from snapfn.snapshot.vmm import CudaRegion
+    from snapfn.snapshot.cuda.regions import CudaRegion
+    from snapfn.snapshot.keeper.region_prefetch import RegionSpec
 
     payload = torch.randint(0, 256, ((6 << 20) + 123,), dtype=torch.uint8)
     (tmp_path / "weights.bin").write_bytes(payload.numpy().tobytes())
@@ -85,7 +85,7 @@ def weights_file_and_region(tmp_path):
 
 def take_regions(address: str, *regions) -> dict:
     """The worker's side of a hand-over: receive, adopt each region's fd, ack; the message."""
-    from snapfn.snapshot import region_prefetch
+    from snapfn.snapshot.keeper import region_prefetch
 
     message, fds, sock = region_prefetch.receive(address, timeout_s=60)
     assert message["ok"], message["error"]
@@ -102,8 +102,8 @@ def assert_copied_from_the_hold(message: dict, payload, weights) -> None:
 
 
 def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_path):
-    from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
-    from snapfn.snapshot.vmm import CudaRegion
+    from snapfn.snapshot.cuda.regions import CudaRegion
+    from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
 
     payload, weights, weights_spec = weights_file_and_region(tmp_path)
     kv = CudaRegion(4 << 20, torch.device("cuda", 0))
@@ -125,9 +125,9 @@ def test_regions_made_and_filled_by_a_prefetch_helper_map_at_our_addresses(tmp_p
 def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
     import threading
 
-    from snapfn.snapshot.keeper import Keeper
-    from snapfn.snapshot.pinned_cache import PinnedCache
-    from snapfn.snapshot.region_prefetch import PrefetchHelper, prefetch_doc
+    from snapfn.snapshot.keeper.daemon import Keeper
+    from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+    from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, prefetch_doc
 
     payload, weights, spec = weights_file_and_region(tmp_path)
     cache = PinnedCache("cuda")
@@ -153,8 +153,8 @@ def test_a_prefetch_helper_copies_the_weights_from_a_pinned_keeper(tmp_path):
 def test_a_keepers_own_prefetch_copies_from_what_it_holds(tmp_path, hold):
     import threading
 
-    from snapfn.snapshot.pinned_cache import PinnedCache
-    from snapfn.snapshot.region_fill import RegionPrefetch
+    from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+    from snapfn.snapshot.keeper.region_fill import RegionPrefetch
 
     payload, weights, spec = weights_file_and_region(tmp_path)
     cache = PinnedCache(hold)
@@ -192,9 +192,9 @@ def wait_for_exit(pid: int, timeout_s: float = 30.0) -> None:
 
 def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypatch):
     from snapfn.handler.llm.engine.request import SamplingParams
-    from snapfn.handler.llm.process_restore import restore_llm
+    from snapfn.handler.llm.recipes.cli import _init_process
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
     from snapfn.handler.llm.service import LLMService
-    from snapfn.handler.llm.snapshot_cli import _init_process
     from snapfn.snapshot.runtime import cold_init
 
     # NOTE: SNAPFN_BACKEND picks the backend (default: the best installed). With the Triton
@@ -206,7 +206,7 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
     startup = _init_process(config, embedded_model_dir(), tmp_path / "snap")
     assert startup.tier == "process", startup.fallbacks
 
-    from snapfn.handler.llm.function import LLMFunction
+    from snapfn.handler.llm.recipes.function import LLMFunction
 
     cold = LLMFunction(config, embedded_model_dir())
     cold_init(cold, log=None)
@@ -236,8 +236,8 @@ def test_tier1_restore_on_cuda_equals_cold_init(tmp_path, criu_config, monkeypat
     # CUDA restore; this process never initialises the driver for the restore
     import threading
 
-    from snapfn.snapshot.keeper import Keeper
-    from snapfn.snapshot.pinned_cache import PinnedCache, files_to_pin
+    from snapfn.snapshot.keeper.daemon import Keeper
+    from snapfn.snapshot.keeper.pinned_cache import PinnedCache, files_to_pin
 
     cache = PinnedCache("cuda")
     for path in files_to_pin(tmp_path / "snap"):

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from snapfn.handler.process_group import clear_group, live_members, signal_group
+from snapfn.handler.activator.process_group import clear_group, live_members, signal_group
 
 # a group leader that forks two children, reports their pids, then sleeps with them
 LEADER = """
@@ -52,8 +52,8 @@ def test_a_group_that_is_gone_is_not_an_error():
 
 
 def test_stat_fields_survive_a_command_name_with_spaces_and_parentheses(tmp_path):
-    from snapfn.handler.process_group import live_members
-    from snapfn.snapshot.proc_stat import stat_fields
+    from snapfn.handler.activator.process_group import live_members
+    from snapfn.snapshot.process.proc_stat import stat_fields
 
     for pid, comm, state, pgrp in [
         (11, "a) (b", "S", 77),

@@ -14,10 +14,10 @@ import pytest
 
 from snapfn.handler.llm.embedded import embedded_model_dir
 from snapfn.handler.llm.engine.request import SamplingParams
-from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.llm.process_host import REPLAY_TOKENS
-from snapfn.snapshot.process import ProcessConfig
+from snapfn.handler.llm.recipes.process_host import REPLAY_TOKENS
+from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.process.worker_process import ProcessConfig
 from snapfn.snapshot.stages import Readiness
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
@@ -46,7 +46,7 @@ def config(tmp: Path) -> InitConfig:
 
 @pytest.fixture(scope="module")
 def tier1(tmp_path_factory):
-    from snapfn.handler.llm.snapshot_cli import _init_process
+    from snapfn.handler.llm.recipes.cli import _init_process
 
     tmp = tmp_path_factory.mktemp("llm1")
     startup = _init_process(config(tmp), embedded_model_dir(), tmp / "snap")
@@ -58,7 +58,7 @@ def tier1(tmp_path_factory):
 def cold_outputs(tier1):
     """A cold init as the process snapshot's worker does it (weights in a releasable region:
     CPU GEMMs may round differently on differently aligned weights, so both sides use one)."""
-    from snapfn.handler.llm.function import LLMFunction
+    from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.handler.llm.service import LLMService
     from snapfn.snapshot.runtime import cold_init
 
@@ -73,7 +73,7 @@ def cold_outputs(tier1):
 
 
 def test_tier1_restore_generates_exactly_what_a_cold_init_does(tier1, cold_outputs):
-    from snapfn.handler.llm.process_restore import restore_llm
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
 
     service, startup, fn = restore_llm(tier1 / "snap", config(tier1), None, log=None)
     try:
@@ -96,7 +96,7 @@ def test_the_restorer_does_not_import_torch(tier1):
     code = (
         "import sys\nfrom pathlib import Path\n"
         "from snapfn.handler.llm.init_config import InitConfig\n"
-        "from snapfn.handler.llm.process_restore import restore_process\n"
+        "from snapfn.handler.llm.recipes.process_restore import restore_process\n"
         "from snapfn.handler.llm.engine.request import SamplingParams\n"
         f"s, st = restore_process(Path({str(tier1 / 'snap')!r}), InitConfig(), None)\n"
         "r = s.generate([1, 2, 3], SamplingParams(max_new_tokens=3))\n"
@@ -107,9 +107,9 @@ def test_the_restorer_does_not_import_torch(tier1):
 
 
 def test_a_replay_mismatch_fails_closed_and_falls_back_to_tier_0(tmp_path, cold_outputs):
-    from snapfn.handler.llm.process_restore import restore_llm
-    from snapfn.handler.llm.snapshot_files import config_json
-    from snapfn.snapshot.process_snapshot import init_process_snapshot
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+    from snapfn.handler.llm.recipes.snapshot_files import config_json
+    from snapfn.snapshot.process.snapshot import init_process_snapshot
 
     args = {"model_dir": str(embedded_model_dir()), "init_config": config_json(config(tmp_path))}
     _, manifest = init_process_snapshot(
@@ -152,7 +152,7 @@ def test_generate_cli_restores_tier1_and_prints_the_cold_tokens(tier1, cold_outp
 
 
 def test_generate_restores_tier1_from_an_s3_snapshot(tier1, cold_outputs, tmp_path):
-    from snapfn.snapshot.store import push
+    from snapfn.snapshot.store.transfer import push
 
     from moto_server import fake_aws
 
@@ -170,7 +170,8 @@ def test_generate_restores_tier1_from_an_s3_snapshot(tier1, cold_outputs, tmp_pa
 
 
 def test_worker_runtime_serves_tier1_and_fails_when_the_worker_dies(tier1):
-    from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+    from snapfn.handler.function.runtime import WorkerRuntime
+    from snapfn.handler.function.target import ServeTarget
 
     target = ServeTarget(kind="llm", snapshot_dir=tier1 / "snap", init_config=config(tier1))
     runtime = WorkerRuntime(target)
@@ -196,7 +197,7 @@ def _wait_for(condition, timeout_s: float = 10.0) -> None:
 
 
 def test_inspect_shows_the_process_image(tier1):
-    from snapfn.handler.llm.snapshot_cli import format_table, load_startup
+    from snapfn.handler.llm.recipes.cli import format_table, load_startup
 
     table = format_table(*load_startup(tier1 / "snap"))
     assert "process image (tier 1):" in table and "release_weights_and_kv" in table
@@ -206,7 +207,7 @@ def test_inspect_shows_the_process_image(tier1):
 
 
 def test_inspect_names_the_regions_a_restorer_makes():
-    from snapfn.handler.llm.snapshot_cli import _process_memory_lines
+    from snapfn.handler.llm.recipes.cli import _process_memory_lines
 
     process = {
         "private_memory": {

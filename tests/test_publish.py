@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from snapfn.snapshot import publish
-from snapfn.snapshot.compat import FORMAT_VERSION
 from snapfn.snapshot.errors import BadSnapshot
-from snapfn.snapshot.format import MANIFEST, chunk_digests, read_manifest, validate_snapshot
-from snapfn.snapshot.publish import SnapshotWriter
-from snapfn.snapshot.staging import remove_stale_temp_dirs
+from snapfn.snapshot.portable import publish
+from snapfn.snapshot.portable.compat import FORMAT_VERSION
+from snapfn.snapshot.portable.format import (
+    MANIFEST,
+    chunk_digests,
+    read_manifest,
+    validate_snapshot,
+)
+from snapfn.snapshot.portable.publish import SnapshotWriter
+from snapfn.snapshot.portable.staging import remove_stale_temp_dirs
 
 from snapshot_samples import BIG, CHUNK, COMPAT, flip_bit, refusal, siblings, write_snapshot
 
@@ -189,7 +194,7 @@ def test_refuses_to_replace_a_directory_that_is_not_a_snapshot(tmp_path: Path) -
 CRASHING_WRITER = """
 import sys, time
 from pathlib import Path
-from snapfn.snapshot import publish
+from snapfn.snapshot.portable import publish
 
 dest, stage = Path(sys.argv[1]), sys.argv[2]
 if stage == "before-install":

@@ -3,7 +3,7 @@
 Workers run in process (a thread running `QueueWorker.run`) or as `snapfn worker`
 subprocesses (to SIGKILL / SIGTERM them), on a `WorkerRuntime` serving
 the tiny llama with a tokenizer, or a slow function for the heartbeat and drain cases.
-Covers `queue_worker.py`, `queue_inflight.py`, `queue_runner.py` and `queue_results.py`
+Covers `queue/worker.py`, `queue/inflight.py`, `queue/runner.py` and `queue/results.py`
 (the wire format alone: `test_queue_jobs.py`).
 """
 
@@ -22,14 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import ServeTarget
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.queue import queue_region
-from snapfn.handler.queue_jobs import parse_job
-from snapfn.handler.queue_results import ResultStore, encode_document
-from snapfn.handler.queue_runner import JobRunner, handle_sqs_batch
-from snapfn.handler.queue_worker import QueueConfig, QueueWorker
-from snapfn.handler.runtime import ServeTarget, WorkerRuntime
+from snapfn.handler.queue.cli import queue_region
+from snapfn.handler.queue.jobs import parse_job
+from snapfn.handler.queue.results import ResultStore, encode_document
+from snapfn.handler.queue.runner import JobRunner, handle_sqs_batch
+from snapfn.handler.queue.worker import QueueConfig, QueueWorker
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.stages import Readiness
 

@@ -1,4 +1,4 @@
-"""The job wire format (`handler/queue_jobs.py`): what `parse_job` accepts, derives and refuses."""
+"""The job wire format (`handler/queue/jobs.py`): what `parse_job` accepts, derives and refuses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from snapfn.handler.queue_jobs import parse_job
+from snapfn.handler.queue.jobs import parse_job
 from snapfn.snapshot.errors import BadRequest
 
 

@@ -1,4 +1,4 @@
-"""The restorer-side region prefetch (snapshot/region_prefetch.py, region_fill.py): specs, and the hand-over of
+"""The restorer-side region prefetch (snapshot/keeper/region_prefetch.py, region_fill.py): specs, and the hand-over of
 region fds to the worker over a unix socket. The CUDA half (cuMemCreate, fills, imports) runs in
 tests/test_process_gpu.py on a GPU; here the regions are memfds standing in for CUDA handles."""
 
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from snapfn.snapshot import region_prefetch
-from snapfn.snapshot.region_fill import RegionPrefetch, _Made
-from snapfn.snapshot.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
+from snapfn.snapshot.keeper import region_prefetch
+from snapfn.snapshot.keeper.region_fill import RegionPrefetch, _Made
+from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from snapfn.snapshot.errors import SnapfnError
-from snapfn.snapshot.format import validate_snapshot
+from snapfn.snapshot.portable.format import validate_snapshot
 
 
 def init_cmd(model_dir, snap, cache):

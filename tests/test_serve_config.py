@@ -1,10 +1,10 @@
-"""`ServeConfig` (`handler/serve_config.py`): defaults, then SNAPFN_* variables, then flags."""
+"""`ServeConfig` (`handler/http/serve_config.py`): defaults, then SNAPFN_* variables, then flags."""
 
 from __future__ import annotations
 
 import pytest
 
-from snapfn.handler.serve_config import ServeConfig
+from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.snapshot.errors import BadRequest
 
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from snapfn.handler.llm.errors import BadRequest
 from snapfn.handler.llm.service import LLMService
+from snapfn.snapshot.errors import BadRequest
 
 from parity import greedy, our_engine, random_prompts
 

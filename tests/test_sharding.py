@@ -7,10 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from snapfn.handler.llm.errors import BadRequest, CheckpointError, UnsupportedModel
-from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
-from snapfn.handler.llm.sharding import (
-    ParallelConfig,
+from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block, quantize_fp8_block
+from snapfn.handler.llm.weights.sharding import (
     Placement,
     expert_index,
     local_expert_range,
@@ -19,6 +18,7 @@ from snapfn.handler.llm.sharding import (
     shard_tensor,
     validate_head_split,
 )
+from snapfn.snapshot.errors import BadRequest, CheckpointError, UnsupportedModel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB_SIZE = 8, 4, 2, 2, 12, 16
 NUM_EXPERTS, MOE_FFN = 4, 6

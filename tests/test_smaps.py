@@ -1,4 +1,4 @@
-"""The private-memory census a process checkpoint records (snapshot/smaps.py)."""
+"""The private-memory census a process checkpoint records (snapshot/process/smaps.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from snapfn.snapshot import smaps
+from snapfn.snapshot.process import smaps
 
 
 def test_census_counts_touched_anonymous_memory_and_names_file_mappings(tmp_path):

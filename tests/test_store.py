@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from snapfn.handler.cli import main
-from snapfn.handler.llm.function import LLMFunction
 from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes.function import LLMFunction
 from snapfn.snapshot.errors import BadSnapshot, IncompatibleSnapshot, SnapfnError
-from snapfn.snapshot.format import validate_snapshot
+from snapfn.snapshot.portable.format import validate_snapshot
 from snapfn.snapshot.runtime import restore
-from snapfn.snapshot.s3_transfer import S3Location, TransferProgress
-from snapfn.snapshot.store import pull, push
+from snapfn.snapshot.store.s3 import S3Location, TransferProgress
+from snapfn.snapshot.store.transfer import pull, push
 
 from moto_server import fake_aws
 from s3_clients import RecordingClient

@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from snapfn.snapshot.bandwidth import measure_h2d_gbps
 from snapfn.snapshot.errors import BadSnapshot
-from snapfn.snapshot.layout import RestoreLayout
-from snapfn.snapshot.layout_writer import write_restore_layout
-from snapfn.snapshot.read_plan import device_bytes
-from snapfn.snapshot.streamer import WeightStreamer, load_layout_tensors
+from snapfn.snapshot.layout.read_plan import device_bytes
+from snapfn.snapshot.layout.streamer import WeightStreamer, load_layout_tensors
+from snapfn.snapshot.layout.table import RestoreLayout
+from snapfn.snapshot.layout.writer import write_restore_layout
+from snapfn.snapshot.portable.bandwidth import measure_h2d_gbps
 
 from layout_files import (
     ALIGN,

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from snapfn.handler.llm.errors import BadRequest, CheckpointError
 from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from snapfn.snapshot.errors import BadRequest, CheckpointError
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
 SENTENCES = [

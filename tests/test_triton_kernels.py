@@ -167,7 +167,7 @@ def test_auto_is_torch_on_cpu():
 def test_auto_on_cuda_takes_the_first_installed_backend_that_builds(monkeypatch):
     # get_backend does not touch the device: this runs on CPU-only machines too
     from snapfn.handler.llm import kernels
-    from snapfn.handler.llm.errors import InitFailed
+    from snapfn.snapshot.errors import InitFailed
 
     monkeypatch.setattr(kernels, "_installed", lambda name: name == "triton" and HAS_TRITON)
     want = "triton" if HAS_TRITON else "torch"
@@ -204,7 +204,7 @@ def test_importing_the_package_does_not_import_triton():
 def test_compiled_kernels_refuse_cpu_tensors():
     code = (
         "import torch\n"
-        "from snapfn.handler.llm.kernels import triton_kernels as tk\n"
+        "from snapfn.handler.llm.kernels.triton import kernels as tk\n"
         "try:\n"
         "    tk.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
         "except ValueError as exc:\n"
@@ -218,8 +218,8 @@ def test_compiled_kernels_refuse_cpu_tensors():
 
 @needs_triton
 def test_gemv_splits_k_only_where_column_tiles_leave_sms_idle(monkeypatch):
-    from snapfn.handler.llm.kernels import triton_gemv as tg
-    from snapfn.handler.llm.quant import FP8_DTYPE
+    from snapfn.handler.llm.kernels.triton import gemv as tg
+    from snapfn.handler.llm.weights.quant import FP8_DTYPE
 
     monkeypatch.setattr(tg, "_sm_count", lambda device: 132)  # an H200's SMs, without a GPU
     cuda = torch.device("cuda", 0)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from snapfn.handler.llm.build import EngineOptions, allocate_kv, build_model
-from snapfn.handler.llm.checkpoint import Checkpoint
 from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.embedded import embedded_model_dir
-from snapfn.handler.llm.loader import load_weights
-from snapfn.handler.llm.memory import dummy_prefill
-from snapfn.handler.llm.warmup import warmup
+from snapfn.handler.llm.engine.memory import dummy_prefill
+from snapfn.handler.llm.engine.warmup import warmup
+from snapfn.handler.llm.weights.checkpoint import Checkpoint
+from snapfn.handler.llm.weights.loader import load_weights
 
 PAGE = 16
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from snapfn.handler.api import FunctionError
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import NotReady, ServeTarget
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.runtime import NotReady, ServeTarget, WorkerRuntime
 from snapfn.snapshot.errors import BadRequest, InitFailed
-from snapfn.snapshot.format import validate_snapshot
+from snapfn.snapshot.portable.format import validate_snapshot
 from snapfn.snapshot.stages import Readiness
 
 from parity import greedy, our_engine, random_prompts
@@ -228,7 +229,7 @@ def test_serve_target_is_checked_when_built(kwargs, message):
 
 
 def test_importing_the_runtime_imports_no_torch():
-    code = "import sys, snapfn.handler.runtime; print('torch' in sys.modules)"
+    code = "import sys, snapfn.handler.function.runtime; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from snapfn.snapshot.errors import BadRequest, InitFailed
-from snapfn.snapshot.zygote import Zygote, run_worker_inline
+from snapfn.snapshot.zygote.owner import Zygote, run_worker_inline
 
 TESTS_DIR = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from snapfn.handler.llm.models.layers import RMSNorm
-from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block, quantize_fp8_block
 
 # NOTE: triton's interpreter (3.7.1, 3.9.0) casts float32 to bfloat16 by truncation, where compiled
 # kernels and torch round to nearest even. So on CPU a bf16 result is compared with the float32
@@ -180,7 +180,7 @@ FILL_KV_SHAPES = {
     "cut": (2, 8, 2, 10, (20, 6), (5, 6)),  # row 0 planned 5 of its 8 picks
 }
 
-# MLA decode (`triton_mla.mla_decode`): (requests, heads, nope, rope, rank, value width, page
+# MLA decode (`triton.mla.mla_decode`): (requests, heads, nope, rope, rank, value width, page
 # size, page-row width, seq lens, topk or 0 for dense, splits or None); heads off the 16-head
 # block, a row longer than topk (a random selection), a one-key row, a split holding no key
 MLA_DECODE_SHAPES = {
@@ -195,7 +195,7 @@ MLA_DECODE_SHAPES = {
 # bf16), the probabilities and the output
 MLA_DECODE_TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
 
-# MLA's absorbed products (`triton_absorb`): (tokens, heads, nope, rope, rank, value width,
+# MLA's absorbed products (`triton.absorb`): (tokens, heads, nope, rope, rank, value width,
 # fp8 kv_b); heads of 80 rows straddle kv_b's 128-row scale blocks, a rank off the 128 grid
 ABSORB_SHAPES = {
     "small": (3, 4, 24, 8, 160, 56, False),
@@ -245,7 +245,7 @@ CASES = (
     ]
 )
 
-# every kernel the engine launches on GPUs, autotuned (`triton_kernels.autotuned`), with the
+# every kernel the engine launches on GPUs, autotuned (`triton.kernels.autotuned`), with the
 # number of distinct autotune keys `run_autotuned_once` hits: one results file each
 AUTOTUNED_KERNELS = {
     "_rms_norm_kernel": 2,  # rms_norm and add_rms_norm (HAS_RESIDUAL is a key)
@@ -303,7 +303,7 @@ def _check_close(name: str, got: torch.Tensor, want: torch.Tensor, tol) -> dict:
 
 
 def _check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str, fused: bool) -> dict:
-    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     gen = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=gen) * 3
@@ -340,8 +340,8 @@ def _reference_dequant(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dt
 
 def _check_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.engine.batch import ForwardBatch
-    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     tokens, hq, hkv, dim, pages, page_size, interleaved = shape
     g = torch.Generator().manual_seed(3)
@@ -362,8 +362,8 @@ def _check_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
 
 
 def _check_rope_part(shape: tuple, dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels.torch_ref import rope_part
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     tokens, heads, dim, start, rope_dim, interleaved = shape
     g = torch.Generator().manual_seed(5)
@@ -383,8 +383,8 @@ def _check_rope_part(shape: tuple, dtype: torch.dtype, device: str) -> dict:
 def _check_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     from types import SimpleNamespace
 
-    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     tokens, rank, rope_dim, interleaved, page_size = shape
     g = torch.Generator().manual_seed(6)
@@ -414,8 +414,8 @@ def _check_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dic
 def _check_layer_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) -> dict:
     from types import SimpleNamespace
 
-    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     tokens, dim, rope_dim, interleaved, page_size = shape
     g = torch.Generator().manual_seed(7)
@@ -444,7 +444,7 @@ def _check_layer_norm_rope_store(shape: tuple, dtype: torch.dtype, device: str) 
 
 def _check_store_refusals(device: str) -> dict:
     """The one-launch cache stores refuse rows that do not fit, each with its reason."""
-    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, device=device)
@@ -471,8 +471,8 @@ def _check_store_refusals(device: str) -> dict:
 
 
 def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_kernels as tk
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     rows, inter = shape
     g = torch.Generator().manual_seed(4)
@@ -482,7 +482,7 @@ def _check_silu_mul(shape: tuple[int, int], dtype: torch.dtype, device: str) -> 
 
 
 def _check_dequant(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     q, scale_inv = _random_fp8(shape, device)
     got = tk.dequantize_fp8_block(q, scale_inv, dtype)
@@ -492,7 +492,7 @@ def _check_dequant(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> d
 
 def _check_linear(dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels import get_backend
-    from snapfn.handler.llm.kernels.triton_backend import FP8_FUSED_MAX_ROWS
+    from snapfn.handler.llm.kernels.triton.backend import FP8_FUSED_MAX_ROWS
 
     q, scale_inv = _random_fp8((200, 136), device)
     bias = torch.randn(200, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
@@ -517,7 +517,7 @@ def _check_linear(dtype: torch.dtype, device: str) -> dict:
 
 
 def _check_fp8_gemm(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_kernels as tk
+    from snapfn.handler.llm.kernels.triton import kernels as tk
 
     rows, n, k = shape
     q, scale_inv = _random_fp8((n, k), device)
@@ -529,8 +529,8 @@ def _check_fp8_gemm(shape: tuple[int, int, int], dtype: torch.dtype, device: str
 
 
 def _check_decode(shape: tuple, dtype: torch.dtype, device: str, splits: int | None) -> dict:
-    from snapfn.handler.llm.kernels import triton_attention as ta
     from snapfn.handler.llm.kernels.torch_ref import decode_attention
+    from snapfn.handler.llm.kernels.triton import attention as ta
 
     b, hq, hkv, d, page, width, seq_lens = shape
     gen = torch.Generator().manual_seed(hq * d + width)
@@ -554,7 +554,7 @@ def _check_decode(shape: tuple, dtype: torch.dtype, device: str, splits: int | N
 
 def _check_picks(shape: tuple[int, int], device: str) -> dict:
     from snapfn.handler.llm.engine.sampler import greedy_picks
-    from snapfn.handler.llm.kernels import triton_sampling as ts
+    from snapfn.handler.llm.kernels.triton import sampling as ts
 
     rows, vocab = shape
     logits = 4 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
@@ -569,8 +569,8 @@ def _check_picks(shape: tuple[int, int], device: str) -> dict:
 
 
 def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_gemv as tg
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.triton import gemv as tg
 
     ref = TorchBackend()
     kind, _, split = kind.partition("_split")
@@ -646,7 +646,7 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
     """The triton backend's `add_norm_linear` and `linear` against the torch backend's: a
     16-bit row through the fused GEMV (counted), two rows or float32 through the unfused ops."""
     from snapfn.handler.llm.kernels import get_backend
-    from snapfn.handler.llm.kernels import triton_gemv as tg
+    from snapfn.handler.llm.kernels.triton import gemv as tg
 
     triton, torch_ref = get_backend("triton"), get_backend("torch")
     gen = torch.Generator().manual_seed(8)
@@ -738,9 +738,9 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     """Whole model: greedy tokens through the triton backend equal the torch backend's
     (decode attention with page size 4, so requests span pages; FP8 linear for glm-tiny)."""
     # -switchesoff: with the Triton MoE router, the indexer's decode pick, the one-launch
-    # cache stores and the decode MLA by `triton_mla` switched off (the switches are read when
+    # cache stores and the decode MLA by `triton.mla` switched off (the switches are read when
     # the backend is built), so their reference paths run instead; -mlaabsorb: decode MLA's
-    # absorbed products by `triton_absorb` (SNAPFN_MLA_ABSORB, off by default)
+    # absorbed products by `triton.absorb` (SNAPFN_MLA_ABSORB, off by default)
     switches = ("SNAPFN_MOE_ROUTER", "SNAPFN_INDEXER_SELECT", "SNAPFN_CACHE_STORES")
     switches += ("SNAPFN_MLA_DECODE",)
     on = not preset.endswith("-switchesoff")
@@ -749,11 +749,11 @@ def _check_engine_greedy(preset: str, dtype: str, device: str) -> dict:
     preset = preset.removesuffix("-mlaabsorb")
     checkpoint = "fp8" if preset == "glm-tiny" else "bf16"  # bf16ckpt: the MoE kernel's path
     preset = preset.removesuffix("-bf16ckpt")
-    from snapfn.handler.llm.kernels import triton_absorb as tab
-    from snapfn.handler.llm.kernels import triton_indexer as ti
-    from snapfn.handler.llm.kernels import triton_kernels as tk
-    from snapfn.handler.llm.kernels import triton_mla
-    from snapfn.handler.llm.kernels import triton_moe as tm
+    from snapfn.handler.llm.kernels.triton import absorb as tab
+    from snapfn.handler.llm.kernels.triton import indexer as ti
+    from snapfn.handler.llm.kernels.triton import kernels as tk
+    from snapfn.handler.llm.kernels.triton import mla as triton_mla
+    from snapfn.handler.llm.kernels.triton import moe as tm
 
     with mock.patch.dict(os.environ):  # restored afterwards, whatever happens
         for name in (*switches, "SNAPFN_MLA_ABSORB"):
@@ -785,7 +785,7 @@ def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dic
     from snapfn.handler.llm.build import EngineOptions, build_engine
     from snapfn.handler.llm.engine.engine import SchedulerConfig
     from snapfn.handler.llm.engine.request import SamplingParams
-    from snapfn.handler.llm.make_model import make_model
+    from snapfn.handler.llm.make_model.build import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(preset, Path(tmp) / preset, dtype=checkpoint, seed=3)
@@ -815,8 +815,9 @@ def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dic
 
 
 def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
-    from snapfn.handler.llm.kernels import ExpertWeights, get_backend
-    from snapfn.handler.llm.kernels import triton_moe as tm
+    from snapfn.handler.llm.kernels import get_backend
+    from snapfn.handler.llm.kernels.base import ExpertWeights
+    from snapfn.handler.llm.kernels.triton import moe as tm
 
     tokens, topk, num_local, first, num_all, hidden, inter = MOE_SHAPES[name]
     gemv = name.startswith("gemv")
@@ -856,14 +857,14 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
 
 
 def _check_route(name: str, device: str) -> dict:
-    """`triton_moe.route` against `torch_ref.noaux_tc_route`: per token the same set of experts
+    """`triton.moe.route` against `torch_ref.noaux_tc_route`: per token the same set of experts
     with the same weights (the reference's slot order is unspecified), best first; with tied
     logits, the lower-id experts and groups, as a stable descending sort picks them."""
     from types import SimpleNamespace
 
-    from snapfn.handler.llm.kernels import triton_moe as tm
     from snapfn.handler.llm.kernels.torch_ref import noaux_tc_route
-    from snapfn.handler.llm.kernels.triton_backend import TritonBackend
+    from snapfn.handler.llm.kernels.triton import moe as tm
+    from snapfn.handler.llm.kernels.triton.backend import TritonBackend
 
     tokens, experts, groups, kept, topk, norm, scaling = ROUTE_SHAPES[name]
     moe = SimpleNamespace(
@@ -907,8 +908,8 @@ def _check_route(name: str, device: str) -> dict:
 
 
 def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels.torch_ref import _topk_decode
+    from snapfn.handler.llm.kernels.triton import indexer as ti
 
     b, heads, dim, page, width, seq_lens, topk = INDEXER_SHAPES[name]
     gen = torch.Generator().manual_seed(heads * dim + width)
@@ -941,10 +942,10 @@ def _check_indexer(name: str, dtype: torch.dtype, device: str) -> dict:
 
 
 def _check_select(name: str, device: str) -> dict:
-    """`triton_indexer.select_topk_decode` against `torch_ref.select_topk` on the same scores:
+    """`triton.indexer.select_topk_decode` against `torch_ref.select_topk` on the same scores:
     the same picks exactly, ties (-0.0 and 0.0 among them) to the earlier key."""
-    from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels.torch_ref import select_topk
+    from snapfn.handler.llm.kernels.triton import indexer as ti
 
     width, seq_lens, topk = SELECT_SHAPES[name]
     gen = torch.Generator().manual_seed(width + topk)
@@ -972,9 +973,9 @@ def random_topk(key_counts, topk: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _check_mla_decode(name: str, dtype: torch.dtype, device: str) -> dict:
-    """`triton_mla.mla_decode` against `torch_ref.mla_decode_absorbed` in float32."""
-    from snapfn.handler.llm.kernels import triton_mla as tm
+    """`triton.mla.mla_decode` against `torch_ref.mla_decode_absorbed` in float32."""
     from snapfn.handler.llm.kernels.torch_ref import mla_decode_absorbed
+    from snapfn.handler.llm.kernels.triton import mla as tm
 
     b, heads, nope, rope, rank, dv, page, width, seq_lens, topk, splits = MLA_DECODE_SHAPES[name]
     gen = torch.Generator().manual_seed(heads * rank + topk)
@@ -996,10 +997,10 @@ def _check_mla_decode(name: str, dtype: torch.dtype, device: str) -> dict:
 
 
 def _check_absorb(name: str, dtype: torch.dtype, device: str) -> dict:
-    """`triton_absorb.absorb_query` and `expand_output` against `torch_ref`'s bmms over the
+    """`triton.absorb.absorb_query` and `expand_output` against `torch_ref`'s bmms over the
     float32 (dequantized) `kv_b`, both products in one case."""
-    from snapfn.handler.llm.kernels import triton_absorb as tab
     from snapfn.handler.llm.kernels.torch_ref import absorb_query, expand_output
+    from snapfn.handler.llm.kernels.triton import absorb as tab
 
     tokens, heads, nope, rope, rank, dv, fp8 = ABSORB_SHAPES[name]
     gen = torch.Generator().manual_seed(heads * rank + nope)
@@ -1025,10 +1026,10 @@ def _check_absorb(name: str, dtype: torch.dtype, device: str) -> dict:
 
 
 def _check_fill_kv(name: str, device: str) -> dict:
-    """`triton_indexer.fill_kv_indices` against `flashinfer_mla.fill_kv_indices`: the same
+    """`triton.indexer.fill_kv_indices` against `flashinfer.mla.fill_kv_indices`: the same
     slots wherever a row reads them (`kv_indices[:kv_indptr[-1]]`)."""
-    from snapfn.handler.llm.kernels import triton_indexer as ti
-    from snapfn.handler.llm.kernels.flashinfer_mla import fill_kv_indices
+    from snapfn.handler.llm.kernels.flashinfer.mla import fill_kv_indices
+    from snapfn.handler.llm.kernels.triton import indexer as ti
 
     rows, topk, page, width, positions, planned = FILL_KV_SHAPES[name]
     gen = torch.Generator().manual_seed(rows * topk)
@@ -1071,8 +1072,8 @@ def _assert_no_near_tie(scores: torch.Tensor, topk: int) -> None:
 
 
 def _check_indexer_prefill(name: str, dtype: torch.dtype, device: str) -> dict:
-    from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels.torch_ref import index_scores_one_seq, pick_causal_topk
+    from snapfn.handler.llm.kernels.triton import indexer as ti
 
     q_len, q_offset, heads, dim, topk = INDEXER_PREFILL_SHAPES[name]
     q, weights, k = _indexer_inputs(
@@ -1096,9 +1097,9 @@ def _check_backend_indexer_prefill(dtype: torch.dtype, device: str) -> dict:
     of another request) equals the torch backend's, through the kernel only when
     `prefill_indexer` is on."""
     from snapfn.handler.llm.engine.batch import ForwardBatch
-    from snapfn.handler.llm.kernels import triton_indexer as ti
     from snapfn.handler.llm.kernels.torch_ref import TorchBackend
-    from snapfn.handler.llm.kernels.triton_backend import TritonBackend
+    from snapfn.handler.llm.kernels.triton import indexer as ti
+    from snapfn.handler.llm.kernels.triton.backend import TritonBackend
 
     heads, dim, page, topk = 4, 32, 4, 12
     # request 0: 9 new tokens at 0..8; request 1: 6 new tokens at 14..19 (14 cached)
@@ -1126,7 +1127,7 @@ def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
     cannot run is skipped, as the autotuner skips it."""
     from triton.runtime.errors import OutOfResources, PTXASError
 
-    from snapfn.handler.llm.kernels import triton_moe as tm
+    from snapfn.handler.llm.kernels.triton import moe as tm
 
     errors, skipped = [], 0
     for config in tm.MOE_GEMV_CONFIGS if name.startswith("gemv") else tm.MOE_CONFIGS:
@@ -1139,16 +1140,14 @@ def _check_moe_configs(name: str, dtype: torch.dtype, device: str) -> dict:
 
 
 def _kernel_modules() -> list:
-    from snapfn.handler.llm.kernels import (
-        triton_absorb,
-        triton_attention,
-        triton_gemv,
-        triton_indexer,
-        triton_kernels,
-        triton_mla,
-        triton_moe,
-        triton_sampling,
-    )
+    from snapfn.handler.llm.kernels.triton import absorb as triton_absorb
+    from snapfn.handler.llm.kernels.triton import attention as triton_attention
+    from snapfn.handler.llm.kernels.triton import gemv as triton_gemv
+    from snapfn.handler.llm.kernels.triton import indexer as triton_indexer
+    from snapfn.handler.llm.kernels.triton import kernels as triton_kernels
+    from snapfn.handler.llm.kernels.triton import mla as triton_mla
+    from snapfn.handler.llm.kernels.triton import moe as triton_moe
+    from snapfn.handler.llm.kernels.triton import sampling as triton_sampling
 
     return [
         triton_kernels,
@@ -1183,7 +1182,7 @@ def _check_autotuned() -> dict:
             assert set(config.kwargs) <= set(tuner.arg_names), f"{name}: config {config}"
         assert tuner.cache_results or interpreted(), f"{name}: results not cached"
     # the fused GEMV times its wider FP8 configs for FP8 weights only
-    from snapfn.handler.llm.kernels import triton_gemv as tg
+    from snapfn.handler.llm.kernels.triton import gemv as tg
 
     prune = tuners["_gemv_kernel"].early_config_prune
 
@@ -1212,7 +1211,7 @@ def _randn(*shape: int, device: str, dtype: torch.dtype = torch.bfloat16) -> tor
 
 def _random_fp8_on(*shape: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled FP8 weights `[..., N, K]` and their scales, made on `device`."""
-    from snapfn.handler.llm.quant import FP8_DTYPE
+    from snapfn.handler.llm.weights.quant import FP8_DTYPE
 
     blocks = (-(-shape[-2] // 128), -(-shape[-1] // 128))
     scales = torch.rand(*shape[:-2], *blocks, device=device)
@@ -1220,10 +1219,10 @@ def _random_fp8_on(*shape: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _run_llama_kernels(device: str, tokens: int = 4) -> None:
-    from snapfn.handler.llm.kernels import triton_attention as ta
-    from snapfn.handler.llm.kernels import triton_gemv as tg
-    from snapfn.handler.llm.kernels import triton_kernels as tk
-    from snapfn.handler.llm.kernels import triton_sampling as ts
+    from snapfn.handler.llm.kernels.triton import attention as ta
+    from snapfn.handler.llm.kernels.triton import gemv as tg
+    from snapfn.handler.llm.kernels.triton import kernels as tk
+    from snapfn.handler.llm.kernels.triton import sampling as ts
 
     x, weight = _randn(tokens, 4096, device=device), _randn(4096, device=device)
     tk.rms_norm(x, weight, 1e-6)
@@ -1253,11 +1252,11 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
 def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     from types import SimpleNamespace
 
-    from snapfn.handler.llm.kernels import ExpertWeights
-    from snapfn.handler.llm.kernels import triton_gemv as tg
-    from snapfn.handler.llm.kernels import triton_indexer as ti
-    from snapfn.handler.llm.kernels import triton_kernels as tk
-    from snapfn.handler.llm.kernels import triton_moe as tm
+    from snapfn.handler.llm.kernels.base import ExpertWeights
+    from snapfn.handler.llm.kernels.triton import gemv as tg
+    from snapfn.handler.llm.kernels.triton import indexer as ti
+    from snapfn.handler.llm.kernels.triton import kernels as tk
+    from snapfn.handler.llm.kernels.triton import moe as tm
 
     q, weights = _randn(tokens, 32, 128, device=device), torch.rand(tokens, 32, device=device)
     k_cache = _randn(64, 16, 128, device=device)
@@ -1268,12 +1267,12 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     kv_indptr = torch.arange(tokens + 1, device=device, dtype=torch.int32) * 200
     kv_indices = torch.empty(tokens * 2048 + 1, device=device, dtype=torch.int32)
     ti.fill_kv_indices(kv_indices, picked, page_table, kv_indptr, 16)
-    from snapfn.handler.llm.kernels import triton_mla  # MLA decode over those picks
+    from snapfn.handler.llm.kernels.triton import mla as triton_mla  # MLA decode over those picks
 
     q_mla, kv_b = _randn(tokens, 64, 256, device=device), _randn(64 * 448, 512, device=device)
     cache = _randn(64, 16, 576, device=device)  # GLM-5's latent rows: 512 | 64
     triton_mla.mla_decode(q_mla, cache, kv_b, page_table, seq_lens, 0.1, picked)
-    from snapfn.handler.llm.kernels import triton_absorb as tab  # its products, FP8 kv_b
+    from snapfn.handler.llm.kernels.triton import absorb as tab  # its products, FP8 kv_b
 
     kv_b_fp8, kv_b_scale = _random_fp8_on(64 * 448, 512, device=device)
     tab.expand_output(tab.absorb_query(q_mla, kv_b_fp8, kv_b_scale, 64), kv_b_fp8, kv_b_scale, 192)

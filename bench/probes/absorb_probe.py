@@ -21,9 +21,9 @@ import json
 import torch
 from graph_timing import graph_us
 
-from snapfn.handler.llm.kernels import triton_absorb
 from snapfn.handler.llm.kernels.torch_ref import absorb_query, expand_output
-from snapfn.handler.llm.quant import dequantize_fp8_block, quantize_fp8_block
+from snapfn.handler.llm.kernels.triton import absorb as triton_absorb
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block, quantize_fp8_block
 
 HEADS, NOPE, ROPE, RANK, DV = 64, 192, 64, 512, 256  # GLM-5's MLA
 L2_BYTES = 60 << 20

@@ -21,8 +21,8 @@ from graph_timing import graph_us
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.sampler import greedy_picks
-from snapfn.handler.llm.kernels import triton_sampling
-from snapfn.handler.llm.kernels.flashinfer_backend import FlashInferBackend
+from snapfn.handler.llm.kernels.flashinfer.backend import FlashInferBackend
+from snapfn.handler.llm.kernels.triton import sampling as triton_sampling
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_BYTES = 60 << 20

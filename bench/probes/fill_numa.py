@@ -1,5 +1,5 @@
 """How fast a file in the page cache reaches GPU memory (device probe), by reader path and
-number of threads, with the tier-1 prefetch helper's own readers (snapshot/region_fill.py):
+number of threads, with the tier-1 prefetch helper's own readers (snapshot/keeper/region_fill.py):
 "pread" (16 MiB into one of two pinned slots per thread, then cuMemcpyHtoDAsync) and "register"
 (64 MiB of the mapped file pinned read-only with cuMemHostRegister and copied from there), alone
 and mixed (the file split between the two paths, each on its own threads). Also prints the GPU's
@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from snapfn.snapshot import region_fill
-from snapfn.snapshot.cuda_driver import driver, ok
+from snapfn.snapshot.cuda.driver import driver, ok
+from snapfn.snapshot.keeper import region_fill
 
 cu = driver()
 UNIT = {"pread": region_fill.SLOT_BYTES, "register": region_fill.REGISTER_UNIT_BYTES}

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 import triton
 from graph_timing import graph_us
 
-from snapfn.handler.llm.kernels import triton_gemv, triton_kernels
-from snapfn.handler.llm.quant import quantize_fp8_block
+from snapfn.handler.llm.kernels.triton import gemv as triton_gemv
+from snapfn.handler.llm.kernels.triton import kernels as triton_kernels
+from snapfn.handler.llm.weights.quant import quantize_fp8_block
 
 # (name, weight rows, K, kind): kind "add_norm" = add + RMSNorm before, "swiglu" = and SwiGLU
 # after; "fp8_norm": an FP8 weight with RMSNorm (no residual) before

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from snapfn.snapshot.cuda_driver import driver, ok
+from snapfn.snapshot.cuda.driver import driver, ok
 
 cu = driver()
 GRAIN = 2 << 20

@@ -37,7 +37,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from snapfn.handler.llm.kernels import triton_gemv, triton_moe
+from snapfn.handler.llm.kernels.triton import gemv as triton_gemv
+from snapfn.handler.llm.kernels.triton import moe as triton_moe
 
 # each kernel's pointer and integer arguments (triton signature types, 16-bit rows)
 SIGNATURES = {

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint
-from .config import DTYPES, ModelConfig
-from .engine.engine import Engine, SchedulerConfig
-from .engine.kv_pool import KVPool, bytes_per_page
-from .errors import BadRequest
-from .kernels import get_backend
-from .loader import LoadReport, load_weights
-from .models import model_class
-from .models.base import CausalLM
-from .parallel import ParallelConfig
-from .tokenizer import load_tokenizer
+from snapfn.handler.llm.config import DTYPES, ModelConfig
+from snapfn.handler.llm.engine.engine import Engine, SchedulerConfig
+from snapfn.handler.llm.engine.kv_pool import KVPool, bytes_per_page
+from snapfn.handler.llm.kernels import get_backend
+from snapfn.handler.llm.models import model_class
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.handler.llm.tokenizer import load_tokenizer
+from snapfn.handler.llm.weights.checkpoint import Checkpoint
+from snapfn.handler.llm.weights.loader import LoadReport, load_weights
+from snapfn.snapshot.errors import BadRequest
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, UnsupportedModel
+from snapfn.snapshot.errors import CheckpointError, UnsupportedModel
 
 LLAMA_FAMILY = {"llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama"}
 ARCH_OF_MODEL_TYPE = {**LLAMA_FAMILY, "glm_moe_dsa": "glm_moe_dsa"}

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..targets import add_snapshot_arguments, snapshot_path
-from .errors import BadRequest
-from .parallel import EP_DISPATCHES, ParallelConfig
+from snapfn.handler.function.target_flags import add_snapshot_arguments, snapshot_path
+from snapfn.handler.llm.parallel import EP_DISPATCHES, ParallelConfig
+from snapfn.snapshot.errors import BadRequest
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine.request import SamplingParams
-    from .process_restore import process_restore_enabled
+    from snapfn.handler.llm.engine.request import SamplingParams
+    from snapfn.handler.llm.recipes.process_restore import process_restore_enabled
 
     if args.batch_size < 1:
         raise BadRequest(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
     if process_restore_enabled(snapshot):
         return _run_restored_service(args, snapshot, params)
-    from .build import EngineOptions, build_engine
-    from .embedded import embedded_model_dir
+    from snapfn.handler.llm.build import EngineOptions, build_engine
+    from snapfn.handler.llm.embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
     with _expert_parallel_rank(args) as (parallel, device):
@@ -220,10 +220,9 @@ def _ep_rank(args: argparse.Namespace) -> tuple[ParallelConfig, str]:
 def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> int:
     """A snapshot with a process image: restore it (tier 1, falling back to tier 0 → cold)
     and generate through the service, as the front doors do."""
+    from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
     from snapfn.snapshot.runtime import summary
-
-    from .init_config import InitConfig
-    from .process_restore import restore_llm
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
     t0 = time.perf_counter()
@@ -289,7 +288,7 @@ def _timed_generate(engine, prompts: list[list[int]], params) -> dict:
 
 
 def _merge(request_id: str, outs: list):
-    from .engine.request import GenerationResult
+    from snapfn.handler.llm.engine.request import GenerationResult
 
     return GenerationResult(
         request_id=request_id,
@@ -310,10 +309,9 @@ def _sync(engine) -> None:
 
 def _restore(args: argparse.Namespace, snapshot: Path):
     """Restore the LLM function from a snapshot (tier 0), falling back to a cold init."""
+    from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.snapshot.runtime import restore, summary
-
-    from .function import LLMFunction
-    from .init_config import InitConfig
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
     source = args.model or _recorded_source(snapshot)

@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from snapfn.handler.api import Context
-
-from .engine.request import GenerationResult, SamplingParams
-from .errors import BadRequest
+from snapfn.handler.llm.engine.request import GenerationResult, SamplingParams
+from snapfn.snapshot.errors import BadRequest
 
 if TYPE_CHECKING:
-    from .service import LLMService
+    from snapfn.handler.llm.service import LLMService
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")

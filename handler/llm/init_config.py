@@ -62,8 +62,8 @@ class InitConfig:
     def engine_options(self, num_pages: int | None = None):
         # NOTE: imported here, not at module level: InitConfig is built by front doors (and for
         # non-LLM functions) that must not pay for `import torch`.
-        from .build import EngineOptions
-        from .engine.engine import SchedulerConfig
+        from snapfn.handler.llm.build import EngineOptions
+        from snapfn.handler.llm.engine.engine import SchedulerConfig
 
         return EngineOptions(
             device=self.device,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import BadRequest
+from snapfn.snapshot.errors import BadRequest
 
 EP_DISPATCHES = ("replicated", "all_to_all", "deepep")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .engine.engine import Engine
-from .engine.request import GenerationResult, RequestOutput, SamplingParams
-from .stream import ServiceStats, Stream
+from snapfn.handler.llm.engine.engine import Engine
+from snapfn.handler.llm.engine.request import GenerationResult, RequestOutput, SamplingParams
+from snapfn.handler.llm.stream import ServiceStats, Stream
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.request import GenerationResult, RequestOutput
+from snapfn.handler.llm.engine.request import GenerationResult, RequestOutput
 
 
 @dataclass

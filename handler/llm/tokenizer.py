@@ -31,7 +31,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .errors import BadRequest, CheckpointError
+from snapfn.snapshot.errors import BadRequest, CheckpointError
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",

@@ -28,17 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import BadRequest
-from ..models.base import CausalLM
-from ..tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
-from .batch import ForwardBatch
-from .graphs import DecodeGraphs, GraphStats
-from .in_flight import InFlightStep, PickBuffers
-from .kv_pool import KVPool
-from .request import GenerationResult, Request, RequestOutput, SamplingParams
-from .sampler import make_generator, sample
-from .scheduler import Scheduler
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.graphs import DecodeGraphs, GraphStats
+from snapfn.handler.llm.engine.in_flight import InFlightStep, PickBuffers
+from snapfn.handler.llm.engine.kv_pool import KVPool
+from snapfn.handler.llm.engine.request import (
+    GenerationResult,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from snapfn.handler.llm.engine.sampler import make_generator, sample
+from snapfn.handler.llm.engine.scheduler import Scheduler
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from snapfn.snapshot.errors import BadRequest
 
 
 @dataclass(frozen=True)

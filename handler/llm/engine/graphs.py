@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import ForwardBatch
-from .copy_fence import CopyFence
-from .kv_pool import KVPool
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.copy_fence import CopyFence
+from snapfn.handler.llm.engine.kv_pool import KVPool
 
 
 def default_buckets(max_batch: int) -> list[int]:

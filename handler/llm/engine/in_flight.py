@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import Request
-from .sampler import greedy_picks
+from snapfn.handler.llm.engine.request import Request
+from snapfn.handler.llm.engine.sampler import greedy_picks
 
 
 class PickBuffers:

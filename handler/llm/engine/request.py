@@ -12,9 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from snapfn.snapshot import identity
-
-from ..errors import BadRequest
+from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.process import identity
 
 GREEDY_BELOW = 1e-5
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .request import Request
+from snapfn.handler.llm.engine.request import Request
 
 
 def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_pool import PageAllocator
-from .request import Request, RequestState
+from snapfn.handler.llm.engine.kv_pool import PageAllocator
+from snapfn.handler.llm.engine.request import Request, RequestState
 
 
 @dataclass

@@ -8,22 +8,22 @@ passed on a GPU (docs/kernels.md says which run). `SNAPFN_BACKEND=NAME` picks on
 Under "triton" and "flashinfer", DeepGEMM (`deepgemm.py`) runs the prefill-sized FP8 GEMMs
 where it is importable on an SM90 GPU; `SNAPFN_DEEPGEMM=off` keeps them on the Triton path.
 `SNAPFN_GEMV=off` keeps one-row projections on cuBLAS (16-bit weights) or the FP8 tile kernel,
-with the norm and SwiGLU kernels around them (`triton_gemv` fuses them in), and a one-token
-MoE on the sorted-pairs kernels (`triton_moe.moe_gemv` reads its experts as GEMVs);
+with the norm and SwiGLU kernels around them (`triton.gemv` fuses them in), and a one-token
+MoE on the sorted-pairs kernels (`triton.moe.moe_gemv` reads its experts as GEMVs);
 `SNAPFN_DECODE_ATTENTION` picks who runs the flashinfer backend's decode attention
-(`flashinfer_backend.DECODE_ATTENTION`); `SNAPFN_PREFILL_INDEXER=off` scores the DSA indexer's
+(`flashinfer.backend.DECODE_ATTENTION`); `SNAPFN_PREFILL_INDEXER=off` scores the DSA indexer's
 prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_ROUTER=off`
 routes MoE tokens with the reference's torch ops instead of one Triton kernel
-(`triton_moe.route`), and `SNAPFN_INDEXER_SELECT=off` picks the DSA indexer's decode top-k
-with the reference's sort instead of one (`triton_indexer.select_topk_decode`).
-`SNAPFN_GEMV_SPLIT=off` never splits a GEMV's K (`triton_gemv.split_count`), and
+(`triton.moe.route`), and `SNAPFN_INDEXER_SELECT=off` picks the DSA indexer's decode top-k
+with the reference's sort instead of one (`triton.indexer.select_topk_decode`).
+`SNAPFN_GEMV_SPLIT=off` never splits a GEMV's K (`triton.gemv.split_count`), and
 `SNAPFN_CACHE_STORES=off` writes MLA's latent and the DSA indexer's key into their caches with
-the reference's ops instead of one launch each (`triton_kernels.norm_rope_store`,
+the reference's ops instead of one launch each (`triton.kernels.norm_rope_store`,
 `layer_norm_rope_store`): switches to time each change against its absence on one machine.
-Decode batches' MLA attention runs `triton_mla` (no host planning); `SNAPFN_MLA_DECODE=off`
+Decode batches' MLA attention runs `triton.mla` (no host planning); `SNAPFN_MLA_DECODE=off`
 keeps the reference (triton backend) or flashinfer's MLA kernel (flashinfer backend).
 `SNAPFN_MLA_ABSORB=triton` computes MLA's absorbed products of a decode batch (`W_k^T q`, `W_v o`
-per head) with `triton_absorb`, reading `kv_b` as stored (FP8), instead of two bmms over a
+per head) with `triton.absorb`, reading `kv_b` as stored (FP8), instead of two bmms over a
 dense copy; `auto`, the default, keeps the bmms, which were about 1 us a layer faster on the
 H200 (session 15 run 3).
 """
@@ -36,10 +36,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import InitFailed
-from .base import Backend, ExpertWeights
-
-__all__ = ["Backend", "ExpertWeights", "available_backends", "get_backend", "register_backend"]
+from snapfn.handler.llm.kernels.base import Backend
+from snapfn.snapshot.errors import InitFailed
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 
@@ -49,7 +47,7 @@ def register_backend(name: str, factory: Callable[[], Backend]) -> None:
 
 
 def _torch_factory() -> Backend:
-    from .torch_ref import TorchBackend
+    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
 
     return TorchBackend()
 
@@ -71,14 +69,14 @@ def _triton_modes() -> dict[str, str]:
 
 
 def _triton_factory() -> Backend:
-    from .triton_backend import TritonBackend
+    from snapfn.handler.llm.kernels.triton.backend import TritonBackend
 
     return TritonBackend(**_triton_modes())
 
 
 def _flashinfer_factory() -> Backend:
     # imports flashinfer (InitFailed, saying how to install it, where it cannot)
-    from .flashinfer_backend import DECODE_ATTENTION, FlashInferBackend
+    from snapfn.handler.llm.kernels.flashinfer.backend import DECODE_ATTENTION, FlashInferBackend
 
     decode_attention = os.environ.get("SNAPFN_DECODE_ATTENTION", DECODE_ATTENTION)
     return FlashInferBackend(**_triton_modes(), decode_attention=decode_attention)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import MoEConfig
-from ..engine.batch import ForwardBatch
-from ..engine.sampler import greedy_picks
+from snapfn.handler.llm.config import MoEConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.sampler import greedy_picks
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Backend:
         `(linear(rms_norm(h)), h)`; with `swiglu`, `silu_mul` of the projection (a fused
         gate | up); with `float_out`, the product (rounded to its dtype, as ever) as float32,
         as the final logits are. Default: `add_rms_norm` (or `rms_norm`), `linear`,
-        `silu_mul`, as the models ran them before the fused kernel (`triton_gemv`) took them
+        `silu_mul`, as the models ran them before the fused kernel (`triton.gemv`) took them
         on."""
         if residual is None:
             normed, h = self.rms_norm(x, norm_weight, eps), x

@@ -16,7 +16,7 @@ stay on our Triton kernels, which read each weight byte once and keep the activa
 and which CUDA graphs capture.
 
 Grouped experts use DeepGEMM's contiguous layout: the (token, slot) pairs sorted by local expert
-(`triton_moe.align_by_expert`), each expert's run padded to DeepGEMM's M alignment, and a
+(`triton.moe.align_by_expert`), each expert's run padded to DeepGEMM's M alignment, and a
 per-row expert index with -1 on padding rows, which DeepGEMM skips. No host sync.
 
 Only SM90 (H100 / H200) with float32 scales is supported: DeepGEMM on SM100 wants UE8M0 scales.
@@ -36,8 +36,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from ..quant import FP8_BLOCK, FP8_DTYPE, FP8_MAX
-from .base import ExpertWeights
+from snapfn.handler.llm.kernels.base import ExpertWeights
+from snapfn.handler.llm.weights.quant import FP8_BLOCK, FP8_DTYPE, FP8_MAX
 
 # NOTE: deep_gemm's FP8 kernels write bf16 (or float32) outputs only
 DTYPES = (torch.bfloat16,)
@@ -106,8 +106,8 @@ class DeepGemm:
         topk_ids: torch.Tensor,  # [T, k] global expert ids
         topk_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H] in x's dtype: this rank's experts' contributions
-        # NOTE: imported here: triton_moe imports triton, which only GPU runs need
-        from .triton_moe import align_by_expert
+        # NOTE: imported here: triton.moe imports triton, which only GPU runs need
+        from snapfn.handler.llm.kernels.triton.moe import align_by_expert
 
         num_tokens, hidden = x.shape
         topk = topk_ids.shape[1]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import MoEConfig
-from ..quant import dequantize_fp8_block
-from .base import Backend, ExpertWeights
+from snapfn.handler.llm.config import MoEConfig
+from snapfn.handler.llm.kernels.base import Backend, ExpertWeights
+from snapfn.handler.llm.weights.quant import dequantize_fp8_block
 
 
 class TorchBackend(Backend):
@@ -234,7 +234,7 @@ def index_scores_one_seq(
     scale: float,
 ) -> torch.Tensor:  # [q, L] float32, -inf at keys after each query
     """The DSA indexer's scores of one request's prefill chunk: `sum_h weights[t, h] *
-    relu(scale * q[t, h] . k[l])` (the oracle of `triton_indexer.index_scores_prefill`)."""
+    relu(scale * q[t, h] . k[l])` (the oracle of `triton.indexer.index_scores_prefill`)."""
     # op order as Hugging Face's GlmMoeDsaIndexer, so near-ties resolve alike
     scores = torch.matmul(q.float(), k.float().T) * scale  # [q, Hi, L]
     scores = F.relu(scores)

@@ -22,18 +22,16 @@ from typing import Any, TextIO
 
 import torch
 
-from ..errors import BadRequest
-from ..presets import Preset, get_preset
-from ..quant import quantize_fp8_block
-from .hf_config import config_json, generation_config_json
-from .hf_layout import (
+from snapfn.handler.llm.make_model.hf_config import config_json, generation_config_json
+from snapfn.handler.llm.make_model.hf_layout import (
     TensorSpec,
     modules_not_converted,
     resolve_num_layers,
     storage_units,
     tensor_specs,
 )
-from .safetensors_writer import (
+from snapfn.handler.llm.make_model.presets import Preset, get_preset
+from snapfn.handler.llm.make_model.safetensors_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
     ShardPlan,
@@ -41,7 +39,15 @@ from .safetensors_writer import (
     index_json,
     plan_shards,
 )
-from .tokenizer import BOS_ID, EOS_ID, EOT_ID, MIN_VOCAB_SIZE, write_tokenizer
+from snapfn.handler.llm.make_model.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    EOT_ID,
+    MIN_VOCAB_SIZE,
+    write_tokenizer,
+)
+from snapfn.handler.llm.weights.quant import quantize_fp8_block
+from snapfn.snapshot.errors import BadRequest
 
 PROGRESS_MIN_BYTES = 1 << 30  # print progress for checkpoints at least this big
 DEVICES = ("cpu", "cuda")

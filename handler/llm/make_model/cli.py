@@ -11,9 +11,15 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..errors import BadRequest
-from ..presets import DEFAULT_PRESET_OF_ARCH, PRESETS, get_preset, list_archs, list_presets
-from .safetensors_writer import DEFAULT_MAX_SHARD_BYTES
+from snapfn.handler.llm.make_model.presets import (
+    DEFAULT_PRESET_OF_ARCH,
+    PRESETS,
+    get_preset,
+    list_archs,
+    list_presets,
+)
+from snapfn.handler.llm.make_model.safetensors_writer import DEFAULT_MAX_SHARD_BYTES
+from snapfn.snapshot.errors import BadRequest
 
 DTYPE_CHOICES = ("bf16", "fp8", "fp32")  # == hf_layout.STORAGE_DTYPES (that module is cheap too)
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -78,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; prints the model dir on stdout. Raises `SnapfnError` on bad input."""
-    from .hf_layout import checkpoint_bytes  # cheap; kept here beside its only use
+    from snapfn.handler.llm.make_model.hf_layout import (
+        checkpoint_bytes,  # cheap; kept here beside its only use
+    )
 
     opts = MakeModelArgs.from_args(args)
     if opts.list_presets:
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         f"make-model: {name} {opts.dtype}: {total} bytes ({total / 2**30:.2f} GiB)", file=sys.stderr
     )
     # NOTE: torch is imported only now (seconds of start-up the parser should not pay).
-    from .build import make_model
+    from snapfn.handler.llm.make_model.build import make_model
 
     out = make_model(
         name,

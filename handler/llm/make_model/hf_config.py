@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..presets import DensePreset, GlmMoeDsaPreset, Preset
-from .hf_layout import ARCHITECTURES, FP8_BLOCK, indexer_types
+from snapfn.handler.llm.make_model.hf_layout import ARCHITECTURES, FP8_BLOCK, indexer_types
+from snapfn.handler.llm.make_model.presets import DensePreset, GlmMoeDsaPreset, Preset
 
 
 def config_json(

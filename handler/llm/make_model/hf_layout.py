@@ -16,8 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import BadRequest
-from ..presets import DensePreset, GlmMoeDsaPreset, Preset
+from snapfn.handler.llm.make_model.presets import DensePreset, GlmMoeDsaPreset, Preset
+from snapfn.snapshot.errors import BadRequest
 
 STORAGE_DTYPES = ("bf16", "fp8", "fp32")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F8_E4M3": 1}  # safetensors dtype codes

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .hf_layout import DTYPE_BYTES, TensorEntry
+from snapfn.handler.llm.make_model.hf_layout import DTYPE_BYTES, TensorEntry
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

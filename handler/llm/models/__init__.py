@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import UnsupportedModel
-from .base import CausalLM
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.snapshot.errors import UnsupportedModel
 
 _MODELS = {
     "llama": ("llama", "LlamaForCausalLM"),

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..engine.batch import ForwardBatch
-from ..engine.kv_pool import KVBufferSpec, KVPool
-from ..kernels import Backend
-from ..parallel import ParallelConfig
-from ..quant import FP8_BLOCK
-from .layers import Linear, RMSNorm, is_quantized
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
+from snapfn.handler.llm.kernels.base import Backend
+from snapfn.handler.llm.models.layers import Linear, RMSNorm, is_quantized
+from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.handler.llm.weights.quant import FP8_BLOCK
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
-from ..errors import BadRequest
-from ..parallel import ParallelConfig
+from snapfn.handler.llm.parallel import ParallelConfig
+from snapfn.snapshot.errors import BadRequest
 
 
 class ExpertsFn(Protocol):

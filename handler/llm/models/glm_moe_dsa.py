@@ -21,16 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..engine.batch import ForwardBatch
-from ..engine.kv_pool import KVBufferSpec, KVPool
-from ..errors import UnsupportedModel
-from ..sharding import local_expert_range
-from .base import CausalLM, WeightTarget
-from .expert_exchange import make_exchange
-from .layers import Rotary, SwiGLUMLP
-from .mla import MLAttention
-from .moe import MoE
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
+from snapfn.handler.llm.models.base import CausalLM, WeightTarget
+from snapfn.handler.llm.models.expert_exchange import make_exchange
+from snapfn.handler.llm.models.layers import Rotary
+from snapfn.handler.llm.models.mla import MLAttention
+from snapfn.handler.llm.models.mlp import SwiGLUMLP
+from snapfn.handler.llm.models.moe import MoE
+from snapfn.handler.llm.weights.sharding import local_expert_range
+from snapfn.snapshot.errors import UnsupportedModel
 
 EXPERT_WEIGHT = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"
@@ -60,7 +61,7 @@ class GlmDecoderLayer(nn.Module):
         self.mlp = (
             SwiGLUMLP(model, f"{prefix}.mlp", cfg.intermediate_size)
             if dense
-            else MoE(model, f"{prefix}.mlp")
+            else MoE(model, f"{prefix}.mlp", model.local_experts, model.exchange)
         )
 
     def forward(self, h, residual, cos, sin, rotary, batch, kv, prev_topk):

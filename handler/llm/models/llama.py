@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.batch import ForwardBatch
-from ..engine.kv_pool import KVBufferSpec, KVPool
-from .base import CausalLM
-from .layers import Rotary, SwiGLUMLP
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.models.layers import Rotary
+from snapfn.handler.llm.models.mlp import SwiGLUMLP
 
 
 class LlamaAttention(nn.Module):

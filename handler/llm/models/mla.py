@@ -22,19 +22,16 @@ the query latent: `fused_q_b_proj` stacks `q_b_proj` and (on full layers) the in
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..engine.batch import ForwardBatch
-from ..engine.kv_pool import KVPool
-from .layers import RMSNorm, Rotary
-
-if TYPE_CHECKING:
-    from .glm_moe_dsa import GlmMoeDsaForCausalLM
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.kv_pool import KVPool
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.models.layers import RMSNorm, Rotary
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm/kv_a_layernorm/k_norm with their default eps
 
@@ -69,7 +66,7 @@ class DSAIndexer(nn.Module):
     The attention's fused projections compute its `wq_b`, and its `wk` where `fused_wk` (else
     this module has `wk`)."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str, slot: int, fused_wk: bool) -> None:
+    def __init__(self, model: CausalLM, prefix: str, slot: int, fused_wk: bool) -> None:
         super().__init__()
         cfg, dsa = model.config, model.config.dsa
         self.slot = slot
@@ -106,9 +103,7 @@ class DSAIndexer(nn.Module):
 class MLAttention(nn.Module):
     """MLA + DSA for one layer. `index_slot` is its "index_k" layer; None on shared layers."""
 
-    def __init__(
-        self, model: GlmMoeDsaForCausalLM, prefix: str, layer_id: int, index_slot: int | None
-    ):
+    def __init__(self, model: CausalLM, prefix: str, layer_id: int, index_slot: int | None):
         super().__init__()
         cfg, mla, tp = model.config, model.config.mla, model.parallel.tp_size
         if cfg.num_heads % tp:

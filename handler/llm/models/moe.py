@@ -1,4 +1,4 @@
-"""GLM-5's sigmoid-routed MoE (its dense layers and shared experts are `layers.SwiGLUMLP`).
+"""GLM-5's sigmoid-routed MoE (its dense layers and shared experts are `mlp.SwiGLUMLP`).
 
 The router is DeepSeek-V3's `noaux_tc`, in float32 as Hugging Face runs it
 (`Backend.route`; the reference is `torch_ref.noaux_tc_route`): sigmoid scores plus
@@ -13,17 +13,15 @@ the checkpoint's `experts.{e}.{gate,up,down}_proj` fill row `e - first_local_exp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from ..kernels import ExpertWeights
-from ..quant import FP8_DTYPE, scale_shape
-from .layers import SwiGLUMLP, is_quantized
-
-if TYPE_CHECKING:
-    from .glm_moe_dsa import GlmMoeDsaForCausalLM
+from snapfn.handler.llm.kernels.base import ExpertWeights
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.models.expert_exchange import Exchange
+from snapfn.handler.llm.models.layers import is_quantized
+from snapfn.handler.llm.models.mlp import SwiGLUMLP
+from snapfn.handler.llm.weights.quant import FP8_DTYPE, scale_shape
 
 EXPERT_PROJS = ("gate", "up", "down")
 
@@ -35,7 +33,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class TopkRouter(nn.Module):
     """Group-limited top-k over sigmoid scores; float32 weights, as in the checkpoints."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         super().__init__()
         moe, device = model.config.moe, model.device
         self.moe = moe
@@ -52,12 +50,13 @@ class TopkRouter(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """This rank's routed experts: `gate`/`up` `[E_local, I, H]`, `down` `[E_local, H, I]`."""
+    """This rank's routed experts (`experts`, global ids): `gate`/`up` `[E_local, I, H]`,
+    `down` `[E_local, H, I]`."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str) -> None:
+    def __init__(self, model: CausalLM, prefix: str, experts: range) -> None:
         super().__init__()
         cfg, par = model.config, model.parallel
-        self.experts = model.local_experts
+        self.experts = experts
         # ep > 1 owns whole experts; ep == 1 splits every expert across tp like a dense MLP
         inter = cfg.moe.moe_intermediate_size // (1 if par.ep_size > 1 else par.tp_size)
         shapes = {
@@ -92,15 +91,18 @@ class StackedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts (through `backend.moe`) plus the always-on shared experts. With ep > 1
     the routed experts are spread over the ep ranks and `exchange` (`expert_exchange.py`)
-    brings each token's share from the ranks that hold its experts."""
+    brings each token's share from the ranks that hold its experts (one exchange for all of a
+    model's MoE layers: DeepEP's buffer is the model's)."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, prefix: str) -> None:
+    def __init__(
+        self, model: CausalLM, prefix: str, experts: range, exchange: Exchange | None
+    ) -> None:
         super().__init__()
         moe = model.config.moe
         self.backend = model.backend
         self.gate = TopkRouter(model)
-        self.experts = StackedExperts(model, f"{prefix}.experts")
-        self.exchange = model.exchange  # one for the model's MoE layers (DeepEP's buffer)
+        self.experts = StackedExperts(model, f"{prefix}.experts", experts)
+        self.exchange = exchange
         if moe.n_shared_experts:
             shared_size = moe.moe_intermediate_size * moe.n_shared_experts
             self.shared_experts = SwiGLUMLP(model, f"{prefix}.shared_experts", shared_size)

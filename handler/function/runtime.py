@@ -1,0 +1,323 @@
+"""WorkerRuntime: one function brought up in one worker process, then invoked by the front doors.
+
+The HTTP server (one per gunicorn worker, after fork) and the queue worker each own one:
+
+    runtime = WorkerRuntime(ServeTarget(kind="llm", snapshot_dir=Path("snap")), log=print)
+    runtime.start()                        # init or restore on a background thread
+    runtime.wait_ready(timeout_s=60)       # Readiness.UP or FAILED (reason in readiness.reason)
+    runtime.invoke({"prompt": "Hello"})    # handler(event, context) → JSON-able
+
+Bring-up by kind:
+- "llm" (the built-in function): `snapshot_dir` holds files → restore from it: its process image
+  (tier 1: the engine runs in the restored worker, `runtime.llm` is a ProcessLLMService), else
+  or on any failure its portable tier (tier 0, in this process), else a cold init that rewrites
+  the snapshot — every fallback recorded in the startup manifest; `snapshot_dir` empty or
+  missing → cold init, then write the snapshot there; no `snapshot_dir` → cold init only. The
+  engine runs under an `LLMService` (`runtime.llm`, which the OpenAI endpoints use) and `invoke`
+  calls an `LLMHandler` bound to it.
+- "function": `snapshot_dir` holds a process snapshot (`snapfn init --function`) → restore the
+  checkpointed worker and invoke it over its channel; otherwise, or if that fails, import
+  `module:function` and run its init hooks, each a timed stage. `prepare_snapshot()` /
+  `after_restore()` run an in-process function's hooks.
+
+Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
+then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from snapfn.handler.api import (
+    Context,
+    Handler,
+    LoadedFunction,
+    call_handler,
+    cold_start_function,
+    cold_start_manifest,
+)
+from snapfn.handler.function.target import NotReady, ServeTarget
+from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
+from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
+
+if TYPE_CHECKING:
+    from snapfn.handler.llm.handler import LLMHandler
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.service import LLMService
+
+Log = Callable[[str], None]
+
+
+class WorkerRuntime:
+    """One served function: start (init or restore), readiness, invoke, health, close."""
+
+    def __init__(self, target: ServeTarget, log: Log | None = None) -> None:
+        """Cheap: nothing is imported, loaded or touched on a device until `start()`."""
+        self.target = target
+        self.readiness = ReadinessState()
+        self.startup: StartupManifest | None = None
+        self.function_name = target.function if target.kind == "function" else "llm"
+        self.llm: LLMService | None = None
+        self._log = log
+        self._handler: Handler | None = None
+        self._function: LoadedFunction | None = None
+        self._llm_function: LLMFunction | None = None
+        self._llm_handler: LLMHandler | None = None
+        self._remote = None  # RemoteHandler of a restored function worker (tier 1)
+        self._started = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- bring-up ------------------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        """Init or restore, on a daemon thread by default. Never raises for a failed start."""
+        with self._lock:
+            if self._started:
+                raise RuntimeError("WorkerRuntime.start() was already called")
+            self._started = True
+        if not background:
+            return self._start()
+        threading.Thread(target=self._start, name="snapfn-start", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float | None = None) -> Readiness:
+        return self.readiness.wait_until_settled(timeout_s)
+
+    def _start(self) -> None:
+        lines: list[str] = []
+        log = self._collecting_log(lines)
+        try:
+            if self.target.kind == "llm":
+                self._start_llm(log)
+            else:
+                self._start_function(log)
+        except BaseException as exc:
+            self._fail(exc, lines)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._lock:
+            if self._closed:  # closed while starting: release what the start built
+                self._release()
+                self.readiness.set(Readiness.FAILED, "closed while starting")
+            else:
+                self.readiness.set(Readiness.UP)
+
+    def _collecting_log(self, lines: list[str]) -> Log:
+        def log(line: str) -> None:
+            lines.append(line)
+            if self._log is not None:
+                self._log(line)
+
+        return log
+
+    def _fail(self, exc: BaseException, lines: list[str]) -> None:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if self.startup is None:
+            kind, tier = self._planned_startup()
+            self.startup = StartupManifest(kind=kind, tier=tier, info={"log": lines})
+        self.startup.ok = False
+        self.startup.info["error"] = reason
+        if self._log is not None:
+            self._log(f"{self.function_name} failed to start: {reason}")
+        self.readiness.set(Readiness.FAILED, reason)
+
+    def _planned_startup(self) -> tuple[str, str]:
+        if _holds_files(self.target.snapshot_dir):
+            return "restore", "portable" if self.target.kind == "llm" else "process"
+        return "init", "cold"
+
+    # ---- kind="llm" ----------------------------------------------------------------------------
+    def _start_llm(self, log: Log) -> None:
+        # NOTE: imported here, in the worker after fork: they import torch; CUDA is first
+        # touched by the init or restore below, never before start().
+        from snapfn.handler.llm.handler import LLMHandler
+
+        self.llm, self.startup, self._llm_function = self._init_or_restore_llm(log)
+        self._handler = self._llm_handler = LLMHandler(self.llm)
+
+    def _init_or_restore_llm(self, log: Log) -> tuple[Any, StartupManifest, LLMFunction | None]:
+        from snapfn.handler.llm.embedded import embedded_model_dir
+        from snapfn.handler.llm.recipes.process_restore import restore_llm
+
+        t, config = self.target, self.target.init_config
+        if _holds_files(t.snapshot_dir):
+            source = t.model_dir or _recorded_source(t.snapshot_dir)
+            return restore_llm(Path(t.snapshot_dir), config, source, log, self._worker_exited)
+        from snapfn.handler.llm.recipes.function import LLMFunction
+        from snapfn.snapshot.runtime import cold_init
+
+        fn = LLMFunction(config, t.model_dir or embedded_model_dir())
+        try:
+            startup = cold_init(fn, log)
+        except BaseException:
+            fn.release()
+            raise
+        if t.snapshot_dir is not None:
+            _write_snapshot(fn, Path(t.snapshot_dir), startup, log)
+        from snapfn.handler.llm.service import LLMService
+
+        return LLMService(fn.engine), startup, fn
+
+    def _worker_exited(self, reason: str) -> None:
+        """A restored process-snapshot worker died: this runtime can no longer serve."""
+        if self._log is not None:
+            self._log(f"the {self.function_name} worker process is gone ({reason})")
+        self.readiness.set(Readiness.FAILED, f"worker process exited: {reason}")
+
+    # ---- kind="function" -----------------------------------------------------------------------
+    def _start_function(self, log: Log) -> None:
+        failed = None
+        if _holds_files(self.target.snapshot_dir):
+            try:
+                return self._restore_function(log)
+            except RestoreFailed as exc:  # every step of a tier-1 restore raises one
+                failed = exc
+                log(f"{exc}; falling back to a cold init of {self.function_name}")
+        self._cold_start_function(log)
+        if failed is not None:
+            self.startup.tier = "cold (fallback)"
+            self.startup.add_failed_process_restore(failed, "cold")
+
+    def _restore_function(self, log: Log) -> None:
+        """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""
+        import os
+
+        from snapfn.handler.function.host import USER_FUNCTION, RemoteHandler
+        from snapfn.snapshot.process.client import ProcessClient
+        from snapfn.snapshot.process.snapshot import restore_process_snapshot
+        from snapfn.snapshot.process.worker_process import ProcessConfig
+
+        def same_function(manifest: dict[str, Any]) -> None:
+            recorded = manifest.get(USER_FUNCTION, {}).get("spec")
+            if recorded != self.target.function:
+                raise BadRequest(
+                    f"snapshot {self.target.snapshot_dir} holds function {recorded!r}, "
+                    f"not {self.target.function!r}"
+                )
+
+        worker, self.startup, _ = restore_process_snapshot(
+            Path(self.target.snapshot_dir),
+            {},
+            device="cpu",
+            config=ProcessConfig.from_env(os.environ),
+            log=log,
+            accept=same_function,
+        )
+        self._handler = self._remote = RemoteHandler(ProcessClient(worker, self._worker_exited))
+
+    def _cold_start_function(self, log: Log) -> None:
+        folder = self.target.function_dir
+        self.startup = cold_start_manifest(self.function_name)
+        loaded = cold_start_function(
+            self.startup, self.function_name, None if folder is None else str(folder), log
+        )
+        self._function, self._handler = loaded, loaded.handler
+
+    def prepare_snapshot(self) -> list[str]:
+        """Run the before-snapshot hooks (timed stage `before_snapshot`); their names, in order."""
+        return self._run_phase("before_snapshot", lambda f: f.run_before_snapshot())
+
+    def after_restore(self) -> list[str]:
+        """Run the after-restore hooks (timed stage `after_restore`); their names, in order.
+
+        kind="llm" has none (its snapshot is the portable one, written at start): returns [].
+        """
+        return self._run_phase("after_restore", lambda f: f.run_after_restore())
+
+    def _run_phase(self, name: str, run: Callable[[LoadedFunction], list[str]]) -> list[str]:
+        self._check_up()
+        if self._function is None:
+            return []
+        runner = StageRunner(self.startup, log=self._log, offset_s=self.startup.total_s)
+
+        def stage(figures: dict[str, Any]) -> list[str]:
+            figures["hooks"] = run(self._function)
+            return figures["hooks"]
+
+        return runner.run(name, stage)
+
+    # ---- serving -------------------------------------------------------------------------------
+    def invoke(
+        self, event: dict, *, timeout_s: float | None = None, request_id: str | None = None
+    ) -> Any:
+        """Call the handler with a fresh Context; waits (within the deadline) while starting.
+
+        Raises BadRequest (event not an object, bad timeout_s), FunctionError (the handler raised: Lambda's
+        error shape in `.error`), InitFailed (the start failed), NotReady (still starting).
+        """
+        if not isinstance(event, dict):
+            raise BadRequest(f"the event must be a JSON object, got {type(event).__name__}")
+        timeout_s = self.target.timeout_s if timeout_s is None else timeout_s
+        context = Context.new(self.function_name, timeout_s, request_id)
+        self._check_up(wait_s=context.get_remaining_time_in_millis() / 1000)
+        handler = self._handler
+        if handler is None:  # closed since the check
+            raise NotReady(f"{self.function_name} was closed")
+        return call_handler(handler, event, context)
+
+    def health_generate(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """llm: one real 1-token generation through the service; function: {"ok": True}."""
+        self._check_up()
+        if self._llm_handler is None:
+            return {"ok": True}
+        return self._llm_handler.health_check(timeout_s)
+
+    def _check_up(self, wait_s: float = 0.0) -> None:
+        if not self._started or self._closed:
+            state = "was closed" if self._closed else "was never started"
+            raise NotReady(f"{self.function_name} {state}")
+        state = self.readiness.wait_until_settled(wait_s) if wait_s > 0 else self.readiness.state
+        if state is Readiness.FAILED:
+            raise InitFailed(f"{self.function_name} failed to start: {self.readiness.reason}")
+        if state is not Readiness.UP:
+            raise NotReady(f"{self.function_name} is still starting; retry shortly")
+
+    def close(self) -> None:
+        """Stop the engine loop and release the model (safe while a start is in flight)."""
+        with self._lock:
+            self._closed = True
+            self._release()
+            # NOTE: a start in flight settles readiness itself when it ends; a failed start
+            # keeps its reason.
+            if self.readiness.state is Readiness.UP or not self._started:
+                self.readiness.set(Readiness.FAILED, "closed")
+
+    def _release(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+        if self.llm is not None:
+            self.llm.close()
+        if self._llm_function is not None:
+            self._llm_function.release()
+        self.llm = self._llm_function = self._handler = self._llm_handler = None
+
+
+def _holds_files(folder: Path | None) -> bool:
+    return folder is not None and Path(folder).is_dir() and any(Path(folder).iterdir())
+
+
+def _recorded_source(snapshot_dir: Path) -> Path | None:
+    """The model folder a snapshot was made from, if its manifest says (for a cold fallback)."""
+    from snapfn.snapshot.portable.format import read_manifest
+
+    try:
+        recorded = read_manifest(snapshot_dir)["llm"]["source_model_dir"]
+    except (SnapfnError, KeyError, TypeError):
+        return None
+    return Path(recorded) if recorded else None
+
+
+def _write_snapshot(fn: LLMFunction, dest: Path, startup: StartupManifest, log: Log) -> None:
+    """Write the snapshot after a cold init; a failed write is recorded, the worker still serves."""
+    from snapfn.snapshot.runtime import write_snapshot
+
+    try:
+        write_snapshot(fn, dest, startup, log)
+    except (SnapfnError, OSError) as exc:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        startup.info["snapshot_write_error"] = reason
+        log(f"could not write the snapshot to {dest} ({reason}); serving from the cold init")

@@ -1,0 +1,123 @@
+"""What a worker runs: the target flags shared by `snapfn serve` and `snapfn worker`.
+
+Contract:
+- `add_target_arguments(p, verb)` adds `--model`, `--snapshot`, `--function`, `--function-dir`;
+  `add_engine_arguments(p)` adds the LLM engine flags (`--device`, `--dtype`, …). Both
+  subcommands read them back with the same `serve_target(args)`.
+- `serve_target(args)` is the `ServeTarget` the flags describe, validated before any worker
+  starts: `--function` excludes `--model` (with `--snapshot`: the function's process snapshot,
+  made by `snapfn init --function`); with none of the three, the embedded model must be built
+  here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot cache
+  (snapshot/store/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings
+  are `InitConfig.from_env(os.environ)` overridden by the flags given. `check_target_flags(args)`
+  is the part of that validation that imports nothing heavy (the activator runs it without torch).
+
+Imports stay light (no flask, gunicorn or torch at import): the queue worker imports this
+module without the HTTP stack, and the runtime's `InitConfig` is imported when a target is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import BadRequest
+
+
+def add_target_arguments(p: argparse.ArgumentParser, verb: str) -> None:
+    """The target group; `verb` ("serve", "run") words its help."""
+    what = p.add_argument_group(f"what to {verb} (default: the embedded model)")
+    what.add_argument("--model", type=Path, help="HF model folder (cold init, or fallback)")
+    add_snapshot_arguments(
+        what,
+        "restore from this snapshot folder "
+        "(empty or missing: cold init, then write the snapshot there)",
+    )
+    what.add_argument("--function", help=f"{verb} a user function, module:function")
+    what.add_argument("--function-dir", type=Path, help="folder searched first for its module")
+
+
+def add_snapshot_arguments(group: Any, help_text: str) -> None:
+    """`--snapshot DIR|s3://…` and `--cache-max-bytes`; `snapshot_path` reads them back."""
+    group.add_argument(
+        "--snapshot",
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help=f"{help_text}; an s3:// snapshot is pulled into the local snapshot cache first "
+        "(SNAPFN_SNAPSHOT_CACHE, endpoint from AWS_ENDPOINT_URL)",
+    )
+    group.add_argument(
+        "--cache-max-bytes",
+        help="bound of the snapshot cache, LRU eviction (default: "
+        "SNAPFN_SNAPSHOT_CACHE_MAX_BYTES or 100G)",
+    )
+
+
+def snapshot_path(args: argparse.Namespace) -> Path | None:
+    """`--snapshot` as a local folder: an s3:// URI is pulled into the snapshot cache first."""
+    from snapfn.snapshot.store.s3 import is_s3_uri
+
+    if args.snapshot is None or not is_s3_uri(args.snapshot):
+        return None if args.snapshot is None else Path(args.snapshot)
+    from snapfn.snapshot.store.cache import SnapshotCacheConfig, cached_snapshot
+
+    config = SnapshotCacheConfig.from_env(os.environ, max_bytes=args.cache_max_bytes)
+    return cached_snapshot(args.snapshot, config)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    engine = p.add_argument_group("engine (llm)")
+    engine.add_argument("--device", help="cpu or cuda[:N] (default: SNAPFN_DEVICE or cpu)")
+    engine.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
+    engine.add_argument("--max-model-len", type=int, help="longest sequence served")
+    engine.add_argument("--max-running-requests", type=int, help="decode batch limit")
+    engine.add_argument("--kv-cache-mb", type=int, help="KV pool size on CPU, MiB")
+
+
+def serve_target(args: argparse.Namespace) -> Any:
+    """The `ServeTarget` the flags describe (validated here, in the master, before any fork)."""
+    # NOTE: importing the runtime's InitConfig imports torch in the master. That is safe (CUDA
+    # is not initialised by an import) and workers fork with torch already imported.
+    from snapfn.handler.function.target import ServeTarget
+    from snapfn.handler.llm.init_config import InitConfig
+
+    check_target_flags(args)
+    if args.function is not None:
+        return ServeTarget(
+            kind="function",
+            function=args.function,
+            function_dir=args.function_dir,
+            snapshot_dir=snapshot_path(args),
+            init_config=InitConfig.from_env(os.environ),
+        )
+    kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb is not None else None
+    init_config = InitConfig.from_env(
+        os.environ,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_running_requests=args.max_running_requests,
+        kv_cache_bytes_cpu=kv_bytes,
+    )
+    snapshot_dir = snapshot_path(args)
+    return ServeTarget(model_dir=args.model, snapshot_dir=snapshot_dir, init_config=init_config)
+
+
+def check_target_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that describe no target (torch-free: nothing heavy imported)."""
+    if args.function is not None:
+        if args.model is not None:
+            raise BadRequest("--function serves a user function: drop --model")
+    elif args.model is None and args.snapshot is None:
+        _require_embedded_model()
+
+
+def _require_embedded_model() -> None:
+    from snapfn.handler.llm.embedded import embedded_model_dir
+
+    if not (embedded_model_dir() / "config.json").is_file():
+        raise BadRequest(
+            "no model given and the embedded model is not built here: "
+            "pass --model DIR, --snapshot DIR or --function module:fn"
+        )

@@ -1,0 +1,106 @@
+"""JSON in and out of the HTTP front door, errors included.
+
+Contract:
+- `read_json_body()` is the request's body as strict JSON (no `NaN`/`Infinity`); an empty or
+  malformed body is an `ApiError` 400 (`invalid_json`).
+- `json_response(body, status, headers)` sends a JSON response; `json_safe(value)` turns the
+  non-finite floats of a value (a manifest, a function's result) into null first.
+- `install_error_handlers(app, retry_after_s)` makes every error a JSON response in OpenAI's
+  shape (`openai/shapes.error_body`): `ApiError` → its status, other `BadRequest` → 400,
+  not ready or starting → 503 with `Retry-After`, failed start → 503, HTTP errors → their code
+  (a 405 keeps its `Allow`), anything else → a logged 500, never a dead worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from snapfn.handler.function.target import NotReady
+from snapfn.handler.http.openai.request import ApiError
+from snapfn.handler.http.openai.shapes import error_body
+from snapfn.handler.http.startup_gate import ServiceUnavailable
+from snapfn.snapshot.errors import BadRequest, InitFailed
+
+log = logging.getLogger("snapfn.http")
+
+
+def install_error_handlers(app: Flask, retry_after_s: int) -> None:
+    @app.errorhandler(ApiError)
+    def api_error(exc: ApiError) -> Response:
+        kind = "invalid_request_error"
+        return json_response(error_body(str(exc), kind, exc.param, exc.api_code), exc.status)
+
+    @app.errorhandler(BadRequest)
+    def bad_request(exc: BadRequest) -> Response:
+        return json_response(error_body(str(exc), "invalid_request_error", code=exc.code), 400)
+
+    @app.errorhandler(ServiceUnavailable)
+    def unavailable(exc: ServiceUnavailable) -> Response:
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
+        body = error_body(str(exc), "service_unavailable", code=exc.reason)
+        return json_response(body, 503, headers)
+
+    @app.errorhandler(NotReady)
+    def not_ready(exc: NotReady) -> Response:
+        headers = {"Retry-After": str(retry_after_s)}
+        body = error_body(str(exc), "service_unavailable", code=exc.code)
+        return json_response(body, 503, headers)
+
+    @app.errorhandler(InitFailed)
+    def init_failed(exc: InitFailed) -> Response:
+        return json_response(error_body(str(exc), "service_unavailable", code=exc.code), 503)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        body = error_body(exc.description or exc.name, "invalid_request_error", code=code)
+        allow = exc.get_response().headers.get("Allow")  # a 405 must say what is allowed
+        return json_response(body, exc.code, {"Allow": allow} if allow else None)
+
+    @app.errorhandler(Exception)
+    def internal_error(exc: Exception) -> Response:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        message = f"internal error ({type(exc).__name__}); the worker is still serving"
+        return json_response(error_body(message, "server_error", code="internal_error"), 500)
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    response = jsonify(body)
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def read_json_body() -> Any:
+    """The request's body, parsed as strict JSON."""
+    data = request.get_data()
+    if not data.strip():
+        raise ApiError("the request body is empty: send a JSON object", code="invalid_json")
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN/inf floats as null, so the output is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value

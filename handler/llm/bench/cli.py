@@ -1,0 +1,331 @@
+"""`snapfn bench`: cold-start modes side by side in one run, each in a fresh process.
+
+    (a) hf           transformers from_pretrained + generate (what users do today)
+    (b) safetensors  safetensors.load_file into our engine, eager, no snapshot
+    (c) cold_init    snapfn's staged init (then writes the snapshot for d/e)
+    (d) restore      tier-0 restore, snapshot files in the page cache
+    (d') restore_zygote  the same, forked from a warm zygote (imports done, CUDA untouched):
+                     the cold start of a host that keeps a zygote, as `serve` does
+    (e) restore_cold tier-0 restore after dropping the snapshot from the page cache (if allowed)
+
+Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
+bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
+Outputs a table, a JSON file and a waterfall plot of the staged modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ALL_MODES = (
+    "hf",
+    "safetensors",
+    "cold_init",
+    "restore",
+    "restore_zygote",
+    "restore_cold",
+    "init_process",
+    "restore_process",
+    "steady",
+)
+
+
+@dataclass(frozen=True)
+class BenchDefaults:
+    device: str = "cpu"
+    modes: str = ",".join(m for m in ALL_MODES if m != "steady")  # steady: ask for it
+    decode_batches: str = "1,8"
+    decode_tokens: int = 16
+    prefill_tokens: int = 2048
+    timeout_s: int = 900
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchDefaults()
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
+    )
+    p.add_argument("--device", default=d.device)
+    p.add_argument(
+        "--modes", default=d.modes, help=f"comma-separated subset of {','.join(ALL_MODES)}"
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where the snapshot and caches go (default: a temp dir)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    p.add_argument("--plot", type=Path, default=None, help="write the waterfall PNG here")
+    p.add_argument(
+        "--decode-batches", default=d.decode_batches, help="steady-state decode batch sizes"
+    )
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=d.prefill_tokens,
+        help="prompt length of the steady mode's prefill figure",
+    )
+    p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
+
+
+def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
+    child_mode = "restore" if mode in ("restore_zygote", "restore_cold") else mode
+    snapshot = workdir / ("snapshot_process" if mode.endswith("_process") else "snapshot")
+    return [
+        child_mode,
+        *("--model", str(args.model), "--snapshot", str(snapshot)),
+        *("--device", args.device, "--cache-dir", str(workdir / "cache")),
+        *("--t0", repr(time.time()), *extra),
+    ]
+
+
+def run_zygote_mode(args: argparse.Namespace, workdir: Path, extra: list[str]) -> dict[str, Any]:
+    """Start a zygote (timed apart), then time fork → restore → first token."""
+    from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
+    from snapfn.snapshot.zygote.owner import Zygote
+
+    with Zygote.start(ZYGOTE_PRELOAD) as zygote, open(os.devnull, "w") as devnull:
+        argv = child_argv("restore_zygote", args, workdir, extra)
+        target = "snapfn.handler.llm.bench.child:zygote_target"
+        worker = zygote.fork(target, {"argv": argv}, stdout=devnull, stderr=devnull)
+        result = worker.channel.recv(timeout_s=args.timeout_s)
+        code = worker.wait(timeout_s=60)
+        preload_s = zygote.preload_seconds
+    if result is None:
+        return {"mode": "restore_zygote", "error": f"worker exited {code} without a result"}
+    return {**result, "mode": "restore_zygote", "zygote_preload_s": round(preload_s, 3)}
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]
+) -> dict[str, Any]:
+    """Run one mode in a fresh process (or a zygote worker) and parse its result line."""
+    if mode == "restore_zygote":
+        return run_zygote_mode(args, workdir, extra)
+    argv = child_argv(mode, args, workdir, extra)
+    cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "mode": mode}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def measure_floors(args: argparse.Namespace, weights: Path) -> dict[str, Any]:
+    from snapfn.snapshot.portable.bandwidth import measure_disk_read_gbps, measure_h2d_gbps
+
+    nbytes = weights.stat().st_size
+    h2d = measure_h2d_gbps(args.device) if args.device.startswith("cuda") else _memcpy_gbps()
+    disk = measure_disk_read_gbps(weights)
+    return {
+        "weight_bytes": nbytes,
+        "h2d_gbps": round(h2d, 2),
+        "disk_gbps": round(disk, 2),
+        "h2d_floor_s": round(nbytes / h2d / 1e9, 4),
+        "disk_floor_s": round(nbytes / disk / 1e9, 4),
+    }
+
+
+def _memcpy_gbps(nbytes: int = 1 << 28) -> float:
+    import torch
+
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from snapfn.handler.llm.embedded import embedded_model_dir
+    from snapfn.snapshot.portable.pagecache import drop, prewarm
+
+    args.model = args.model or embedded_model_dir()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown:
+        print(f"snapfn bench: unknown modes {sorted(unknown)}", file=sys.stderr)
+        return 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="snapfn-bench-"))
+    decode = ["--decode-batches", args.decode_batches, "--decode-tokens", str(args.decode_tokens)]
+    results, floors = {}, {}
+    for mode in modes:
+        weights = workdir / "snapshot" / "weights" / "rank0.bin"
+        if mode == "restore" and weights.exists():
+            floors = floors or measure_floors(args, weights)
+            prewarm([p for p in (workdir / "snapshot").rglob("*") if p.is_file()])
+        if mode == "restore_process":
+            prewarm([p for p in (workdir / "snapshot_process").rglob("*") if p.is_file()])
+        if mode == "restore_cold":
+            files = [p for p in (workdir / "snapshot").rglob("*") if p.is_file()]
+            if not drop(files, drop_caches=os.geteuid() == 0):
+                results[mode] = {
+                    "mode": mode,
+                    "skipped": "the page cache could not be dropped on this machine",
+                }
+                continue
+        print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
+        with_decode = mode in ("cold_init", "restore_process", "steady")
+        extra = decode if with_decode else []
+        if mode == "steady":
+            extra = extra + ["--prefill-tokens", str(args.prefill_tokens)]
+        results[mode] = run_mode(mode, args, workdir, extra)
+        print(f"[snapfn bench] {mode}: {_brief(results[mode])}", file=sys.stderr, flush=True)
+    report = {
+        "model": str(args.model),
+        "device": args.device,
+        "machine": _machine(args.device),
+        "floors": floors,
+        "modes": results,
+        "ratios": ratios(results, floors),
+    }
+    print(format_report(report))
+    _write_outputs(args, report)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _brief(result: dict[str, Any]) -> str:
+    if "first_token_s" in result:
+        return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
+    if "prefill" in result:
+        return f"batch-1 decode {result['decode'].get('batch1', {}).get('x', '?')}x its roofline"
+    return result.get("error") or result.get("skipped") or "?"
+
+
+def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    hf = results.get("hf", {}).get("first_token_s")
+    for mode, r in results.items():
+        if "first_token_s" not in r:
+            continue
+        if hf:
+            out[f"{mode}_speedup_vs_hf"] = round(hf / r["first_token_s"], 2)
+    stream = _stage_seconds(results.get("restore", {}), "stream_weights")
+    if stream and floors:
+        out["restore_stream_vs_h2d_floor"] = round(stream / floors["h2d_floor_s"], 2)
+    tier1, tier0 = (results.get(m, {}).get("first_token_s") for m in ("restore_process", "restore"))
+    if tier1 and tier0:
+        out["restore_process_speedup_vs_restore"] = round(tier0 / tier1, 2)
+    same = [m for m in ("restore", "restore_process") if _same_token(results, m)]
+    out.update({f"{m}_token_equals_cold_init": True for m in same})
+    cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
+    if cold and floors:
+        out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
+    return out
+
+
+def _same_token(results: dict[str, Any], mode: str) -> bool:
+    cold, other = results.get("cold_init", {}), results.get(mode, {})
+    keys = ("token", "logprob")
+    return all(k in cold and k in other for k in keys) and all(cold[k] == other[k] for k in keys)
+
+
+PROCESS_STEPS = (
+    "validate",
+    "criu_restore",
+    "cuda_restore",
+    "resume",
+    "worker.cuda_ready",
+    "worker.adopt",
+    "worker.remap",
+    "worker.stream_weights",
+    "worker.replay_check",
+    "connect",
+)
+
+
+def _stage_seconds(result: dict[str, Any], name: str) -> float | None:
+    for stage in result.get("startup", {}).get("stages", []):
+        if stage["name"] == name:
+            return stage["seconds"]
+    return None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"snapfn bench: {report['model']} on {report['device']} ({report['machine']})",
+        f"{'mode':<14} {'ready s':>9} {'first token s':>14}  notes",
+    ]
+    for mode, r in report["modes"].items():
+        note = r.get("error") or r.get("skipped") or _notes(r)
+        ready = f"{r['ready_s']:9.3f}" if "ready_s" in r else f"{'-':>9}"
+        ttft = f"{r['first_token_s']:14.3f}" if "first_token_s" in r else f"{'-':>14}"
+        lines.append(f"{mode:<14} {ready} {ttft}  {note}")
+    f = report["floors"]
+    if f:
+        lines.append(
+            f"floors: {f['weight_bytes'] / 1e9:.2f} GB weights; h2d {f['h2d_gbps']} GB/s -> "
+            f"{f['h2d_floor_s']} s; disk {f['disk_gbps']} GB/s -> {f['disk_floor_s']} s"
+        )
+    lines += [f"{k}: {v}" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+def _notes(r: dict[str, Any]) -> str:
+    parts = []
+    if r.get("startup", {}).get("tier") == "process":
+        steps = [(n, _stage_seconds(r, n)) for n in PROCESS_STEPS]
+        parts.append(
+            " ".join(f"{n.removeprefix('worker.')} {t:.3f}" for n, t in steps if t is not None)
+        )
+    stream = _stage_seconds(r, "stream_weights")
+    if stream is not None:
+        st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")
+        parts.append(f"stream {stream:.3f} s ({st['figures'].get('gbps', '?')} GB/s)")
+    if r.get("mode") == "steady" and r.get("prefill"):
+        p = r["prefill"]
+        parts.append(
+            "decode ms/step "
+            + ", ".join(
+                f"{b} {d['ms']} (roofline {d['roofline_ms']}, {d['x']}x)"
+                for b, d in r["decode"].items()
+            )
+            + f"; prefill {p['tokens_per_s']:.0f} tok/s (roofline {p['roofline_tokens_per_s']:.0f}, {p['x']}x)"
+            + f"; {r['memory_gbps']} GB/s, {r['matmul_tflops']} TFLOP/s, backend {r['backend']}"
+        )
+    elif r.get("decode"):
+        parts.append("decode " + ", ".join(f"{k}={v}" for k, v in r["decode"].items()))
+    if r.get("fallbacks"):
+        parts.append(f"FELL BACK: {r['fallbacks'][0]['reason']}")
+    return "; ".join(parts)
+
+
+def _machine(device: str) -> str:
+    import platform
+
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.machine()} CPU x{os.cpu_count()}"
+
+
+def _write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        from snapfn.handler.llm.recipes.waterfall import plot_waterfall
+
+        staged = {m: r["startup"] for m, r in report["modes"].items() if "startup" in r}
+        if staged:
+            plot_waterfall(
+                list(staged.values()),
+                args.plot,
+                title=f"snapfn bench: {report['model']}",
+                labels=list(staged),
+            )

@@ -1,0 +1,212 @@
+"""`snapfn init` (cold init → tier-0 snapshot) and `snapfn inspect` (startup manifest table/plot)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.errors import BadRequest
+
+
+def add_init_config_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per InitConfig field that users tune; defaults come from the dataclass."""
+    d = InitConfig()
+    p.add_argument("--device", default=None, help=f"cpu or cuda[:N] (default {d.device})")
+    p.add_argument(
+        "--dtype", default=None, help=f"auto, float32, bfloat16, float16 (default {d.dtype})"
+    )
+    p.add_argument(
+        "--max-running-requests", type=int, default=None, help=f"default {d.max_running_requests}"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"default {d.max_num_batched_tokens}",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help=f"default {d.max_model_len}")
+    p.add_argument(
+        "--mem-fraction-static", type=float, default=None, help=f"default {d.mem_fraction_static}"
+    )
+    p.add_argument("--graph-max-batch", type=int, default=None, help=f"default {d.graph_max_batch}")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="compile caches (default ~/.cache/snapfn)"
+    )
+
+
+def init_config_from_args(args: argparse.Namespace) -> InitConfig:
+    names = {f.name for f in fields(InitConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names}
+    return InitConfig.from_env(os.environ, **overrides)
+
+
+def add_init_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the embedded model)"
+    )
+    p.add_argument("--snapshot", type=Path, required=True, help="snapshot directory to write")
+    p.add_argument(
+        "--tier",
+        choices=("portable", "process"),
+        default=None,
+        help="portable (tier 0, default; SNAPFN_TIER) or process: also checkpoint the warmed"
+        " worker with criu (+ CUDA checkpoint), falling back to portable if it cannot",
+    )
+    p.add_argument(
+        "--function",
+        default=None,
+        help="snapshot a user function (module:function) instead of the LLM: its init hooks run"
+        " in a checkpointable worker, which is dumped with criu (tier 1; CPU)",
+    )
+    p.add_argument("--function-dir", type=Path, default=None, help="folder searched first")
+    add_init_config_arguments(p)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from snapfn.handler.llm.embedded import embedded_model_dir
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.snapshot.runtime import init_and_snapshot, summary
+
+    config = init_config_from_args(args)
+    model_dir = args.model or embedded_model_dir()
+    if args.function is not None:
+        from snapfn.handler.function.host import init_function_snapshot
+        from snapfn.snapshot.stages import stderr_log
+
+        startup = init_function_snapshot(
+            args.function, args.snapshot, args.function_dir, stderr_log
+        )
+        if startup.tier != "process":
+            raise BadRequest(f"no process snapshot of {args.function}: {startup.fallbacks}")
+    elif config.tier == "process":
+        startup = _init_process(config, model_dir, args.snapshot)
+    elif config.tier == "portable":
+        startup = init_and_snapshot(LLMFunction(config, model_dir), args.snapshot)
+    else:
+        raise BadRequest(f"tier must be portable or process, not {config.tier!r}")
+    print(summary(startup), file=sys.stderr)
+    written = "portable" if startup.tier == "cold" else startup.tier  # a tier-0 init's own tier
+    print(f"snapshot ({written}) written to {args.snapshot}")
+    return 0
+
+
+def _init_process(config: InitConfig, model_dir: Path, dest: Path):
+    """Cold init in a checkpointable worker, then its process image (or tier 0 if it cannot)."""
+    from snapfn.handler.llm.recipes.snapshot_files import config_json
+    from snapfn.snapshot.process.snapshot import init_process_snapshot
+    from snapfn.snapshot.process.worker_process import ProcessConfig
+    from snapfn.snapshot.stages import stderr_log
+
+    args = {"model_dir": str(Path(model_dir).absolute()), "init_config": config_json(config)}
+    host = "snapfn.handler.llm.recipes.process_host:make"
+    process_config = ProcessConfig.from_env(os.environ).for_device(config.device)
+    startup, _ = init_process_snapshot(host, args, dest, process_config, stderr_log)
+    return startup
+
+
+def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "snapshot", type=Path, help="snapshot directory (or a startup-manifest JSON file)"
+    )
+    p.add_argument("--plot", type=Path, default=None, help="write the stage waterfall to this PNG")
+    p.add_argument("--json", action="store_true", help="print the startup manifest as JSON")
+
+
+def load_startup(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(startup manifest, whole snapshot manifest or {}) from a snapshot dir or a JSON file."""
+    from snapfn.snapshot.portable.format import read_manifest
+
+    if path.is_dir():
+        manifest = read_manifest(path)
+        return manifest["startup"], manifest
+    data = json.loads(path.read_text())
+    return data.get("startup", data), data
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    startup, manifest = load_startup(args.snapshot)
+    if args.json:
+        print(json.dumps(startup, indent=2))
+    else:
+        print(format_table(startup, manifest))
+    if args.plot is not None:
+        from snapfn.handler.llm.recipes.waterfall import plot_waterfall
+
+        plot_waterfall([startup], args.plot, title=str(args.snapshot))
+        print(f"waterfall written to {args.plot}")
+    return 0
+
+
+def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
+    lines = [
+        f"{startup['kind']} ({startup['tier']}): {startup['total_s']:.3f} s, ok={startup['ok']}"
+    ]
+    lines.append(f"{'stage':<18} {'start s':>8} {'seconds':>9}  figures")
+    for s in startup["stages"]:
+        figs = ", ".join(
+            f"{k}={_short(v)}" for k, v in s["figures"].items() if not isinstance(v, dict | list)
+        )
+        lines.append(f"{s['name']:<18} {s['start_s']:8.3f} {s['seconds']:9.3f}  {figs}")
+    lines += [
+        f"fallback {f['from']} -> {f['to']} at {f['step']}: {f['reason']}"
+        for f in startup["fallbacks"]
+    ]
+    llm = manifest.get("llm")
+    if llm:
+        plan = llm["memory_plan"]
+        lines.append(
+            f"memory plan: {plan['num_pages']} pages x {plan['page_size']} tokens "
+            f"({plan['kv_bytes'] / 2**20:.1f} MiB KV, {plan['weights_bytes'] / 2**20:.1f} MiB weights, {plan['source']})"
+        )
+        lines.append(f"graph buckets: {llm['graph_buckets'] or 'none (eager decode)'}")
+        lines.append(f"compile caches saved: {llm['compile_caches'] or 'none'}")
+    process = manifest.get("process")
+    if isinstance(process, dict):
+        worker = process.get("worker", {})
+        gpu = worker.get("device_in_use_bytes")
+        lines.append(
+            f"process image (tier 1): {process.get('image_bytes', 0) / 1e6:.1f} MB"
+            + (f", {gpu / 1e9:.2f} GB left on the GPU at the checkpoint" if gpu else "")
+            + f"; before-snapshot hooks: {', '.join(process.get('hooks', [])) or 'none'}"
+        )
+        moved = process.get("memory")
+        if isinstance(moved, dict):
+            lines.append(
+                f"  memory moved out of the image: {moved['moved_bytes'] / 1e6:.1f} MB in"
+                f" {moved['pieces']} mappings of {moved['file']}, mapped at restore"
+            )
+        lines += _process_memory_lines(process)
+    if "compat" in manifest:
+        lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
+    return "\n".join(lines)
+
+
+def _process_memory_lines(process: dict[str, Any]) -> list[str]:
+    """Where the image's bytes come from (the census taken at the checkpoint) and the regions a
+    restorer makes for the worker."""
+    from snapfn.snapshot.process.smaps import describe
+
+    lines = [
+        f"  private memory {stage}: {describe(found)}"
+        for stage, found in process.get("private_memory", {}).items()
+        if "private_bytes" in found
+    ]
+    regions = process.get("regions", [])
+    if regions:
+        total = sum(r["nbytes"] for r in regions) / 1e9
+        fills = ", ".join(
+            f"{r['name']} {r['nbytes'] / 1e9:.2f} GB {r['fill']}" for r in regions[:3]
+        )
+        more = f", +{len(regions) - 3} more" if len(regions) > 3 else ""
+        lines.append(f"  regions kept out of the image: {total:.2f} GB ({fills}{more})")
+    return lines
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,371 @@
+"""The built-in LLM function: its init recipe, its tier-0 snapshot, and its restore recipe.
+
+Cold init (each a timed stage):
+    runtime_env → prewarm → load_weights → memory_profile → kv_pool → warmup
+    → capture_graphs → tokenizer → health_check
+Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
+    runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
+    → tokenizer → health_check (+ replay check against the token recorded at init)
+
+Snapshot contents (under the snapshot directory):
+    weights/rank0.bin   restore layout: every parameter in its final dtype/layout, 2 MiB aligned
+    model/              config.json, generation_config.json, tokenizer files
+    caches/<name>/      compile caches used at init (triton, inductor, flashinfer, deepgemm)
+and the "llm" section of manifest.json (memory plan, buckets, tensor table, health record).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes import runtime_env
+from snapfn.handler.llm.recipes.snapshot_files import (
+    config_json,
+    copy_model_files,
+    model_content_hash,
+    report_fields,
+)
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
+
+WEIGHTS_FILE = "weights/rank0.bin"
+# Modules a zygote imports before forking restore workers (none of them touches CUDA at import).
+ZYGOTE_PRELOAD = (
+    "torch",
+    "safetensors",
+    "jinja2",
+    "tokenizers",
+    "snapfn.snapshot.runtime",
+    "snapfn.snapshot.layout.writer",
+    "snapfn.snapshot.layout.streamer",
+    "snapfn.snapshot.portable.pagecache",
+    "snapfn.handler.llm.recipes.function",
+    "snapfn.handler.llm.build",
+    "snapfn.handler.llm.engine.memory",
+    "snapfn.handler.llm.engine.warmup",
+    "snapfn.handler.llm.engine.engine",
+    "snapfn.handler.llm.models.llama",
+    "snapfn.handler.llm.models.glm_moe_dsa",
+    "snapfn.handler.llm.kernels.torch_ref",
+)
+
+
+SHORT_PREFILLS = (8, 48)  # prompt lengths warmed besides the chunk sizes (CUDA only)
+
+
+class LLMFunction:
+    """Holds the engine once up. Build with a model folder (init) and/or a snapshot (restore)."""
+
+    name = "llm"
+    world_size = 1
+
+    def __init__(
+        self, config: InitConfig, model_dir: Path | None = None, releasable: bool = False
+    ) -> None:
+        """`releasable`: weights and KV pool in releasable regions (for a process snapshot)."""
+        self.config = config
+        self.device = config.device
+        self.source = Path(model_dir) if model_dir is not None else None
+        self.engine = None
+        self.model = None
+        self.plan = None
+        self.graph_stats = None
+        self.health: dict[str, Any] = {}
+        self._model_config = None
+        self._load_report = None
+        self._streamer = None
+        self._tokenizer = None
+        self._checkpoint = None
+        self.memory = None
+        if releasable:
+            from snapfn.handler.llm.recipes.releasable import ReleasableMemory
+
+            self.memory = ReleasableMemory(config.device)
+
+    # ---- cold init -------------------------------------------------------------------------
+    def init_stages(self) -> list[Stage]:
+        if self.source is None:
+            raise ValueError("a cold init needs a model folder")
+        return [
+            ("runtime_env", self.stage_runtime_env),
+            ("prewarm", self.stage_prewarm),
+            ("load_weights", self.stage_load_weights),
+            ("memory_profile", self.stage_memory_profile),
+            ("kv_pool", self.stage_kv_pool),
+            ("warmup", self.stage_warmup),
+            ("capture_graphs", self.stage_capture_graphs),
+            ("tokenizer", lambda f: self.stage_tokenizer(f, self.source)),
+            ("health_check", self.stage_health_check),
+        ]
+
+    def stage_runtime_env(self, figures: Figures) -> None:
+        figures.update(runtime_env.prepare(self.config.cache_dir, self.device))
+
+    def stage_prewarm(self, figures: Figures) -> None:
+        from snapfn.handler.llm.weights.checkpoint import Checkpoint
+        from snapfn.snapshot.portable.pagecache import prewarm
+
+        self._checkpoint = Checkpoint.open(self.source)  # index + shard headers, read once
+        report = prewarm(self._checkpoint.files, num_threads=self.config.prewarm_threads)
+        figures.update(report_fields(report))
+
+    def stage_load_weights(self, figures: Figures) -> None:
+        from snapfn.handler.llm.build import build_model
+        from snapfn.handler.llm.config import ModelConfig
+        from snapfn.handler.llm.weights.loader import load_weights
+
+        self._model_config = ModelConfig.from_dir(self.source)
+        self.model = build_model(self._model_config, self.config.engine_options())
+        self._adopt_parameters(figures)
+        report = load_weights(self.model, self._checkpoint)
+        self._load_report = report
+        figures.update(
+            bytes=report.num_bytes,
+            tensors=report.num_tensors,
+            gb_per_s=round(report.gb_per_s, 3),
+            not_loaded=len(report.not_loaded),
+        )
+
+    def stage_memory_profile(self, figures: Figures) -> None:
+        from snapfn.handler.llm.engine.memory import profile_memory
+
+        c = self.config
+        # NOTE: the profile's forward is the first of a cold init: most kernels JIT-compile
+        # here (flashinfer's prefill: 104 s of the 8B's cold init on the H200, session 5 run 3)
+        with runtime_env.compiles_counted(c.cache_dir, figures):
+            self.plan = profile_memory(
+                self.model,
+                c.page_size,
+                c.max_num_batched_tokens,
+                c.mem_fraction_static,
+                c.kv_cache_bytes_cpu,
+            )
+        figures.update(self.plan.to_json())
+
+    def stage_kv_pool(self, figures: Figures) -> None:
+        from snapfn.handler.llm.build import allocate_kv
+        from snapfn.handler.llm.engine.engine import Engine
+
+        pages, page_size = self.plan.num_pages, self.plan.page_size
+        alloc = None
+        if self.memory is not None:
+            from snapfn.handler.llm.recipes.releasable import kv_region_bytes
+
+            alloc = self.memory.kv_alloc(kv_region_bytes(self.model, pages, page_size))
+        kv = allocate_kv(self.model, pages, page_size, alloc)
+        self.engine = Engine(self.model, kv, self.config.engine_options().scheduler)
+        figures.update(pages=kv.num_pages, bytes=kv.num_bytes, capacity_tokens=kv.capacity_tokens)
+        figures["backend"] = self.model.backend.name  # the kernels the engine runs (auto's pick)
+
+    def buckets(self) -> list[int]:
+        from snapfn.handler.llm.engine.graphs import default_buckets
+
+        most = self.config.max_running_requests
+        return default_buckets(
+            min(self.config.graph_max_batch, most) if self.config.graph_max_batch > 0 else most
+        )
+
+    def uses_graphs(self) -> bool:
+        """Decode runs in CUDA graphs: on CUDA, for dense models, and for MoE models where the
+        backend's MoE and DSA indexer are sync-free (triton, flashinfer; not the reference)."""
+        if not self.device.startswith("cuda") or self.config.graph_max_batch < 1:
+            return False
+        return self._model_config.arch == "llama" or self.model.backend.capturable_moe
+
+    def stage_warmup(self, figures: Figures) -> None:
+        from snapfn.handler.llm.engine.warmup import warmup
+
+        if self.device.startswith("cuda"):
+            # NOTE: graph capture runs every decode bucket twice before capturing it; warming
+            # the decode shapes here as well would only repeat that work. Short prefills run
+            # kernel variants no chunk-sized one does: the FP8 GEMM's two row tiles (up to 16
+            # and up to 64 rows) on weights only prefill multiplies (MLA's kv_b expansion).
+            decode = [] if self.uses_graphs() else self.buckets()
+            chunks = tuple(dict.fromkeys((*self.config.chunk_sizes, *SHORT_PREFILLS)))
+        else:  # the CPU path compiles nothing: touch each code path once, cheaply
+            decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
+        with runtime_env.compiles_counted(self.config.cache_dir, figures):
+            figures.update(warmup(self.model, self.engine.kv, decode, chunks))
+
+    def stage_capture_graphs(self, figures: Figures) -> None:
+        if self.uses_graphs():
+            pool = self.memory.graph_pool() if self.memory is not None else None
+            # decode kernels JIT-compile in the run before each capture: a restore must add none
+            with runtime_env.compiles_counted(self.config.cache_dir, figures):
+                max_seq_len = self.config.graph_max_seq_len
+                stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
+            self.graph_stats = stats
+            figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+        elif self.device.startswith("cuda") and self.config.graph_max_batch < 1:
+            figures["skipped"] = "graph_max_batch=0: decode runs eagerly"
+        elif self.device.startswith("cuda"):
+            figures["skipped"] = (
+                f"{self._model_config.arch}: decode runs eagerly (backend "
+                f"{self.model.backend.name}'s MoE syncs the host)"
+            )
+        else:
+            figures["skipped"] = "no CUDA device: decode runs eagerly"
+
+    def stage_tokenizer(self, figures: Figures, folder: Path) -> None:
+        from snapfn.handler.llm.tokenizer import load_tokenizer
+
+        pending, self._tokenizer = self._tokenizer, None
+        tokenizer = pending.result() if pending is not None else load_tokenizer(folder)
+        eos = set(self._model_config.eos_token_ids) | (
+            set(tokenizer.eos_token_ids) if tokenizer else set()
+        )
+        self.engine.attach_tokenizer(tokenizer, frozenset(eos))
+        figures.update(
+            present=tokenizer is not None, vocab=tokenizer.vocab_size if tokenizer else 0
+        )
+
+    def stage_health_check(self, figures: Figures) -> None:
+        self.health = self.generate_one()
+        figures.update(self.health)
+
+    def generate_one(self, max_new_tokens: int = 1) -> dict[str, Any]:
+        """One real greedy generation through the whole path (decode graphs when > 1 token)."""
+        from snapfn.handler.llm.engine.request import SamplingParams
+
+        tok = self.engine.tokenizer
+        prompt = tok.encode("Hello") if tok is not None else [0]
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        (result,) = self.engine.generate([prompt or [0]], params)
+        record = {
+            "prompt_ids": list(prompt or [0]),
+            "token": result.token_ids[0],
+            "logprob": result.logprobs[0],
+        }
+        if max_new_tokens > 1:
+            record.update(tokens=list(result.token_ids), logprobs=list(result.logprobs))
+        return record
+
+    # ---- snapshot ------------------------------------------------------------------------------
+    def write_snapshot(self, writer: SnapshotWriterLike, startup: dict[str, Any]) -> dict[str, Any]:
+        from snapfn.snapshot.layout.writer import write_restore_layout
+
+        root = Path(writer.root)
+        (root / "weights").mkdir(parents=True, exist_ok=True)
+        layout = write_restore_layout(root / WEIGHTS_FILE, self.model.named_parameters())
+        writer.register_chunked(
+            WEIGHTS_FILE, layout.chunk_bytes, layout.chunk_sha256, layout.file_sha256
+        )
+        folder = self.source if self.source is not None else self._restored_from / "model"
+        copy_model_files(folder, root / "model")
+        caches = runtime_env.save_caches(self.config.cache_dir, root / "caches")
+        return {
+            "model_content_hash": model_content_hash(self._model_config.raw, layout),
+            "source_model_dir": str(self.source) if self.source else None,
+            "model_type": self._model_config.model_type,
+            "init_config": config_json(self.config),
+            "memory_plan": self.plan.to_json(),
+            "graph_buckets": self.graph_stats.buckets if self.graph_stats else [],
+            "layout": layout.to_json(),
+            "health": self.health,
+            "compile_caches": caches,
+        }
+
+    # ---- restore -------------------------------------------------------------------------------
+    def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]:
+        section = manifest["llm"]
+        self._restored_from = Path(snapshot_dir)
+        return [
+            ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
+            ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
+            ("stream_weights", self.stage_stream_weights),
+            ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
+            ("warmup", self.stage_warmup),
+            ("capture_graphs", self.stage_capture_graphs),
+            ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
+            ("health_check", lambda f: self.stage_replay_check(f, section["health"])),
+        ]
+
+    def prepare_runtime(self, figures: Figures) -> None:
+        """A restore's first stage (before validation): the same environment as a cold init."""
+        self.stage_runtime_env(figures)
+
+    def stage_restore_caches(
+        self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
+    ) -> None:
+        caches = runtime_env.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
+        figures["restored_cache_files"] = caches
+        # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
+        # while the model is built, and stream_weights waits for it.
+        # The tokenizer (0.1-0.2 s for a 128k vocabulary) loads on another side thread.
+        from snapfn.handler.llm.tokenizer import load_tokenizer
+
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore")
+        self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE, section)
+        self._tokenizer = pool.submit(load_tokenizer, snapshot_dir / "model")
+        pool.shutdown(wait=False)
+
+    def _open_streamer(self, path: Path, section: dict[str, Any]):
+        from snapfn.snapshot.layout.streamer import WeightStreamer
+        from snapfn.snapshot.layout.table import RestoreLayout
+
+        layout = RestoreLayout.from_json(section["layout"])
+        layout.validate(path.stat().st_size)
+        c = self.config
+        streamer = WeightStreamer(
+            path,
+            layout,
+            device=self.device,
+            num_threads=c.stream_threads,
+            ring_slots=c.stream_ring_slots,
+        )
+        streamer.prepare()
+        return streamer
+
+    def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
+        from snapfn.handler.llm.build import build_model
+        from snapfn.handler.llm.config import ModelConfig
+
+        self._model_config = ModelConfig.from_dir(model_folder)
+        self.model = build_model(self._model_config, self.config.engine_options())
+        self._adopt_parameters(figures)
+        figures["parameters"] = sum(1 for _ in self.model.parameters())
+
+    def _adopt_parameters(self, figures: Figures) -> None:
+        if self.memory is not None:
+            figures["weights_region_bytes"] = self.memory.adopt_parameters(self.model)
+
+    def stage_stream_weights(self, figures: Figures) -> None:
+        streamer = self._streamer.result()
+        try:
+            report = streamer.stream_into(dict(self.model.named_parameters()))
+        finally:
+            streamer.close()
+        figures.update(report_fields(report))
+
+    def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
+        from snapfn.handler.llm.engine.memory import MemoryPlan
+
+        self.plan = MemoryPlan.from_json(section["memory_plan"])
+        self.stage_kv_pool(figures)
+
+    def stage_replay_check(self, figures: Figures, recorded: dict[str, Any]) -> None:
+        self.health = self.generate_one()
+        figures.update(self.health)
+        same = (
+            self.health["token"] == recorded["token"]
+            and self.health["logprob"] == recorded["logprob"]
+        )
+        if not same or self.health["prompt_ids"] != recorded["prompt_ids"]:
+            raise RestoreFailed(
+                f"replay check failed: restored model answered token {self.health['token']} "
+                f"(logprob {self.health['logprob']!r}), init recorded {recorded['token']} "
+                f"(logprob {recorded['logprob']!r})"
+            )
+
+    def release(self) -> None:
+        pending = getattr(self, "_streamer", None)
+        if pending is not None and pending.done() and pending.exception() is None:
+            pending.result().close()
+        self.engine = self.model = self._streamer = None
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()

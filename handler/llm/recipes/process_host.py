@@ -1,0 +1,323 @@
+"""The built-in LLM as a process-snapshot host: what the checkpointed worker runs.
+
+    init             cold init (weights and KV pool in releasable regions), the tier-0 files
+                     written into the snapshot being built, a replay of a few greedy tokens
+    before_snapshot  release the regions' physical memory, empty torch's CUDA cache
+    after_restore    remap → stream weights from the snapshot's restore layout → replay check
+                     (the same tokens and logprobs as recorded at init, through the captured
+                     graphs, else fail closed) → start the engine loop
+    handle           "generate" (streams outputs), "cancel", "info", "health"
+
+Args (JSON, from `snapfn init --tier process`): {"model_dir", "init_config": {...}, "root"}.
+The resume message carries {"snapshot_dir"}: where this restore reads the weights from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed
+from snapfn.snapshot.stages import StageRunner, StartupManifest
+
+# prefill + 1 decode step: the eager path and a decode graph both exercised (each decode step
+# more cost ~0.01 s of the 8B's restore on the H200; the count recorded is the count replayed)
+REPLAY_TOKENS = 2
+WEIGHTS_FILE = "weights/rank0.bin"  # the restore layout, relative to the snapshot
+ADOPT_TIMEOUT_S = 60.0  # for the restorer's regions (it may still be filling them)
+
+
+def log(line: str) -> None:
+    print(f"[snapfn worker] {line}", file=sys.stderr, flush=True)
+
+
+class FilesWriter:
+    """The SnapshotWriterLike the function writes its tier-0 files through, in the worker; the
+    owner process holds the real SnapshotWriter and registers what is recorded here."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.registered: list[list[Any]] = []
+
+    def register_chunked(self, relpath, chunk_bytes, chunk_sha256, file_sha256) -> None:
+        self.registered.append([relpath, chunk_bytes, list(chunk_sha256), file_sha256])
+
+
+class LLMProcessHost:
+    def __init__(self, args: dict[str, Any]) -> None:
+        from snapfn.handler.llm.init_config import InitConfig
+
+        self.args = args
+        # NOTE: expandable segments let empty_cache() unmap the free pages of a segment that
+        # still holds a live block: fewer bytes for the CUDA checkpoint to save
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        raw = dict(args["init_config"])
+        overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        overrides["cache_dir"] = Path(raw["cache_dir"])
+        self.config = InitConfig.from_env({}, **overrides)
+        self.uses_cuda = self.config.device.startswith("cuda")
+        self.fn = None
+        self.service = None
+        self.replay: dict[str, Any] = {}
+        self.layout = None  # the restore layout's table (RestoreLayout), parsed once at init
+        self.stack_bytes = 0  # the CUDA stack limit before the checkpoint lowered it, if it did
+        # NOTE: by default the streamer's pinned ring is pinned after each restore, on a side
+        # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
+        self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
+        self.streamer = None  # with keep_ring: made at init, its ring rides in the image
+        self.region_specs: list[dict[str, Any]] = []
+        self.diag = os.environ.get("SNAPFN_PROCESS_DIAG", "0") == "1" and self.uses_cuda
+        if self.diag:
+            from snapfn.handler.llm.recipes.process_diag import start_recording
+
+            start_recording()
+
+    def init(self) -> dict[str, Any]:
+        from snapfn.handler.llm.recipes.function import LLMFunction
+        from snapfn.snapshot.layout.table import RestoreLayout
+        from snapfn.snapshot.portable.compat import compat_key
+        from snapfn.snapshot.runtime import cold_init
+
+        self.fn = LLMFunction(self.config, Path(self.args["model_dir"]), releasable=True)
+        startup = cold_init(self.fn, log)
+        self.replay = self.fn.generate_one(REPLAY_TOKENS)
+        writer = FilesWriter(Path(self.args["root"]))
+        section = self.fn.write_snapshot(writer, startup.to_json())
+        self.layout = RestoreLayout.from_json(section["layout"])
+        if self.keep_ring:
+            self.streamer = self._new_streamer(Path(self.args["root"]) / "weights" / "rank0.bin")
+        return {
+            "function": self.fn.name,
+            "startup": startup.to_json(),
+            "section": section,
+            "registered": writer.registered,
+            "compat": compat_key(self.fn.device, self.fn.world_size),
+            "replay": self.replay,
+        }
+
+    def before_snapshot(self) -> list[str]:
+        hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])
+        self.region_specs = self.fn.memory.region_specs(WEIGHTS_FILE)  # a restorer may fill them
+        released = self.fn.memory.release()
+        if self.uses_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            # NOTE: cuBLAS keeps a 32 MiB workspace per (thread's handle, stream): 9 of them,
+            # 0.3 GB of the GPU state the CUDA checkpoint would copy into the image (census,
+            # H200). Freed here, eager matmuls allocate them again; the one a graph captured
+            # lives in the graph pool and stays valid (released and remapped like the rest).
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()  # warmup's activations need not be in the image
+            if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
+                empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
+                (empty or torch._C._host_emptyCache)()
+            stack = self._shrink_stack(torch)
+            free, total = torch.cuda.mem_get_info()
+            self.checkpoint_figures = {
+                **stack,
+                "device_in_use_bytes": total - free,
+                "torch_reserved_bytes": torch.cuda.memory_reserved(),
+                "torch_allocated_bytes": torch.cuda.memory_allocated(),
+            }
+            log(f"at checkpoint: {self.checkpoint_figures}")
+            if self.diag:
+                from snapfn.handler.llm.recipes.process_diag import report
+
+                for line in report():
+                    log(line)
+        log(f"released {sum(released.values()) / 1e9:.2f} GB: {released}")
+        return hooks
+
+    def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
+        from snapfn.handler.llm.service import LLMService
+
+        runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
+        t0 = time.time()
+        if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
+            runner.run("cuda_ready", lambda f: self._restore_stack())  # before any kernel runs
+        if not (resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume))):
+            self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / WEIGHTS_FILE)
+        runner.run("replay_check", self._replay_check)
+        self.service = LLMService(self.fn.engine)
+        return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def _remap_and_stream(self, runner: StageRunner, weights: Path) -> None:
+        """Without the restorer's regions: map fresh memory at the regions' addresses and stream
+        the weights in. NOTE: two side threads, pinning a fresh host ring (when the image holds
+        none) and mapping + zeroing the KV pool (0.4 s for 110 GB on the H200), run while the
+        weights stream; the replay check needs both. The KV pool's 110 GB are made only once
+        the weights' region, needed first, is mapped."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        memory = self.fn.memory
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-resume")
+        ring = None if self.keep_ring else pool.submit(self._new_streamer, weights)
+        runner.run("remap", lambda f: memory.remap_weights())
+        kv = pool.submit(memory.remap_kv)
+        pool.shutdown(wait=False)
+        runner.run("stream_weights", lambda f: self._stream(f, weights, ring))
+        runner.run("remap_kv", lambda f: f.update(overlapped_s=round(kv.result(), 4)))
+
+    def _shrink_stack(self, torch) -> dict[str, int]:
+        """Lower the CUDA stack limit to SNAPFN_PROCESS_STACK_BYTES (default 256; 0 keeps it)
+        for the checkpoint. A context keeps local memory for the largest stack its kernels used
+        (1 KiB by default: 0.2 GB on the H200, probe bench/probes/context_memory.py) and the
+        CUDA checkpoint copies it into the image (1.77 → 1.57 GB for the 8B llama). Restored
+        graphs failed ("unspecified launch failure", H200) when the limit stayed low, so
+        `_restore_stack` sets the old one back before any kernel runs after the restore."""
+        want = int(os.environ.get("SNAPFN_PROCESS_STACK_BYTES", "256"))
+        if want <= 0:
+            return {}
+        from cuda.bindings import driver as cu
+
+        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+        err, before = cu.cuCtxGetLimit(limit)
+        if int(err) != 0 or int(before) <= want:
+            return {}
+        free = torch.cuda.mem_get_info()[0]
+        if int(cu.cuCtxSetLimit(limit, want)[0]) != 0:
+            return {}
+        self.stack_bytes = int(before)
+        return {"stack_bytes": want, "stack_freed_bytes": torch.cuda.mem_get_info()[0] - free}
+
+    def _restore_stack(self) -> None:
+        if not self.stack_bytes:
+            return
+        from cuda.bindings import driver as cu  # NOTE: no cuInit here: torch made the context
+
+        from snapfn.snapshot.cuda.driver import ok
+
+        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+        ok(cu.cuCtxSetLimit(limit, self.stack_bytes), "cuCtxSetLimit (the stack limit back)")
+
+    def _adopt(self, figures: dict[str, Any], resume: dict[str, Any]) -> bool:
+        """Map the regions the restorer made and filled (snapshot/keeper/region_prefetch.py), then
+        check the weights on the GPU against the layout's sum64 table. False, with the reason
+        in the figures, when anything is off: the caller then remaps and streams itself (over
+        the adopted memory when only the weights' check failed)."""
+        from snapfn.snapshot.keeper import region_prefetch
+        from snapfn.snapshot.layout.checksum import first_bad_chunk
+
+        try:
+            message, fds, sock = region_prefetch.receive(resume["regions"], ADOPT_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            figures["fallback"] = f"no regions from the restorer: {type(exc).__name__}: {exc}"
+            return False
+        try:
+            figures["restorer"] = message.get("figures", {})
+            if not message.get("ok"):
+                figures["fallback"] = f"the restorer failed: {message.get('error')}"
+                return False
+            try:
+                self.fn.memory.adopt(fds)
+            except RestoreFailed as exc:
+                figures["fallback"] = str(exc)
+                return False
+        finally:
+            region_prefetch.ack(sock)
+        start, layout = time.perf_counter(), self.layout
+        if layout.chunk_sum64 is None:
+            figures["fallback"] = "the restore layout has no sum64 table to check the weights with"
+            return False
+        data = self.fn.memory.weights.base[: layout.file_bytes]
+        bad = first_bad_chunk(data, layout.chunk_bytes, layout.chunk_sum64)
+        figures["verify_s"] = round(time.perf_counter() - start, 4)
+        if bad is not None:
+            figures["fallback"] = f"weights chunk {bad} failed its sum64 check"
+            return False
+        return True
+
+    def _new_streamer(self, path: Path):
+        from snapfn.snapshot.layout.streamer import WeightStreamer
+
+        c = self.config
+        streamer = WeightStreamer(
+            path,
+            self.layout,
+            device=c.device,
+            num_threads=c.stream_threads,
+            ring_slots=c.stream_ring_slots,
+        )
+        streamer.prepare()
+        return streamer
+
+    def _stream(self, figures: dict[str, Any], path: Path, ring) -> None:
+        """`ring`: a future of a fresh streamer (its ring pinning on a side thread), or None
+        to reuse the one whose ring rode in the image."""
+        from snapfn.handler.llm.recipes.snapshot_files import report_fields
+
+        if ring is not None:
+            self.streamer = None
+            start = time.perf_counter()
+            self.streamer = ring.result()
+            figures["ring_wait_s"] = round(time.perf_counter() - start, 4)
+        else:
+            self.streamer.retarget(path)
+        report = self.streamer.stream_into(dict(self.fn.model.named_parameters()))
+        figures.update(report_fields(report), kept_ring=ring is None)
+
+    def _replay_check(self, figures: dict[str, Any]) -> None:
+        got = self.fn.generate_one(len(self.replay["tokens"]))
+        figures.update(tokens=got["tokens"], recorded=self.replay["tokens"])
+        if got["tokens"] != self.replay["tokens"] or got["logprobs"] != self.replay["logprobs"]:
+            raise RestoreFailed(
+                f"replay check failed: restored worker answered {got['tokens']} "
+                f"(logprobs {got['logprobs']}), init recorded {self.replay['tokens']} "
+                f"(logprobs {self.replay['logprobs']})"
+            )
+
+    # ---- serving -------------------------------------------------------------------------------
+    def handle(self, message: dict[str, Any], send) -> None:
+        op, rid = message["op"], message.get("id")
+        if op == "generate":
+            self._generate(message, send)
+        elif op == "cancel":
+            self.service.cancel(message["request_id"])
+        elif op == "info":
+            send({"id": rid, "event": "result", **self.info()})
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "max_req_input_len": self.service.max_req_input_len,
+            "kv_usage": self.service.kv_usage(),
+            "stats": dataclasses.asdict(self.service.stats),
+        }
+
+    def _generate(self, message: dict[str, Any], send) -> None:
+        from snapfn.handler.llm.engine.request import SamplingParams
+
+        raw = dict(message["params"])
+        for key in ("stop", "stop_token_ids"):
+            raw[key] = tuple(raw.get(key, ()))
+        stream = self.service.submit(list(message["prompt_ids"]), SamplingParams(**raw))
+        rid = message["id"]
+        send({"id": rid, "event": "accepted", "request_id": stream.request_id})
+        for out in stream:
+            send(
+                {
+                    "id": rid,
+                    "event": "output",
+                    "tokens": list(out.new_token_ids),
+                    "logprobs": list(out.new_logprobs),
+                    "text": out.text_delta,
+                    "finished": out.finished,
+                    "reason": out.finish_reason,
+                }
+            )
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+
+
+def make(args: dict[str, Any]) -> LLMProcessHost:
+    return LLMProcessHost(args)

@@ -1,0 +1,126 @@
+"""The restorer's end of the keeper (daemon.py has the protocol): one request per connection,
+each failure a `KeeperUnavailable` (nobody answered: do the work yourself) or a `RestoreFailed`
+with the keeper's reason. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import RestoreFailed, one_line
+from snapfn.snapshot.keeper.pinned_cache import MAX_MESSAGE, FileIdentity, Lease, Miss
+
+CALL_TIMEOUT_S = 5.0  # the quick requests (device, prefetch's start)
+RESTORE_TIMEOUT_S = 60.0  # the CUDA restore of a worker (0.24–0.55 s for an 8B on the H200)
+
+
+class KeeperUnavailable(RestoreFailed):
+    """No keeper answered: the caller does the work itself."""
+
+
+def answers(address: str) -> bool:
+    """Whether something accepts connections on the unix socket `address`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(address)
+        except OSError:
+            return False
+    return True
+
+
+def _connect(address: str, timeout_s: float) -> socket.socket:
+    if not address or not os.path.exists(address):
+        raise KeeperUnavailable(f"no keeper at {address or '(none configured)'}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(address)
+    except OSError as exc:
+        sock.close()
+        raise KeeperUnavailable(one_line(f"keeper at {address}: {exc}")) from None
+    return sock
+
+
+def _exchange(sock: socket.socket, address: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """Send `message`, return the answer; KeeperUnavailable when the keeper does not answer,
+    RestoreFailed with its reason when it refuses."""
+    try:
+        sock.send(json.dumps(message).encode())
+        reply = json.loads(sock.recv(MAX_MESSAGE) or b"null")
+    except (OSError, ValueError) as exc:
+        raise KeeperUnavailable(one_line(f"keeper at {address}: {exc}")) from None
+    if not isinstance(reply, dict):
+        raise KeeperUnavailable(f"keeper at {address} closed without answering")
+    if not reply.get("ok"):
+        raise RestoreFailed(f"keeper at {address}: {reply.get('reason', 'refused')}")
+    return reply
+
+
+def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | Miss:
+    """Ask the keeper at `address` for `path`'s pinned copy (the "file" op, for a helper
+    process); never raises: a Miss says why not."""
+    try:
+        with _connect(address, timeout_s) as sock:
+            sock.send(json.dumps(FileIdentity.of(path).to_json()).encode())
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    except KeeperUnavailable as exc:
+        return Miss(str(exc))
+    except (OSError, ValueError) as exc:
+        return Miss(one_line(f"keeper at {address}: {exc}"))
+    try:
+        reply = json.loads(data)
+        if not reply.get("ok"):
+            return Miss(str(reply.get("reason", "refused")))
+        if len(fds) != 1:
+            raise ValueError(f"{len(fds)} fds with the reply")
+        size, alloc_bytes = int(reply["size"]), int(reply["alloc_bytes"])
+        return Lease(fds.pop(), size, alloc_bytes, str(reply["location"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return Miss(one_line(f"keeper at {address} answered badly: {exc}"))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def call(address: str, message: Mapping[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict:
+    with _connect(address, timeout_s) as sock:
+        return _exchange(sock, address, message)
+
+
+def device_fields(address: str, index: int) -> dict[str, Any]:
+    """The compat key's GPU fields, from the keeper's driver (compat.driver_api_fields)."""
+    fields = call(address, {"op": "device", "index": index})["fields"]
+    if not isinstance(fields, dict):
+        raise KeeperUnavailable(f"keeper at {address} answered device fields badly")
+    return fields
+
+
+def cuda_restore(address: str, pid: int) -> dict[str, float]:
+    """The CUDA restore and unlock of `pid`, done by the keeper: their seconds."""
+    reply = call(address, {"op": "cuda_restore", "pid": pid}, RESTORE_TIMEOUT_S)
+    return {"restore_s": float(reply["restore_s"]), "unlock_s": float(reply["unlock_s"])}
+
+
+class KeeperPrefetch:
+    """A RegionPrefetch run by the keeper for one restore: PrefetchHelper's interface
+    (`address`, `close`), the helper process replaced by a request that stays open."""
+
+    def __init__(self, address: str, doc: Mapping[str, Any]) -> None:
+        self.address = str(doc["address"])
+        self._sock = _connect(address, CALL_TIMEOUT_S)
+        try:
+            _exchange(self._sock, address, {"op": "prefetch", "doc": dict(doc)})
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def close(self) -> None:
+        """End the lease: the keeper cancels the hand-over if the worker has not taken it."""
+        self._sock.close()
+        shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)

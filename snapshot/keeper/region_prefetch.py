@@ -1,0 +1,180 @@
+"""The worker's regions, made and filled by the restorer while criu restores the worker (CUDA).
+
+A process image holds neither the weights nor the KV pool: the restored worker must map fresh
+device memory at its regions' addresses and stream the weights back (on the H200, 8B llama:
+remap 0.23 s + stream 0.86 s after criu and the CUDA restore, session-3 device run 2). The
+restorer — the process that runs `criu restore` — has nothing to do meanwhile, so it does that
+work first, in a CUDA context of its own, and hands the memory over:
+
+    helper = PrefetchHelper(prefetch_doc(specs, dir))      beside criu restore: a child process
+                                                           (`python -m snapfn.snapshot.keeper.region_fill`)
+                                                           that makes and fills them, so the
+                                                           restorer itself never holds a CUDA
+                                                           context
+    resume["regions"] = helper.address                     a unix socket the worker connects to
+    the worker: receive() → {"ok", "figures"} + one fd per region (SCM_RIGHTS) → import each
+                (cuMemImportFromShareableHandle), map it at its region's address, verify the
+                weights on the GPU against the layout's sum64 table → ack()
+    the helper exits: its mappings, handles and context go; the worker's imports keep the memory
+    helper.close()                                         kills it if it is still there
+
+With a keeper on the machine (snapshot/keeper/daemon.py) the same RegionPrefetch runs in the keeper,
+whose driver and context are already up: `KeeperPrefetch(address, doc)` takes the helper's place.
+
+A spec (recorded by the worker at checkpoint, in the process manifest's "regions") is
+{"name", "address", "nbytes", "device", "fill"}: "fill" is "file" (the region is an image of the
+first bytes of snapshot file "path": the weights and the restore layout), "zero" (the KV pool)
+or "none" (graph intermediates, rewritten by every replay). Each region is a `cuMemCreate` with
+POSIX fd handles. When anything fails, the worker is told why ({"ok": false, "error"}) and
+makes and fills its regions itself, as without a prefetch.
+
+Nothing here imports torch: the restorer never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FILLS = ("file", "zero", "none")
+MAX_MESSAGE = 1 << 16  # the hand-over message's bytes (the fds travel beside it)
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    address: int  # the region's device address in the worker (what the worker maps it at)
+    nbytes: int
+    device: int  # CUDA device ordinal
+    fill: str  # "file", "zero" or "none"
+    path: str = ""  # "file": the snapshot file, relative to the snapshot directory
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> RegionSpec:
+        spec = cls(
+            name=str(doc["name"]),
+            address=int(doc["address"]),
+            nbytes=int(doc["nbytes"]),
+            device=int(doc.get("device", 0)),
+            fill=str(doc["fill"]),
+            path=str(doc.get("path", "")),
+        )
+        if spec.fill not in FILLS:
+            raise ValueError(f"region {spec.name!r}: fill {spec.fill!r} is not one of {FILLS}")
+        if spec.nbytes <= 0 or spec.nbytes % (2 << 20):
+            raise ValueError(f"region {spec.name!r}: {spec.nbytes} bytes is not a 2 MiB multiple")
+        if spec.fill == "file" and (
+            not spec.path or Path(spec.path).is_absolute() or ".." in Path(spec.path).parts
+        ):
+            raise ValueError(f"region {spec.name!r}: file {spec.path!r} is not inside the snapshot")
+        return spec
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {"name": self.name, "address": self.address, "nbytes": self.nbytes}
+        doc.update(device=self.device, fill=self.fill)
+        return {**doc, "path": self.path} if self.path else doc
+
+
+# ---- the worker's side ---------------------------------------------------------------------------
+def receive(address: str, timeout_s: float) -> tuple[dict[str, Any], dict[int, int], socket.socket]:
+    """Connect to a RegionPrefetch: (its message, {region address: fd}, the socket to `ack` on).
+
+    Raises OSError / ValueError when the hand-over fails; the fds are then already closed."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout_s)
+    fds: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:  # NOTE: the helper may not be listening yet
+            try:
+                sock.connect(address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4096)
+        message = json.loads(data)
+        addresses = message.get("regions", [])
+        if len(addresses) != len(fds):
+            raise ValueError(f"{len(fds)} fds for {len(addresses)} regions")
+        return message, dict(zip(addresses, fds, strict=True)), sock
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        sock.close()
+        raise
+
+
+def ack(sock: socket.socket) -> None:
+    """Tell the restorer its fds were imported (it then lets go of its side)."""
+    with contextlib.suppress(OSError):
+        sock.send(b"mapped")
+    sock.close()
+
+
+# ---- the restorer's side -------------------------------------------------------------------------
+def prefetch_doc(
+    specs: Sequence[RegionSpec],
+    snapshot_dir: Path,
+    timeout_s: float,
+    num_threads: int = 8,
+    read: str = "pread",
+    pinned: str = "",
+) -> dict[str, Any]:
+    """What a RegionPrefetch is made from (region_fill.prefetch_from_doc), listening at a
+    socket in a new private directory: a helper's argument, or a keeper's prefetch request."""
+    directory = tempfile.mkdtemp(prefix="snapfn-regions-")
+    doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
+    doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)
+    return doc | {"num_threads": num_threads, "read": read, "pinned": pinned}
+
+
+class PrefetchHelper:
+    """The child process that runs a RegionPrefetch for one restore: `PrefetchHelper(doc)`
+    with a `prefetch_doc`, spawned on a side thread."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self.address = str(doc["address"])
+        self._dir = os.path.dirname(self.address)
+        self.proc: subprocess.Popen | None = None
+        self.spawn_error: OSError | None = None
+        # NOTE: spawning took 0.075 s of the restore's critical path on the H200 (8B run):
+        # it happens on a side thread; the worker retries connecting until it listens
+        argv = [sys.executable, "-m", "snapfn.snapshot.keeper.region_fill", json.dumps(doc)]
+        self._spawned = threading.Thread(target=self._spawn, args=(argv,), daemon=True)
+        self._spawned.start()
+
+    def _spawn(self, argv: list[str]) -> None:
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:  # the worker times out connecting and streams itself
+            self.spawn_error = exc
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """The helper's exit status (None: it never started)."""
+        self._spawned.join()
+        return None if self.proc is None else self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        """Kill the helper if it is still there (the worker never came, or the restore failed)
+        and remove its socket; a helper that handed over has exited by itself."""
+        self._spawned.join()
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            threading.Thread(target=self.proc.wait, daemon=True).start()  # reap it
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,311 @@
+"""The snapshot directory format: the manifest's wire format, and reading and validating it.
+
+A snapshot is a directory whose `manifest.json` lists every other regular file in it; nothing
+else may be there (no unlisted file, no symlink, no special file). `publish.SnapshotWriter`
+writes one, manifest last, and publishes it atomically. Wire format of manifest.json (a UTF-8
+JSON object):
+
+    {
+      "format_version": 1,                         # FORMAT_VERSION; any other is refused
+      "created_at": "2025-06-01T12:00:00+00:00",   # UTC, ISO 8601, seconds
+      "compat": {...},                             # compat_key() of the writer (compat.py)
+      ...                                          # the caller's fields (model hash, memory
+                                                   # plan, graph buckets, startup manifest)
+      "files": {                                   # sorted; POSIX paths relative to the dir
+        "tokenizer.json": {"size": 9085657, "sha256": "<64 hex>"},
+        "weights/rank0.bin": {"size": 16106127360, "sha256": "<64 hex>" | null,
+                              "chunk_bytes": 67108864, "chunks": ["<64 hex>", ...]}
+      }
+    }
+
+A file larger than the writer's `chunk_bytes` (64 MiB by default), and every file registered with
+digests computed elsewhere (`register_chunked`), carries `chunks`: the sha256 of each
+`chunk_bytes` slice, the last one shorter; `sha256` of the whole file may then be null. A file
+without `chunks` always has `sha256`.
+
+Reading: `validate_snapshot` refuses, with a one-line message naming the file (and chunk), any
+snapshot whose directory or manifest is missing, unparsable or of another format version, whose
+compat key differs from the current one, which lists an unsafe path (absolute, `..`, not
+canonical) or a file that is missing or has another size, or which holds a file it does not list.
+`verify="sizes"` (every cold start) also hashes every file without `chunks`; chunked files are
+verified by whoever streams them (`chunk_digests`, `check_chunk`). `verify="full"` hashes
+everything, in parallel threads (digests.py).
+
+The entry checks (`relpath_problem`, `entry_problem`, `digests_problem`) and `list_files` are
+also what the writer applies before publishing, so it never writes a manifest this module refuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from snapfn.snapshot.errors import BadSnapshot, IncompatibleSnapshot, bad_snapshot, one_line
+from snapfn.snapshot.portable.compat import FORMAT_VERSION, check_compat
+from snapfn.snapshot.portable.digests import (
+    DigestRange,
+    digest_ranges,
+    num_chunks,
+    run_parallel,
+    sha256_range,
+)
+
+__all__ = [
+    "MANIFEST",
+    "VERIFY_MODES",
+    "check_chunk",
+    "chunk_digests",
+    "digests_problem",
+    "entry_problem",
+    "list_files",
+    "parse_manifest",
+    "read_manifest",
+    "relpath_problem",
+    "validate_snapshot",
+    "verify_files",
+]
+
+MANIFEST = "manifest.json"
+VERIFY_MODES = ("sizes", "full")
+_REQUIRED_KEYS: dict[str, type] = {"created_at": str, "compat": dict, "files": dict}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# ---------------------------------------------------------------- reading and validating
+
+
+def read_manifest(snapshot_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load and shape-check `snapshot_dir/manifest.json`; BadSnapshot/IncompatibleSnapshot if not."""
+    root = Path(snapshot_dir)
+    if not root.is_dir():
+        raise bad_snapshot(root, "no snapshot directory there")
+    try:
+        data = (root / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise bad_snapshot(root, f"{MANIFEST} is missing (incomplete or not a snapshot)") from None
+    except OSError as e:
+        raise bad_snapshot(root, f"cannot read {MANIFEST}: {e.strerror}") from None
+    return parse_manifest(root, data)
+
+
+def parse_manifest(where: object, data: bytes) -> dict[str, Any]:
+    """Parse and shape-check the bytes of a manifest.json; `where` names the snapshot in refusals.
+
+    `read_manifest` reads a directory's; the S3 store (store/transfer.py) checks a fetched one with it.
+    """
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise bad_snapshot(where, f"{MANIFEST} is not valid JSON ({e})") from None
+    _check_manifest_shape(where, manifest)
+    return manifest
+
+
+def validate_snapshot(
+    snapshot_dir: str | os.PathLike[str],
+    current_compat: dict[str, Any] | None = None,
+    verify: str = "sizes",
+    num_threads: int | None = None,
+) -> dict[str, Any]:
+    """Return the manifest of a snapshot that passes every check; raise (one line) otherwise.
+
+    `verify="sizes"`: listing, sizes, and sha256 of every file without chunk digests.
+    `verify="full"`: also every chunk digest and whole-file sha256, hashed in parallel threads.
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
+    root = Path(snapshot_dir)
+    manifest = read_manifest(root)
+    if current_compat is not None:
+        try:
+            check_compat(manifest["compat"], current_compat)
+        except IncompatibleSnapshot as e:
+            raise IncompatibleSnapshot(one_line(f"snapshot {root}: {e}")) from None
+    files = manifest["files"]
+    check_listing(root, files)
+    unchunked = [relpath for relpath, entry in files.items() if "chunks" not in entry]
+    verify_files(root, manifest, sorted(files) if verify == "full" else unchunked, num_threads)
+    return manifest
+
+
+def verify_files(
+    snapshot_dir: str | os.PathLike[str],
+    manifest: dict[str, Any],
+    relpaths: Iterable[str],
+    num_threads: int | None = None,
+) -> None:
+    """Hash `relpaths` (every chunk, and the whole file where sha256 is recorded) in parallel.
+
+    Raises BadSnapshot naming the first mismatch in (path, chunk) order.
+    """
+    ranges = sorted(r for p in relpaths for r in digest_ranges(p, manifest["files"][p]))
+    verify_ranges(snapshot_dir, ranges, num_threads)
+
+
+def verify_ranges(
+    snapshot_dir: str | os.PathLike[str],
+    ranges: list[DigestRange],
+    num_threads: int | None = None,
+    where: Any = None,
+) -> None:
+    """Hash `ranges` of the files under `snapshot_dir` in parallel; BadSnapshot (naming `where`,
+    else the directory) at the first mismatch, in the given order."""
+    root = Path(snapshot_dir)
+    digests = run_parallel(lambda r: sha256_range(root, r), ranges, num_threads)
+    for expected, got in zip(ranges, digests, strict=True):
+        if got != expected.sha256:
+            raise bad_snapshot(
+                root if where is None else where,
+                f"{expected.describe()} sha256 mismatch ({_mismatch(expected, got)})",
+            )
+
+
+def chunk_digests(manifest: dict[str, Any], relpath: str) -> tuple[int, list[str]]:
+    """(chunk_bytes, per-chunk sha256) of `relpath`; a file without chunks is one chunk."""
+    entry = manifest["files"].get(relpath)
+    if entry is None:
+        raise BadSnapshot(one_line(f"{relpath!r} is not listed in {MANIFEST}"))
+    if "chunks" in entry:
+        return entry["chunk_bytes"], list(entry["chunks"])
+    return entry["size"], [entry["sha256"]]
+
+
+def check_chunk(relpath: str, index: int, data: bytes | memoryview, expected_sha256: str) -> None:
+    """Raise BadSnapshot unless sha256(`data`) is `expected_sha256` (chunk `index` of relpath)."""
+    got = hashlib.sha256(data).hexdigest()
+    if got != expected_sha256:
+        raise BadSnapshot(
+            one_line(
+                f"{relpath!r} chunk {index} sha256 mismatch "
+                f"(expected {expected_sha256[:16]}.., got {got[:16]}..)"
+            )
+        )
+
+
+# ---------------------------------------------------------------- manifest shape and listing
+
+
+def _check_manifest_shape(root: object, manifest: Any) -> None:
+    if not isinstance(manifest, dict):
+        raise bad_snapshot(root, f"{MANIFEST} is not a JSON object")
+    if "format_version" not in manifest:
+        raise bad_snapshot(root, f"{MANIFEST} lacks required key 'format_version'")
+    version = manifest["format_version"]
+    if isinstance(version, bool) or version != FORMAT_VERSION:
+        raise IncompatibleSnapshot(
+            one_line(
+                f"snapshot {root}: format_version is {version!r}, this build reads {FORMAT_VERSION}"
+            )
+        )
+    for key, kind in _REQUIRED_KEYS.items():
+        if key not in manifest:
+            raise bad_snapshot(root, f"{MANIFEST} lacks required key {key!r}")
+        if not isinstance(manifest[key], kind):
+            raise bad_snapshot(root, f"{MANIFEST} key {key!r} is not a JSON {kind.__name__}")
+    for relpath, entry in manifest["files"].items():
+        problem = relpath_problem(relpath) or entry_problem(entry)
+        if problem:
+            raise bad_snapshot(root, f"{MANIFEST} lists {relpath!r}: {problem}")
+
+
+def relpath_problem(relpath: str) -> str | None:
+    """Why `relpath` may not name a file inside a snapshot, or None if it may."""
+    if not relpath or "\\" in relpath or "\0" in relpath:
+        return "not a plain relative path"
+    if PurePosixPath(relpath).is_absolute():
+        return "absolute path"
+    if ".." in relpath.split("/"):
+        return "path escapes the snapshot directory (..)"
+    if str(PurePosixPath(relpath)) != relpath:
+        return "path is not in canonical form"
+    if relpath == MANIFEST:
+        return "reserved name"
+    return None
+
+
+def entry_problem(entry: Any) -> str | None:
+    """Why a `files` entry is malformed, or None."""
+    if not isinstance(entry, dict):
+        return "entry is not a JSON object"
+    size, sha256, chunks = entry.get("size"), entry.get("sha256"), entry.get("chunks")
+    if not _is_count(size):
+        return f"size {size!r} is not a byte count"
+    if chunks is None:
+        return None if _is_hex64(sha256) else f"sha256 {sha256!r} is not 64 lowercase hex digits"
+    chunk_bytes = entry.get("chunk_bytes")
+    problem = digests_problem(chunk_bytes, chunks, sha256)
+    if problem is None and len(chunks) != num_chunks(size, chunk_bytes):
+        return f"{len(chunks)} chunk digests for {size} bytes in chunks of {chunk_bytes}"
+    return problem
+
+
+def digests_problem(chunk_bytes: Any, chunks: Any, file_sha256: Any) -> str | None:
+    """Why chunk digests (and an optional whole-file sha256) are malformed, or None."""
+    if not _is_count(chunk_bytes) or chunk_bytes == 0:
+        return f"chunk_bytes {chunk_bytes!r} is not a positive byte count"
+    if not isinstance(chunks, list) or not all(_is_hex64(c) for c in chunks):
+        return "chunks is not a list of sha256 digests (64 lowercase hex digits)"
+    if file_sha256 is not None and not _is_hex64(file_sha256):
+        return f"sha256 {file_sha256!r} is not 64 lowercase hex digits"
+    return None
+
+
+def check_listing(root: Path, files: dict[str, Any]) -> None:
+    """Every listed file exists with its recorded size; nothing unlisted is there."""
+    on_disk = list_files(root)
+    on_disk.pop(MANIFEST, None)
+    for relpath in sorted(files):
+        if relpath not in on_disk:
+            raise bad_snapshot(root, f"{relpath!r} is listed in {MANIFEST} but missing")
+        if on_disk[relpath] != files[relpath]["size"]:
+            raise bad_snapshot(
+                root,
+                f"{relpath!r} has {on_disk[relpath]} bytes, {MANIFEST} says "
+                f"{files[relpath]['size']} (truncated or overwritten)",
+            )
+    extra = sorted(set(on_disk) - set(files))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise bad_snapshot(root, f"{extra[0]!r} is not listed in {MANIFEST}{more}")
+
+
+def list_files(root: Path) -> dict[str, int]:
+    """relpath -> size of every regular file under `root`; refuses symlinks and special files."""
+    files: dict[str, int] = {}
+    pending = [(root, "")]
+    while pending:
+        directory, prefix = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                relpath = prefix + entry.name
+                if entry.is_symlink():
+                    raise bad_snapshot(
+                        root, f"{relpath!r} is a symlink (not allowed in a snapshot)"
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), relpath + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    files[relpath] = entry.stat(follow_symlinks=False).st_size
+                else:
+                    raise bad_snapshot(root, f"{relpath!r} is not a regular file or directory")
+    return files
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def _mismatch(expected: DigestRange, got: str) -> str:
+    return f"expected {expected.sha256[:16]}.., got {got[:16]}.."
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_hex64(value: Any) -> bool:
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None

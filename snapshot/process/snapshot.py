@@ -1,0 +1,356 @@
+"""Tier 1 end to end: build a snapshot that holds a process image, and restore from it.
+
+    init_process_snapshot(host, args, dest)     spawn the worker; it cold-inits and writes the
+                                                tier-0 files into the snapshot being built; then
+                                                checkpoint it into <snapshot>/process/ and publish
+    restore_process_snapshot(snap, resume)      validate → criu restore → CUDA restore → resume
+                                                (the worker remaps, streams weights, replays) →
+                                                a Worker serving on its channel
+
+A checkpoint that fails (criu missing or too old, no CUDA checkpoint API, a failed dump)
+publishes the snapshot without its process image (tier 0) and records the step and reason in
+the startup manifest. A restore that fails raises RestoreFailed after killing the worker; the
+caller falls back to tier 0 with the manifest of the failed attempt.
+
+The manifest gains: "tier": "process", "process": {images, inherit, uses_cuda, hooks,
+image_bytes, memory (what moved to memory.bin, or null), regions, private_memory, seconds, host},
+"replay": the greedy tokens + logprobs recorded at init.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, bad_snapshot
+from snapfn.snapshot.portable.compat import check_compat, compat_key
+from snapfn.snapshot.portable.format import validate_snapshot
+from snapfn.snapshot.process import criu
+from snapfn.snapshot.process import worker_process as process
+from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
+
+if TYPE_CHECKING:
+    from snapfn.snapshot.portable.publish import SnapshotWriter
+
+Log = Callable[[str], None]
+IMAGES = "process"
+CHUNK_BYTES = 64 << 20
+
+
+class ProcessRestoreFailed(RestoreFailed):
+    """A tier-1 restore failed at `step`; `startup` is the manifest of the attempt."""
+
+    def __init__(self, step: str, reason: str, startup: StartupManifest) -> None:
+        super().__init__(f"process restore failed at {step}: {reason}".splitlines()[0])
+        self.step, self.startup = step, startup
+
+
+def init_process_snapshot(
+    host: str,
+    args: Mapping[str, Any],
+    dest: Path,
+    config: process.ProcessConfig,
+    log: Log | None,
+) -> tuple[StartupManifest, dict[str, Any]]:
+    """Build and publish a snapshot at `dest`; its tier is "process" unless the checkpoint failed.
+
+    `args` are the host's; "root" (where the tier-0 files go) is added here.
+    """
+    from snapfn.snapshot.portable.publish import SnapshotWriter  # not needed to restore
+
+    dest = Path(dest)
+    with SnapshotWriter(dest) as writer:
+        worker = process.spawn(host, {**args, "root": str(writer.root)}, config, log)
+        try:
+            init = worker.wait_event("initialized", config.init_timeout_s)
+        except BaseException:
+            worker.kill()
+            raise
+        startup = StartupManifest.from_json(init["startup"])
+        for relpath, chunk_bytes, chunks, sha in init.get("registered", []):
+            writer.register_chunked(relpath, chunk_bytes, chunks, sha)
+        runner = StageRunner(startup, log=log, offset_s=startup.total_s)
+        meta = _checkpoint_or_fall_back(worker, writer.root / IMAGES, config, runner, log)
+        if meta:
+            _register_images(writer, writer.root / IMAGES)
+        name = init["function"]
+        manifest: dict[str, Any] = {
+            "tier": "process" if meta else "portable",
+            "function": name,
+            "compat": init["compat"],
+            "startup": startup.to_json(),
+            name: init.get("section", {}),
+        }
+        if meta:
+            manifest.update(process={**meta, "host": host}, replay=init.get("replay"))
+        runner.run("publish", lambda f: writer.publish(manifest))
+    startup.tier = manifest["tier"]
+    return startup, manifest
+
+
+def _checkpoint_or_fall_back(worker, images: Path, config, runner, log) -> dict[str, Any] | None:
+    found = criu.check(config.criu)
+    try:
+        if not found.ok:
+            raise RestoreFailed(found.reason)
+        return runner.run("checkpoint", lambda f: _checkpoint(worker, images, config, log, f))
+    except RestoreFailed as exc:
+        worker.kill()
+        shutil.rmtree(images, ignore_errors=True)
+        runner.manifest.add_fallback("process", "portable", "checkpoint", str(exc))
+        if log is not None:
+            log(f"no process image ({exc}); publishing the portable snapshot only")
+        return None
+
+
+def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, Any]:
+    meta = process.checkpoint(worker, images, config, log)
+    figures.update(meta["seconds"], image_bytes=meta["image_bytes"], **meta["worker"])
+    if meta["memory"]:  # what left criu's image for memory.bin (snapshot/process/image_memory.py)
+        figures.update(
+            moved_bytes=meta["memory"]["moved_bytes"], moved_pieces=meta["memory"]["pieces"]
+        )
+    for stage, found in meta["private_memory"].items():  # the census: where the image comes from
+        if "private_bytes" in found:
+            figures[f"private_bytes_{stage}"] = found["private_bytes"]
+    return meta
+
+
+def _register_images(writer: SnapshotWriter, images: Path) -> None:
+    """Record chunk digests for the process image files now, so that a restore checks their
+    sizes only (hashing ~0.1 GB of small images cost 0.2 s of an 8B restore); `pull` and
+    `validate_snapshot(verify="full")` check every chunk. criu parses each image it restores,
+    and the replay check guards the whole restored worker."""
+    from snapfn.snapshot.portable.digests import DigestRange, num_chunks, run_parallel, sha256_range
+
+    root = writer.root
+    for path in sorted(p for p in images.rglob("*") if p.is_file() and p.stat().st_size):
+        rel, size = str(path.relative_to(root)), path.stat().st_size
+        ranges = [
+            DigestRange(
+                rel, False, i, i * CHUNK_BYTES, min(CHUNK_BYTES, size - i * CHUNK_BYTES), ""
+            )
+            for i in range(num_chunks(size, CHUNK_BYTES))
+        ]
+        digests = run_parallel(lambda r: sha256_range(root, r), ranges, None)
+        writer.register_chunked(rel, CHUNK_BYTES, digests, None)
+
+
+def has_process_image(snapshot_dir: Path) -> bool:
+    """Whether the snapshot says it holds a process image (read cheaply, not validated)."""
+    import json
+
+    try:
+        manifest = json.loads((Path(snapshot_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("tier") == "process"
+
+
+def restore_process_snapshot(
+    snapshot_dir: Path,
+    resume: Mapping[str, Any],
+    *,
+    device: str,
+    config: process.ProcessConfig,
+    log: Log | None,
+    world_size: int = 1,
+    accept: Callable[[dict[str, Any]], None] | None = None,
+    aside: Callable[[], None] | None = None,
+) -> tuple[process.Worker, StartupManifest, dict[str, Any]]:
+    """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure.
+
+    `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
+    another function) raises there. `aside()` is called once criu has restored the worker, to
+    start the caller's own work beside the CUDA restore and the worker's resume (after criu,
+    because Python work started earlier holds the GIL while the restore is being launched).
+    Validation runs beside the criu restore (it took 0.1 s of an 8B restore on the H200) once
+    the image files have their recorded sizes (else criu waits for it); the restored worker
+    resumes only once it passed (stage "gate"), and a failure is reported as the validate
+    step's even when criu failed too. With a keeper (snapshot/keeper/daemon.py) answering, the compat
+    key's GPU fields, the regions and the CUDA restore are the keeper's."""
+    snapshot_dir = Path(snapshot_dir)
+    runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
+    # NOTE: without a keeper the compat key needs cuInit (~0.3 s on the H200), which the CUDA
+    # checkpoint calls need anyway: it runs beside the criu restore, and the worker resumes
+    # only if it matches.
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
+    current = pool.submit(_current_compat, device, world_size, config)
+    validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept))
+    unchecked = _read_manifest(snapshot_dir)  # what criu and the helper start on, unvalidated
+    prefetching = None
+    if device.startswith("cuda"):  # NOTE: beside criu too (spawning took 0.04 s)
+        prefetch = functools.partial(_start_prefetch, unchecked, snapshot_dir, config)
+        prefetching = pool.submit(runner.run, "prefetch", prefetch)
+    pool.shutdown(wait=False)
+
+    def resume_message() -> dict[str, Any]:  # sent once criu restored the worker
+        helper = prefetching.result() if prefetching is not None else None
+        regions = {"regions": helper.address} if helper is not None else {}
+        return {**resume, **regions, "snapshot_dir": str(snapshot_dir.absolute())}
+
+    try:
+        meta = _process_meta(unchecked, snapshot_dir) or validated.result()["process"]
+
+        def gate(figures: dict) -> None:
+            if aside is not None:
+                aside()
+            manifest = validated.result()
+            if manifest["process"] != meta:
+                raise bad_snapshot(snapshot_dir, "its manifest changed during the restore")
+            try:
+                check_compat(manifest["compat"], current.result())
+            except IncompatibleSnapshot as exc:
+                raise IncompatibleSnapshot(f"snapshot {snapshot_dir}: {exc}") from None
+
+        worker, restored = process.restore(
+            snapshot_dir / meta["images"],
+            meta,
+            resume_message,
+            config,
+            runner.run,
+            log,
+            gate,
+        )
+    except Exception as exc:
+        cause, failed = exc, runner.manifest.stages[-1].name if runner.manifest.stages else "start"
+        if validated.done() and validated.exception() is not None:
+            cause, failed = validated.exception(), "validate"  # the root cause of what followed
+        runner.finish(ok=False)
+        raise ProcessRestoreFailed(failed, str(cause), runner.manifest) from cause
+    finally:
+        _close_prefetch(prefetching)  # the worker has taken its regions or made its own by now
+    _merge_worker_stages(runner.manifest, restored)
+    return worker, runner.finish(ok=True), validated.result()
+
+
+def _read_manifest(snapshot_dir: Path) -> dict[str, Any]:
+    """manifest.json as it is, not validated ({} when unreadable: validate says why)."""
+    import json
+
+    try:
+        manifest = json.loads((snapshot_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _process_meta(manifest: dict[str, Any], snapshot_dir: Path) -> dict[str, Any] | None:
+    """The unvalidated manifest's process section, so that criu can start beside the
+    validation — but only once every image file criu will read has its recorded size (criu
+    hangs on a truncated image, eagerly or lazily, until it is killed). None when anything looks
+    wrong: the caller then waits for validate's reason."""
+    try:
+        meta, files = manifest["process"], manifest["files"]
+        images = meta["images"]
+        simple = isinstance(images, str) and images and "/" not in images and images != ".."
+        if not simple or not isinstance(meta.get("inherit"), dict):
+            return None
+        on_disk = {
+            f"{images}/{p.name}": p.stat().st_size
+            for p in (snapshot_dir / images).iterdir()
+            if p.is_file()
+        }
+        recorded = {k: int(v["size"]) for k, v in files.items() if k.startswith(f"{images}/")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    registered = {k: v for k, v in on_disk.items() if k in recorded}  # logs are not registered
+    return meta if recorded and registered == recorded else None
+
+
+def _close_prefetch(prefetching) -> None:
+    if prefetching is None:
+        return
+    try:
+        helper = prefetching.result()
+    except Exception:  # noqa: BLE001 - a helper that never started has nothing to close
+        return
+    if helper is not None:
+        helper.close()
+
+
+def _start_prefetch(
+    manifest: dict[str, Any], snapshot_dir: Path, config: process.ProcessConfig, figures
+):
+    """Spawn the helper that makes and fills a CUDA worker's regions while criu restores it
+    (snapshot/keeper/region_prefetch.py), or None — the worker then does it after its restore — when
+    it is off or the (unvalidated) manifest records no regions (the reason goes in the figures)."""
+    from snapfn.snapshot.keeper.client import KeeperPrefetch
+    from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
+
+    if config.prefetch == "off":
+        figures["skipped"] = "SNAPFN_PROCESS_PREFETCH=off"
+        return None
+    try:
+        specs = [RegionSpec.from_json(s) for s in manifest["process"].get("regions", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # validate says what
+        figures["skipped"] = f"unreadable regions: {type(exc).__name__}: {exc}"
+        return None
+    if not specs:
+        figures["skipped"] = "the process image records no regions"
+        return None
+    figures.update(regions=len(specs), region_bytes=sum(s.nbytes for s in specs))
+    figures.update(threads=config.prefetch_threads, read=config.prefetch_read)
+    doc = prefetch_doc(
+        specs,
+        snapshot_dir.absolute(),
+        config.restore_timeout_s,
+        num_threads=config.prefetch_threads,
+        read=config.prefetch_read,
+        pinned=config.pinned_socket,
+    )
+    if config.keeper_address:
+        try:
+            helper = KeeperPrefetch(config.keeper_address, doc)
+        except RestoreFailed as exc:  # no keeper, or it refused: a helper of our own
+            figures["keeper"] = str(exc)
+        else:
+            figures["by"] = "keeper"
+            return helper
+    return PrefetchHelper(doc)
+
+
+def _current_compat(device: str, world_size: int, config: process.ProcessConfig) -> dict:
+    """This machine's compat key. On CUDA, the GPU's fields from the keeper when one answers
+    (it does the CUDA restore too: nothing here needs the driver), else from the driver here."""
+    if device.startswith("cuda") and config.keeper_address:
+        from snapfn.snapshot.keeper import client as keeper
+
+        try:
+            ask = functools.partial(keeper.device_fields, config.keeper_address)
+            return compat_key(device, world_size, light=True, gpu_fields=ask)
+        except RestoreFailed:
+            pass  # no keeper: the driver here
+    key = compat_key(device, world_size, light=True)
+    if device.startswith("cuda"):
+        from snapfn.snapshot.cuda import checkpoint as cuda_checkpoint
+
+        cuda_checkpoint.available()  # cuInit now, not on the restore's critical path
+    return key
+
+
+def _validate(snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None) -> dict:
+    manifest = validate_snapshot(snapshot_dir, None, verify="sizes")
+    if accept is not None:
+        accept(manifest)
+    meta = manifest.get("process")
+    if manifest.get("tier") != "process" or not isinstance(meta, dict):
+        raise bad_snapshot(snapshot_dir, "holds no process image (tier is not 'process')")
+    if not (snapshot_dir / meta.get("images", IMAGES) / "inventory.img").is_file():
+        raise bad_snapshot(snapshot_dir, "the process image has no inventory.img")
+    return manifest
+
+
+def _merge_worker_stages(manifest: StartupManifest, restored: dict[str, Any]) -> None:
+    """The worker's own timed stages (remap, stream_weights, replay_check), on our time axis."""
+    offset = float(restored.get("t0", manifest.started_at)) - manifest.started_at
+    for stage in restored.get("stages", []):
+        record = StageRecord(**stage)
+        record.start_s += offset
+        record.name = f"worker.{record.name}"
+        manifest.stages.append(record)
+    manifest.info["identity"] = restored.get("identity", {})

@@ -1,0 +1,266 @@
+"""The S3 snapshot store: push a published snapshot to `s3://bucket/prefix`, pull one back.
+
+    push(snapshot_dir, "s3://bucket/prefix")   verify, upload the files, the manifest last
+    pull("s3://bucket/prefix", dest)           manifest first, ranged GETs, verify, publish
+
+Layout in the bucket: `PREFIX/<relpath>` per file and `PREFIX/manifest.json`, byte for byte the
+local snapshot's (s3.py).
+
+`push` refuses a snapshot that fails `validate_snapshot(verify="full")`. It deletes the prefix's
+manifest first, uploads every file (multipart above `multipart_bytes`, parts uploaded in
+parallel threads, through boto3's transfer manager) and puts manifest.json last: a prefix whose
+upload is partial or still running has no manifest, so it never looks like a snapshot.
+
+`pull` fetches and shape-checks the manifest (`format.parse_manifest`), then fetches every chunk
+(a file without chunk digests: the whole file) with a ranged GET in `num_threads` threads,
+written by pwrite into a staging sibling of `dest` and checked against its sha256 before it is
+journaled (pull_staging.py: a rerun after an interruption fetches only what is not journaled).
+Whole-file sha256s are checked, manifest.json is written last, the directory passes
+`validate_snapshot`, and only then is it installed at `dest` with the publish code's atomic
+replace. Any refusal (a manifest that does not parse, a missing object, an object of another
+size, bytes that do not match) is a one-line BadSnapshot, and `dest` is left as it was.
+A `dest` that already holds this exact manifest (and passes the size checks) is not fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from snapfn.snapshot.errors import BadRequest, SnapfnError, bad_snapshot, one_line
+from snapfn.snapshot.portable.digests import DigestRange, digest_ranges, run_parallel
+from snapfn.snapshot.portable.format import (
+    MANIFEST,
+    check_listing,
+    parse_manifest,
+    validate_snapshot,
+    verify_ranges,
+)
+from snapfn.snapshot.portable.publish import check_replaceable, install_snapshot, write_durably
+from snapfn.snapshot.stages import Log, stderr_log
+from snapfn.snapshot.store.pull_staging import PullStaging
+from snapfn.snapshot.store.s3 import (
+    S3Location,
+    TransferProgress,
+    format_bytes,
+    make_s3_client,
+    read_range_into,
+    s3_refusal,
+)
+
+__all__ = ["DEFAULT_MULTIPART_BYTES", "DEFAULT_NUM_THREADS", "fetch_manifest", "pull", "push"]
+
+DEFAULT_NUM_THREADS = 16
+DEFAULT_MULTIPART_BYTES = 64 << 20  # files above this go up in parts of this size
+
+
+def push(
+    snapshot_dir: str | os.PathLike[str],
+    uri: str,
+    *,
+    endpoint_url: str | None = None,
+    client: Any = None,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    multipart_bytes: int = DEFAULT_MULTIPART_BYTES,
+    log: Log | None = stderr_log,
+) -> dict[str, Any]:
+    """Upload the snapshot at `snapshot_dir` to `uri`, manifest last; return its manifest."""
+    from boto3.s3.transfer import TransferConfig
+
+    root, where = Path(snapshot_dir), S3Location.parse(uri)
+    manifest = validate_snapshot(root, None, verify="full", num_threads=num_threads)
+    raw = (root / MANIFEST).read_bytes()
+    if parse_manifest(root, raw) != manifest:
+        raise bad_snapshot(root, f"{MANIFEST} changed while it was verified (republished?)")
+    client = client or make_s3_client(endpoint_url, num_threads)
+    files = manifest["files"]
+    progress = TransferProgress(f"push {where}", sum(e["size"] for e in files.values()), log)
+    config = TransferConfig(
+        multipart_threshold=multipart_bytes,
+        multipart_chunksize=multipart_bytes,
+        max_concurrency=num_threads,
+    )
+    # NOTE: the old manifest goes first and the new one last, so between the two the prefix
+    # holds no snapshot at all, never a manifest beside files it does not describe.
+    _s3_call(where, MANIFEST, client.delete_object, Bucket=where.bucket, Key=where.key(MANIFEST))
+    _upload_files(client, where, root, sorted(files), config, progress)
+    _s3_call(
+        where, MANIFEST, client.put_object, Bucket=where.bucket, Key=where.key(MANIFEST), Body=raw
+    )
+    if log is not None:
+        log(
+            f"pushed {root} to {where}: {len(files)} files, {format_bytes(progress.done_bytes)} "
+            f"in {progress.elapsed_s():.1f} s ({progress.rate()})"
+        )
+    return manifest
+
+
+def fetch_manifest(client: Any, where: S3Location) -> bytes:
+    """The bytes of `where`'s manifest.json (a missing one: BadSnapshot, the upload is partial)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    key = where.key(MANIFEST)
+    try:
+        return client.get_object(Bucket=where.bucket, Key=key)["Body"].read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "NoSuchKey":
+            reason = f"{MANIFEST} is missing (an incomplete upload, or not a snapshot)"
+            raise bad_snapshot(where, reason) from None
+        raise s3_refusal(where, key, exc) from None
+    except BotoCoreError as exc:
+        raise s3_refusal(where, key, exc) from None
+
+
+def pull(
+    uri: str,
+    dest: str | os.PathLike[str],
+    *,
+    endpoint_url: str | None = None,
+    client: Any = None,
+    num_threads: int = DEFAULT_NUM_THREADS,
+    manifest_bytes: bytes | None = None,
+    log: Log | None = stderr_log,
+) -> Path:
+    """Fetch the snapshot at `uri` into `dest`, verified, resumable, published atomically.
+
+    `manifest_bytes`: the manifest.json already fetched from `uri` (the cache has it).
+    """
+    where, dest = S3Location.parse(uri), Path(dest).absolute()
+    client = client or make_s3_client(endpoint_url, num_threads)
+    raw = manifest_bytes if manifest_bytes is not None else fetch_manifest(client, where)
+    manifest = parse_manifest(where, raw)
+    if _already_there(dest, raw):
+        if log is not None:
+            log(f"{dest} already holds {where} (same manifest): nothing to fetch")
+        return dest
+    if os.path.lexists(dest):  # NOTE: refused before fetching, not after
+        try:
+            check_replaceable(dest)
+        except FileExistsError:
+            raise BadRequest(
+                f"refusing to pull into {dest}: it exists and holds no snapshot"
+            ) from None
+    with PullStaging(dest, hashlib.sha256(raw).hexdigest()) as staging:
+        progress, num_skipped = _fetch_files(client, where, manifest, staging, num_threads, log)
+        # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
+        # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
+        verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
+        check_listing(staging.files, manifest["files"])
+        write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
+        install_snapshot(staging.files, dest)
+        staging.remove()
+    if log is not None:
+        resumed = f"; {num_skipped} ranges verified by an earlier run" if num_skipped else ""
+        log(
+            f"pulled {where} into {dest}: {len(manifest['files'])} files, "
+            f"{format_bytes(progress.done_bytes)} fetched in {progress.elapsed_s():.1f} s "
+            f"({progress.rate()}){resumed}"
+        )
+    return dest
+
+
+def _upload_files(client, where: S3Location, root: Path, relpaths, config, progress) -> None:
+    from boto3.s3.transfer import ProgressCallbackInvoker, create_transfer_manager
+
+    subscribers = [ProgressCallbackInvoker(progress.add)]
+    with create_transfer_manager(client, config) as manager:
+        uploads = [
+            (
+                relpath,
+                manager.upload(
+                    str(root / relpath), where.bucket, where.key(relpath), subscribers=subscribers
+                ),
+            )
+            for relpath in relpaths
+        ]
+        for relpath, upload in uploads:
+            _s3_call(where, relpath, upload.result)
+
+
+def _s3_call(where: S3Location, relpath: str, call, **kwargs) -> Any:
+    """`call(**kwargs)`, a failed S3 request becoming a one-line error naming the object."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return call(**kwargs)
+    except (BotoCoreError, ClientError) as exc:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+        if code == "NoSuchBucket":
+            raise BadRequest(f"push to {where}: bucket {where.bucket!r} does not exist") from None
+        raise SnapfnError(one_line(f"push to {where}: {relpath!r} failed: {exc}")) from None
+
+
+def _fetch_files(client, where, manifest, staging, num_threads, log):
+    """Fetch and verify every range not journaled yet; (progress, ranges skipped)."""
+    files = manifest["files"]
+    ranges = [r for relpath in sorted(files) for r in _fetch_ranges(relpath, files[relpath])]
+    verified = staging.verified()
+    todo = [r for r in ranges if _journal_key(r) not in verified]
+    progress = TransferProgress(f"pull {where}", sum(r.length for r in todo), log)
+    fds = {}
+    try:
+        for relpath in sorted(files):
+            try:
+                fds[relpath] = staging.open_file(relpath, files[relpath]["size"])
+            except OSError as e:  # e.g. the manifest lists both "a" and "a/b"
+                raise bad_snapshot(where, f"cannot create {relpath!r}: {e.strerror}") from None
+
+        def fetch(r: DigestRange) -> None:
+            key, fd = where.key(r.relpath), fds[r.relpath]
+            if r.length:
+                span = (r.offset, r.length, files[r.relpath]["size"])
+                got = read_range_into(client, where, key, span, fd, progress)
+            else:
+                got = hashlib.sha256(b"").hexdigest()
+            if got != r.sha256:
+                raise bad_snapshot(
+                    where,
+                    f"object {key!r}: {r.describe()} sha256 mismatch "
+                    f"(expected {r.sha256[:16]}.., got {got[:16]}..)",
+                )
+            os.fdatasync(fd)
+            staging.record(_journal_key(r))
+
+        run_parallel(fetch, todo, num_threads)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return progress, len(ranges) - len(todo)
+
+
+def _fetch_ranges(relpath: str, entry: dict[str, Any]) -> list[DigestRange]:
+    """What one GET fetches and checks: each chunk, or the whole of a file without chunks."""
+    ranges = digest_ranges(relpath, entry)
+    if "chunks" in entry:
+        return [r for r in ranges if not r.whole_file]
+    (whole,) = ranges
+    return [DigestRange(relpath, True, 0, 0, entry["size"], whole.sha256)]
+
+
+def _journal_key(r: DigestRange) -> tuple[str, int, int, str]:
+    return (r.relpath, r.offset, r.length, r.sha256)
+
+
+def _whole_file_ranges(manifest: dict[str, Any]) -> list[DigestRange]:
+    """The whole-file sha256 of each chunked file that records one as well."""
+    return [
+        r
+        for relpath, entry in sorted(manifest["files"].items())
+        if "chunks" in entry
+        for r in digest_ranges(relpath, entry)
+        if r.whole_file
+    ]
+
+
+def _already_there(dest: Path, raw: bytes) -> bool:
+    try:
+        if (dest / MANIFEST).read_bytes() != raw:
+            return False
+        validate_snapshot(dest, None, verify="sizes")
+    except (OSError, SnapfnError):
+        return False
+    return True
