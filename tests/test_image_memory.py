@@ -1,6 +1,6 @@
 """The memory move on criu images built here (no criu needed): every page of the process reads
 the same after the move, from memory.bin or from what is left of criu's page image, and only
-what may move does. tests/test_process.py restores real criu images moved this way."""
+what may move does. tests/test_worker_process.py restores real criu images moved this way."""
 
 from __future__ import annotations
 
