@@ -140,7 +140,7 @@ def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatc
 
 def test_triton_mla_decode_is_on_by_default_and_off_by_its_switch(monkeypatch):
     monkeypatch.delenv("SNAPFN_MLA_DECODE", raising=False)
-    assert get_backend("triton")._mla_decode  # faster on the H200 (session 15 run 4)
+    assert get_backend("triton")._mla_decode  # faster on the H200 (commit 4314b28)
     monkeypatch.setenv("SNAPFN_MLA_DECODE", "off")
     assert not get_backend("triton")._mla_decode
     monkeypatch.setenv("SNAPFN_MLA_DECODE", "triton")  # the opt-in's spelling before
@@ -152,7 +152,7 @@ def test_triton_mla_decode_is_on_by_default_and_off_by_its_switch(monkeypatch):
 
 def test_triton_absorb_is_off_by_default_and_refuses_unknown_values(monkeypatch):
     monkeypatch.delenv("SNAPFN_MLA_ABSORB", raising=False)
-    assert not get_backend("triton")._mla_absorb  # the bmms were faster (session 15 run 3)
+    assert not get_backend("triton")._mla_absorb  # the bmms were faster (commit 4314b28)
     monkeypatch.setenv("SNAPFN_MLA_ABSORB", "triton")
     assert get_backend("triton")._mla_absorb
     monkeypatch.setenv("SNAPFN_MLA_ABSORB", "flashmla")

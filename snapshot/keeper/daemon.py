@@ -7,7 +7,7 @@ what the restore would otherwise start from cold.
 Why: a CUDA tier-1 restore needs the driver initialised twice before its worker can run — in
 the restorer, for the CUDA checkpoint calls and the compat key, and in the prefetch helper it
 spawns, for the worker's regions — and each `cuInit` + context took 0.14–0.36 s of the
-critical path on the H200 (session-4 runs: the "gate" and the helper's `context_s`). The keeper
+critical path on the H200 (commit cb83675: the "gate" and the helper's `context_s`). The keeper
 has done both once, when it started: a restore that finds it asks it for the compat key's GPU
 fields, for the regions (made and filled here, in its context, straight from the pinned copies
 when it holds them) and for the CUDA restore and unlock of the restored worker's pid. A restore

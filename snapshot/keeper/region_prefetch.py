@@ -2,7 +2,7 @@
 
 A process image holds neither the weights nor the KV pool: the restored worker must map fresh
 device memory at its regions' addresses and stream the weights back (on the H200, 8B llama:
-remap 0.23 s + stream 0.86 s after criu and the CUDA restore, session-3 device run 2). The
+remap 0.23 s + stream 0.86 s after criu and the CUDA restore, one H200 run, commit 44f517c). The
 restorer — the process that runs `criu restore` — has nothing to do meanwhile, so it does that
 work first, in a CUDA context of its own, and hands the memory over:
 

@@ -65,7 +65,7 @@ def sha256_range(root: Path, where: DigestRange) -> str:
         with open(root / where.relpath, "rb", buffering=0) as f:
             # NOTE: the buffer is no larger than what is left to read: an 8 MiB one for each of
             # a snapshot's ~600 small kernel-cache files cost 0.45 s of every restore's validate
-            # stage on the H200 (zero-filled and faulted in, then unmapped; session 16)
+            # stage on the H200 (zero-filled and faulted in, then unmapped; commit 6ddc196)
             left = max(0, os.fstat(f.fileno()).st_size - where.offset)
             buffer = memoryview(bytearray(max(1, min(_READ_BLOCK_BYTES, remaining, left))))
             f.seek(where.offset)

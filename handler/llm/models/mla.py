@@ -16,7 +16,7 @@ The projections of the layer's input `x` are one: `fused_qkv_a_proj` stacks `q_a
 GEMV instead of three short ones (sglang fuses the first two the same way). So are those of
 the query latent: `fused_q_b_proj` stacks `q_b_proj` and (on full layers) the indexer's
 `wq_b`, neither with a bias in any checkpoint, with `q_a_layernorm` run inside that projection
-(`RMSNorm.add_linear`: one GEMV at batch 1 where a norm launch and two GEMVs ran; session 14).
+(`RMSNorm.add_linear`: one GEMV at batch 1 where a norm launch and two GEMVs ran; commit 3489ec1).
 """
 
 from __future__ import annotations

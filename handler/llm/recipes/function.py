@@ -134,7 +134,7 @@ class LLMFunction:
 
         c = self.config
         # NOTE: the profile's forward is the first of a cold init: most kernels JIT-compile
-        # here (flashinfer's prefill: 104 s of the 8B's cold init on the H200, session 5 run 3)
+        # here (flashinfer's prefill: 104 s of the 8B's cold init on the H200, commit d1f6db7)
         with runtime_env.compiles_counted(c.cache_dir, figures):
             self.plan = profile_memory(
                 self.model,

@@ -47,7 +47,7 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
     def load_tokenizer_aside() -> None:
         # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary, its import included) loads
         # beside the CUDA restore; started before criu, it held the GIL while the restore was
-        # being launched (0.15-0.4 s later on the H200, session 4 run 2). Only the thread starts
+        # being launched (0.15-0.4 s later on the H200, commit ffa93c9). Only the thread starts
         # here, in the gate, which the CUDA restore waits for.
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
         tokenizer.append(pool.submit(load_tokenizer))
