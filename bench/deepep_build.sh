@@ -22,7 +22,7 @@ build=$(mktemp -d)
 cp -r "$src/." "$build/"
 cd "$build"
 # NOTE: libstdc++ linked dynamically, by its full path: where the compiler driver links it
-# statically (the GPU machine's g++ did for DeepGEMM, session 8), a second copy inside the
+# statically (the GPU machine's g++ did for DeepGEMM, 2026-11-30), a second copy inside the
 # extension shares nothing with the process's own (deepgemm_build.sh)
 libstdcxx=$(${CXX:-c++} -print-file-name=libstdc++.so)
 export LDFLAGS="${LDFLAGS:-} -Wl,--no-as-needed $libstdcxx -Wl,--as-needed"

@@ -91,7 +91,8 @@ libs=("-L$cuda_home/lib64" "-L$torch_dir/lib" -lcudart -lnvrtc)
 if [ -e "$cuda_home/lib64/libcublasLt.so" ]; then libs+=(-lcublasLt -lcublas); fi
 libs+=(-lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda)
 # NOTE: libstdc++ by its full path, so it links dynamically even where the compiler driver links it
-# statically (the GPU machine's /opt/gcc/bin/g++ does: session 8 run 1). A second, static copy of
+# statically (the GPU machine's /opt/gcc/bin/g++ does: bench/probes/deepgemm_stages.py on the H200,
+# 2026-11-30, results in commit 1fe1a4d). A second, static copy of
 # libstdc++ inside _C.so shares no locale with the process's own, and DeepGEMM's first std::regex
 # (its JIT's include parser) or `ostream << long` then segfaults.
 libstdcxx=$("$CXX" -print-file-name=libstdc++.so)
