@@ -15,9 +15,9 @@ microseconds per call and bandwidth (weight bytes / time), each config's microse
 largest difference from the unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
 labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries,
-`fp8-wide` those and the sweep's tiles of 8K weights or more. NOTE:
-session 12 run 4's file comes from a version that ran SwiGLU as a silu_mul launch after the
-product by default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel.
+`fp8-wide` those and the sweep's tiles of 8K weights or more. NOTE: the output recorded in
+commit 22ad861 comes from a version that ran SwiGLU as a silu_mul launch after the product by
+default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel.
 """
 
 from __future__ import annotations
@@ -43,21 +43,21 @@ SHAPES = [
     ("llama8b.down", 4096, 14336, "plain"),
     ("llama8b.lm_head", 128256, 4096, "plain"),
     ("glm5.lm_head", 154880, 6144, "plain"),
-    # the GLM-5-shaped model's FP8 projections of a decode step (session 10)
+    # the GLM-5-shaped model's FP8 projections of a decode step
     ("glm5.fp8.q_a", 2048, 6144, "fp8"),
-    # q_a | kv_a | indexer wk stacked, each on its own 128-row blocks (session 12)
+    # q_a | kv_a | indexer wk stacked, each on its own 128-row blocks
     ("glm5.fp8.qkv_a", 2048 + 640 + 128, 6144, "fp8"),
     ("glm5.fp8.q_b", 16384, 2048, "fp8"),
     ("glm5.fp8.kv_a", 576, 6144, "fp8"),
     ("glm5.fp8.o", 6144, 16384, "fp8"),
     ("glm5.fp8.indexer_wq_b", 4096, 2048, "fp8"),
-    # q_b | wq_b stacked, q_a_layernorm inside (session 14): the norm with no residual
+    # q_b | wq_b stacked, q_a_layernorm inside: the norm with no residual
     ("glm5.fp8.q_b_wq_b", 16384 + 4096, 2048, "fp8_norm"),
     ("glm5.fp8.gate_up", 24576, 6144, "fp8_swiglu"),  # the dense layer's, with the norm
     ("glm5.fp8.down", 6144, 12288, "fp8"),
     ("glm5.fp8.shared_gate_up", 4096, 6144, "fp8"),  # the shared expert's (no norm)
     ("glm5.fp8.shared_down", 6144, 2048, "fp8"),
-    # few output columns over a long K: where K splits pay (session 12)
+    # few output columns over a long K: where K splits pay
     ("glm5.fp8.indexer_wk", 128, 6144, "fp8"),
     ("glm5.fp32.weights_proj", 32, 6144, "fp32"),  # the indexer's, a float32 module
     ("glm5.fp32.router", 256, 6144, "fp32"),
@@ -76,15 +76,15 @@ SWEEP = triton_gemv.GEMV_ALL_CONFIGS + [
         (16, 1024, 8),
         (2, 4096, 8),
         # wider tiles for FP8 weights (a byte per weight: more bytes in flight per program);
-        # none of these won a GLM-5 FP8 shape in session 11 run 3
+        # none of these won a GLM-5 FP8 shape (bench/results/2026-11-30-h200-gemv-probe-glm5-fp8)
         (4, 1024, 4),
         (8, 1024, 8),
         (8, 2048, 8),
         (4, 2048, 8),
         (16, 2048, 8),
         (32, 512, 8),
-        # with the accumulator summed in 16-element runs (session 13), wide FP8 tiles fit in
-        # half the registers
+        # with the accumulator summed in 16-element runs (`triton_kernels.lane_sums`), wide FP8
+        # tiles fit in half the registers
         (8, 2048, 4),
         (16, 1024, 4),
     )

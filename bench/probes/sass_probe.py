@@ -12,8 +12,8 @@ memory, the K loop's instruction count per weight element a thread handles, and 
 barriers, global loads and shuffles. The loop is the SASS's longest: for nested loops (the MoE
 down GEMV walks K inside a loop over the slots) that is the outer one, whose instructions are
 counted once, inner body and per-slot epilogue together, so its per-element figure is not
-comparable with a single loop's. Session 13 found with it that the FP8 GEMVs'
-`[BLOCK_N, BLOCK_K]` accumulators took 128-155 registers a thread (`triton_kernels.lane_sums`).
+comparable with a single loop's. It showed the FP8 GEMVs' `[BLOCK_N, BLOCK_K]` accumulators
+taking 128-155 registers a thread, which `triton_kernels.lane_sums` (commit 07522b8) halved.
 
 Pointer arguments and the shape integers are declared 16-divisible, as triton's launcher
 specialises them for the engine's shapes. Without that, triton cannot vectorise the weight
