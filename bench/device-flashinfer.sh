@@ -12,9 +12,11 @@ cache="$work/steady-flashinfer/cache/compile/flashinfer"
 mkdir -p "$cache"
 if [ -f .ficache/flashinfer-jit.tgz ]; then tar -xzf .ficache/flashinfer-jit.tgz -C "$cache"; fi
 export FLASHINFER_WORKSPACE_BASE="$cache"
-# save_jit_cache: that cache as $res/flashinfer-jit.tgz, to carry as .ficache/ next time, when
-# none was carried (a fresh machine otherwise compiles flashinfer's kernels again)
+# save_jit_cache: that cache as flashinfer-jit.tgz in $OUT (beside the results, not in them), to
+# carry as .ficache/ next time, when none was carried (a fresh machine otherwise compiles
+# flashinfer's kernels again)
 save_jit_cache() {
   [ -f .ficache/flashinfer-jit.tgz ] && return
-  tar -czf "$res/flashinfer-jit.tgz" -C "$cache" . && ls -la "$res/flashinfer-jit.tgz"
+  [ -n "${OUT:-}" ] || return
+  tar -czf "$OUT/flashinfer-jit.tgz" -C "$cache" . && ls -la "$OUT/flashinfer-jit.tgz"
 }

@@ -64,4 +64,5 @@ if [ -n "$profile" ]; then
     > "$res/profile-b$profile.json" 2> "$res/profile-b$profile.err"
   profile_summary "profile-b$profile" 25
 fi
+[ "$backend" = flashinfer ] && save_jit_cache
 echo "[$((SECONDS - t0)) s] done"
