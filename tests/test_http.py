@@ -1,9 +1,10 @@
 """The HTTP front door (`handler/http/app.py`) through Flask's test client, on a real WorkerRuntime.
 
 Covers every endpoint, the start-up gate (`startup_gate.py`: wait, queue bound, timeout, failed
-start), every bad-input class (`openai/parse.py`, `openai/params.py`: 4xx with an OpenAI error
-body naming the field, `json_io.py`), auth, client-disconnect cancellation (`generation.py`:
-KV pages freed), the catch-all 500, and greedy parity with `Engine.generate`.
+start), every bad-input class (`openai/schema.py`, `openai/parse.py`, `openai/params.py`: 4xx
+with an OpenAI error body naming the field and a stable code, `json_io.py`), auth,
+client-disconnect cancellation (`generation.py`: KV pages freed), the catch-all 500, and greedy
+parity with `Engine.generate`.
 """
 
 from __future__ import annotations
@@ -421,6 +422,65 @@ def test_bad_chat_is_a_400_naming_the_field(client, body, param):
     r = client.post("/v1/chat/completions", json={"model": MODEL, **body})
     assert r.status_code == 400, r.json
     assert r.json["error"]["param"] == param
+
+
+USER = [{"role": "user", "content": "x"}]
+ERROR_CODES = [  # path, body, param, code, what the message says
+    ("completions", {"promt": "x"}, "promt", "unknown_field", "accepted fields: best_of, echo"),
+    (
+        "completions",
+        {"prompt": "x", "model": None},
+        "model",
+        "missing_field",
+        "'model' is required",
+    ),
+    ("completions", {"prompt": "x", "n": True}, "n", "invalid_type", "got True"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p", "out_of_range", "greater than 0"),
+    ("completions", {"prompt": [[1], [2, -1]]}, "prompt", "out_of_range", "'prompt[1][1]'"),
+    ("completions", {"prompt": "x", "echo": True}, "echo", "unsupported", "not echoed"),
+    ("chat/completions", {"messages": USER, "tools": [{}]}, "tools", "unsupported", "tool"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content",
+        "missing_field",
+        "'messages[0].content[0].text' is required",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user"}]},
+        "messages[0].content",
+        "missing_field",
+        "only an assistant's",
+    ),
+    (
+        "chat/completions",
+        {"messages": USER, "stream_options": {"x": 1}},
+        "stream_options",
+        "unknown_field",
+        "'x'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code", "says"), ERROR_CODES)
+def test_validation_errors_carry_a_stable_code_and_say_where(client, path, body, param, code, says):
+    r = client.post(f"/v1/{path}", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.json
+    error = r.json["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert says in error["message"]
+
+
+def test_null_is_a_field_left_out(client):
+    body = dict(prompt="hello", max_tokens=3, temperature=0, return_token_ids=True)
+    nulls = dict.fromkeys(("n", "stop", "seed", "top_p", "stream", "stream_options", "user"))
+    plain = completion(client, **body)
+    assert plain.status_code == 200
+    with_nulls = completion(client, **body, **nulls)
+    assert with_nulls.json["choices"] == plain.json["choices"]
+    r = chat(client, messages=[{"role": "assistant", "content": None}, *USER], max_tokens=1)
+    assert r.status_code == 200, r.json
 
 
 @pytest.mark.parametrize(

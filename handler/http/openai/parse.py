@@ -3,14 +3,18 @@
 Contract:
 - `parse_completion(body, limits)` / `parse_chat(body, limits)` take a decoded JSON body and
   return a `GenerationRequest`, or raise `ApiError` naming the field to fix (`param`) and how.
-  Types are strict (`true` is not an integer), ranges follow OpenAI's, unknown fields and
-  unsupported features (`echo`, `best_of` > `n`, penalties, `logit_bias`, tools, JSON mode)
-  are refused rather than silently ignored. The fields both endpoints share are read by
-  `params`; the response shapes are `shapes`'.
+  The body is validated against its model in `schema` (strict types, OpenAI's ranges, no
+  unknown fields); what validates but is not served (`echo`, `suffix`, `best_of` other than
+  `n`, logprob alternatives, and the shared fields `params` refuses) is refused here rather
+  than silently ignored. The response shapes are `shapes`'.
 - `tokenize(request, tokenizer, max_input_len)` turns the prompts into token ids, rendering chat
   messages through the model's chat template, and refuses prompts longer than `max_input_len`.
 - `choice_params(request, index, prompt_len, max_input_len)` is the engine's `SamplingParams` for
   one choice; with a `seed`, choice `i` samples with `seed + i`.
+
+NOTE: `schema` (pydantic: ~80 ms to import and build) is imported by the parse functions, not
+at the top: `snapfn --help` and the activator import this module (serve.py → app.py →
+generation.py) and never parse a request; a worker loads it as it builds its app (app.py).
 
 Logprobs: the engine records only the chosen token's logprob, so completions accept
 `logprobs: 0` and chat accepts `logprobs: true` with `top_logprobs` 0 or absent; asking for
@@ -22,171 +26,85 @@ and chunk).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from snapfn.handler.http.openai.params import COMMON_FIELDS, check_choices, common_fields
-from snapfn.handler.http.openai.request import (
-    MISSING,
-    ApiError,
-    GenerationRequest,
-    Limits,
-    check_fields,
-    is_int,
-    read_bool,
-    read_field,
-    read_int,
-    unsupported,
-)
+from snapfn.handler.http.openai.params import check_choices, common_fields
+from snapfn.handler.http.openai.request import ApiError, GenerationRequest, Limits, unsupported
 from snapfn.handler.llm.engine.request import SamplingParams
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = (
-    COMMON_FIELDS
-    | {"messages", "max_completion_tokens", "top_logprobs", "tools"}
-    | {
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-        "response_format",
-        "store",
-        "metadata",
-    }
-)
+if TYPE_CHECKING:
+    from snapfn.handler.http.openai.schema import ChatMessage
 
 
 # ---- completions ----------------------------------------------------------------------------
 def parse_completion(body: Any, limits: Limits) -> GenerationRequest:
-    check_fields(body, COMPLETION_FIELDS)
-    max_tokens = read_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
-    common = common_fields(body, limits, max_tokens)
-    logprobs = read_int(body, "logprobs", None, 0, 5)
-    if logprobs:
+    from snapfn.handler.http.openai.schema import CompletionRequest, validate_body  # NOTE: lazy
+
+    fields = validate_body(CompletionRequest, body)
+    common = common_fields(fields, limits, fields.max_tokens)
+    if fields.logprobs:
         raise unsupported(
             "logprobs", "only the chosen token's logprob exists; send 'logprobs': 0 for it"
         )
-    if read_bool(body, "echo"):
+    if fields.echo:
         raise unsupported("echo", "the prompt is not echoed back")
-    if read_field(body, "suffix", lambda v: isinstance(v, str), "a string", "") != "":
+    if fields.suffix:
         raise unsupported("suffix", "insertion is not implemented")
-    best_of = read_int(body, "best_of", None, 1, 128)
-    if best_of is not None and best_of != common["n"]:
+    if fields.best_of is not None and fields.best_of != fields.n:
         raise unsupported("best_of", "it must equal n (or be left out)")
     request = GenerationRequest(
         endpoint="completions",
-        prompts=_prompts(body.get("prompt", MISSING)),
-        logprobs=logprobs is not None,
+        prompts=_prompts(fields.prompt),
+        logprobs=fields.logprobs is not None,
         **common,
     )
     return check_choices(request, limits)
 
 
-def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    if prompt is MISSING or prompt is None:
-        raise ApiError("'prompt' is required", param="prompt", code="missing_field")
+def _prompts(
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> tuple[str | tuple[int, ...], ...]:
+    """One prompt per item: a string, or a tuple of token ids."""
     if isinstance(prompt, str):
         return (prompt,)
-    if isinstance(prompt, list) and prompt:
-        if all(is_int(t) for t in prompt):
-            return (_token_ids(prompt),)
-        if all(isinstance(p, str) for p in prompt):
-            return tuple(prompt)
-        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
-            return tuple(_token_ids(p) for p in prompt)
-    raise ApiError(
-        "'prompt' must be a string, a list of strings, a non-empty list of token ids, "
-        "or a list of such lists",
-        param="prompt",
-        code="invalid_type",
-    )
-
-
-def _token_ids(ids: list[int]) -> tuple[int, ...]:
-    if any(t < 0 for t in ids):
-        raise ApiError("token ids must be >= 0", param="prompt", code="out_of_range")
-    return tuple(ids)
+    if isinstance(prompt[0], int):
+        return (tuple(prompt),)
+    return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
 
 
 # ---- chat -----------------------------------------------------------------------------------
 def parse_chat(body: Any, limits: Limits) -> GenerationRequest:
-    check_fields(body, CHAT_FIELDS)
-    max_tokens = read_int(body, "max_completion_tokens", None, 1)
-    max_tokens = read_int(body, "max_tokens", max_tokens, 1)
-    common = common_fields(body, limits, max_tokens or 0)
-    logprobs = read_bool(body, "logprobs")
-    if read_int(body, "top_logprobs", 0, 0, 20) > 0:
+    from snapfn.handler.http.openai.schema import ChatCompletionRequest, validate_body  # NOTE: lazy
+
+    fields = validate_body(ChatCompletionRequest, body)
+    max_tokens = fields.max_tokens or fields.max_completion_tokens or 0  # 0: fill the context
+    common = common_fields(fields, limits, max_tokens)
+    if fields.top_logprobs > 0:
         raise unsupported(
             "top_logprobs", "only the chosen token's logprob exists; send 0 or leave it out"
         )
-    _refuse_chat_features(body)
-    messages = tuple(_message(m, i) for i, m in enumerate(_messages_list(body)))
-    request = GenerationRequest(endpoint="chat", messages=messages, logprobs=logprobs, **common)
+    messages = tuple(_message(m, i) for i, m in enumerate(fields.messages))
+    request = GenerationRequest(
+        endpoint="chat", messages=messages, logprobs=fields.logprobs, **common
+    )
     return check_choices(request, limits)
 
 
-def _refuse_chat_features(body: Mapping[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise unsupported(name, "tool calling is not implemented")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise unsupported(name, "tool calling is not implemented")
-    read_bool(body, "parallel_tool_calls")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", 'only {"type": "text"} is served')
-
-
-def _messages_list(body: Mapping[str, Any]) -> list[Any]:
-    messages = read_field(body, "messages", lambda v: isinstance(v, list), "a list", MISSING)
-    if not messages:
-        raise ApiError("'messages' must not be empty", param="messages", code="invalid_value")
-    return messages
-
-
-def _message(message: Any, i: int) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise ApiError(f"{where} must be an object", param=where, code="invalid_type")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
+def _message(message: ChatMessage, i: int) -> dict[str, Any]:
+    """The message as the chat template reads it: its content's text parts joined."""
+    if message.content is None and message.role != "assistant":
         raise ApiError(
-            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-            param=f"{where}.role",
-            code="invalid_value",
+            f"'messages[{i}].content' is required (only an assistant's may be left out)",
+            param=f"messages[{i}].content",
+            code="missing_field",
         )
-    out = {"role": role, "content": _content(message.get("content"), role, where)}
-    name = message.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise ApiError(
-                f"{where}.name must be a string", param=f"{where}.name", code="invalid_type"
-            )
-        out["name"] = name
+    content = message.content or ""
+    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    out = {"role": message.role, "content": text}
+    if message.name is not None:
+        out["name"] = message.name
     return out
-
-
-def _content(content: Any, role: str, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise ApiError(
-        f"{where}.content must be a string or a list of "
-        '{"type": "text", "text": ...} parts (only text is served)',
-        param=f"{where}.content",
-        code="invalid_type",
-    )
 
 
 # ---- prompts → token ids → engine parameters ------------------------------------------------
