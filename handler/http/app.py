@@ -25,7 +25,8 @@ Contracts:
 
 This module holds `create_app` (its settings: `serve_config.ServeConfig`), auth, per-request
 metrics and the routes; they lean on `startup_gate` (the wait for start-up), `json_io` (JSON
-bodies, the error handlers), `openai/parse` (parsing) and `generation` (the streaming driver).
+bodies, the error handlers), `openai/parse` (parsing against the request models of
+`openai/schema`) and `generation` (the streaming driver).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from snapfn.handler.http.json_io import (
 from snapfn.handler.http.metrics import HttpMetrics
 from snapfn.handler.http.openai import parse as openai_api
 from snapfn.handler.http.openai.request import ApiError, Limits
-from snapfn.handler.http.openapi import openapi_document
 from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.handler.http.startup_gate import StartupGate
 from snapfn.snapshot.stages import Readiness
@@ -118,6 +118,11 @@ def _install_hooks(app: Flask, state: AppState) -> None:
 
 # ---- health, startup, metrics, models, openapi ----------------------------------------------
 def _install_health_routes(app: Flask, state: AppState) -> None:
+    # NOTE: imported as a worker builds its app, not with this module: it loads the request
+    # models (pydantic), which `snapfn --help` and the activator (importing this module
+    # through serve.py) never need, and which a worker's first request should not wait for.
+    from snapfn.handler.http.openapi import openapi_document
+
     runtime = state.runtime
 
     @app.get("/health")

@@ -1,27 +1,32 @@
-"""The published OpenAPI 3 document of the HTTP front door (served at `GET /openapi.json`).
+"""The published OpenAPI 3.1 document of the HTTP front door (served at `GET /openapi.json`).
 
 `openapi_document(model_name)` returns it as a dict; the model name is the one value that
-depends on the deployment. Request schemas mirror what `openai/parse.py` accepts (strict types,
-no unknown fields); the fuzz test (`tests/test_openapi_fuzz.py`) holds the two together.
+depends on the deployment. The request schemas are generated from the pydantic models that
+validate the requests (`openai/schema.py`), so the two cannot drift; the responses, paths and
+security are written here. The fuzz test (`tests/test_openapi_fuzz.py`) holds the document and
+the app together. Importing this module loads pydantic (app.py imports it as a worker builds
+its app, not at its own import).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-OPENAPI_VERSION = "3.0.3"
-API_VERSION = "1"
-
-LOGPROBS_NOTE = (
-    "Only the chosen token's logprob is recorded by the engine: alternatives "
-    "(top logprobs) are not available, and asking for them is a 400."
+from snapfn.handler.http.openai.schema import (
+    LOGPROBS_NOTE,
+    REQUEST_MODELS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    json_schemas,
 )
 
-NO_TOOLS = "tool calling is not implemented: only an empty list is accepted"
+OPENAPI_VERSION = "3.1.0"  # its schemas are JSON Schema 2020-12, which pydantic writes
+API_VERSION = "1"
+REF_TEMPLATE = "#/components/schemas/{model}"
 
 
 def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+    return {"$ref": REF_TEMPLATE.format(model=name)}
 
 
 def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +38,7 @@ def _error(description: str) -> dict[str, Any]:
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {**schema, "nullable": True}
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
 ERRORS = {
@@ -61,128 +66,13 @@ ERROR_SCHEMA = {
     },
 }
 
-COMMON_REQUEST_PROPERTIES: dict[str, Any] = {
-    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
-    "temperature": _nullable(
-        {"type": "number", "minimum": 0, "maximum": 2, "description": "below 1e-5: greedy"}
-    ),
-    "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
-    "n": _nullable({"type": "integer", "minimum": 1, "maximum": 128}),
-    "stream": _nullable({"type": "boolean"}),
-    "stream_options": _nullable(
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"include_usage": _nullable({"type": "boolean"})},
-        }
-    ),
-    "stop": _nullable(
-        {
-            "oneOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}},
-            ]
-        }
-    ),
-    "presence_penalty": _nullable(
-        {"type": "number", "minimum": -2, "maximum": 2, "description": "only 0 is served"}
-    ),
-    "frequency_penalty": _nullable(
-        {"type": "number", "minimum": -2, "maximum": 2, "description": "only 0 is served"}
-    ),
-    "logit_bias": _nullable({"type": "object", "description": "only {} is served"}),
-    "user": _nullable({"type": "string"}),
-    "seed": _nullable(
-        {
-            "type": "integer",
-            "minimum": 0,
-            "maximum": 2**63 - 1,
-            "description": "choice i samples with seed + i",
-        }
-    ),
-    "top_k": _nullable({"type": "integer", "minimum": -1, "description": "extension; 0/-1 off"}),
-    "ignore_eos": _nullable({"type": "boolean", "description": "extension"}),
-    "stop_token_ids": _nullable(
-        {
-            "type": "array",
-            "maxItems": 64,
-            "items": {"type": "integer", "minimum": 0},
-            "description": "extension: token ids that end a choice",
-        }
-    ),
-    "return_token_ids": _nullable(
-        {"type": "boolean", "description": "extension: `token_ids` in every choice and chunk"}
-    ),
-}
 
-TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-
-COMPLETION_EXTRA = {
-    "prompt": {
-        "oneOf": [
-            {"type": "string"},
-            {"type": "array", "minItems": 1, "items": {"type": "string"}},
-            TOKEN_IDS,
-            {"type": "array", "minItems": 1, "items": TOKEN_IDS},
-        ]
-    },
-    "logprobs": _nullable(
-        {"type": "integer", "minimum": 0, "maximum": 5, "description": LOGPROBS_NOTE}
-    ),
-    "echo": _nullable({"type": "boolean", "description": "only false is served"}),
-    "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": 128}),
-    "suffix": _nullable({"type": "string", "description": "only empty is served"}),
-}
-
-TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
-}
-
-MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": _nullable(
-            {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}
-        ),
-        "name": {"type": "string"},
-    },
-}
-
-CHAT_EXTRA = {
-    "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-    "logprobs": _nullable({"type": "boolean", "description": LOGPROBS_NOTE}),
-    "top_logprobs": _nullable(
-        {"type": "integer", "minimum": 0, "maximum": 20, "description": LOGPROBS_NOTE}
-    ),
-    "tools": _nullable({"type": "array", "maxItems": 0, "items": {}, "description": NO_TOOLS}),
-    "functions": _nullable({"type": "array", "maxItems": 0, "items": {}, "description": NO_TOOLS}),
-    "tool_choice": _nullable({"type": "string", "enum": ["none", "auto"]}),
-    "function_call": _nullable({"type": "string", "enum": ["none", "auto"]}),
-    "parallel_tool_calls": _nullable({"type": "boolean", "description": "ignored"}),
-    "response_format": _nullable(
-        {
-            "type": "object",
-            "required": ["type"],
-            "additionalProperties": False,
-            "properties": {"type": {"type": "string", "enum": ["text"]}},
-        }
-    ),
-}
-
-
-def _request_schema(model_name: str, extra: dict[str, Any], required: list[str]) -> dict:
-    properties = {"model": {"type": "string", "enum": [model_name]}}
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["model", *required],
-        "properties": {**properties, **COMMON_REQUEST_PROPERTIES, **extra},
-    }
+def _request_schemas(model_name: str) -> dict[str, Any]:
+    """The request models' JSON schemas, each body's `model` the one this server serves."""
+    schemas = json_schemas(REF_TEMPLATE)
+    for model in REQUEST_MODELS:
+        schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
+    return schemas
 
 
 USAGE = {
@@ -349,11 +239,10 @@ def _invoke_path() -> dict[str, Any]:
 
 
 def openapi_document(model_name: str) -> dict[str, Any]:
-    """The OpenAPI 3 document for a server whose model is called `model_name`."""
+    """The OpenAPI 3.1 document for a server whose model is called `model_name`."""
     schemas = {
         "Error": ERROR_SCHEMA,
-        "CompletionRequest": _request_schema(model_name, COMPLETION_EXTRA, ["prompt"]),
-        "ChatCompletionRequest": _request_schema(model_name, CHAT_EXTRA, ["messages"]),
+        **_request_schemas(model_name),
         "CompletionResponse": COMPLETION_RESPONSE,
         "ChatCompletionResponse": CHAT_RESPONSE,
     }
@@ -361,10 +250,10 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         **_health_paths(),
         **_other_paths(),
         "/v1/completions": _generation_op(
-            "OpenAI completions", "CompletionRequest", "CompletionResponse"
+            "OpenAI completions", CompletionRequest.__name__, "CompletionResponse"
         ),
         "/v1/chat/completions": _generation_op(
-            "OpenAI chat completions", "ChatCompletionRequest", "ChatCompletionResponse"
+            "OpenAI chat completions", ChatCompletionRequest.__name__, "ChatCompletionResponse"
         ),
         **_invoke_path(),
     }
