@@ -28,7 +28,7 @@ from snapfn.handler.llm.kernels.flashinfer import backend as flashinfer_backend
 from snapfn.handler.llm.kernels.flashinfer import plan as flashinfer_plan
 from snapfn.handler.llm.kernels.flashinfer.backend import paged_kv_metadata
 from snapfn.handler.llm.kernels.torch_ref import causal_attention
-from snapfn.handler.llm.recipes import runtime_env
+from snapfn.snapshot.portable import compile_caches
 from snapfn.snapshot.errors import InitFailed
 
 import flashinfer_checks
@@ -142,15 +142,15 @@ def test_flashinfer_jit_cache_travels_in_the_snapshot(tmp_path):
     # flashinfer/jit/env.py reads FLASHINFER_WORKSPACE_BASE at import and compiles into
     # <it>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>/: a hidden folder, which
     # saving and restoring must not skip
-    assert runtime_env.COMPILE_CACHES["flashinfer"] == "FLASHINFER_WORKSPACE_BASE"
+    assert compile_caches.COMPILE_CACHES["flashinfer"] == "FLASHINFER_WORKSPACE_BASE"
     init_dir, restore_dir, snapshot = tmp_path / "init", tmp_path / "restore", tmp_path / "snap"
     so = Path(".cache/flashinfer/0.6.9/90a/cached_ops/batch_decode/batch_decode.so")
-    built = runtime_env.cache_dirs(init_dir)["flashinfer"] / so
+    built = compile_caches.cache_dirs(init_dir)["flashinfer"] / so
     built.parent.mkdir(parents=True)
     built.write_bytes(b"kernel")
-    assert runtime_env.save_caches(init_dir, snapshot) == {"flashinfer": 1}
-    assert runtime_env.restore_caches(snapshot, restore_dir) == 1
-    restored = runtime_env.cache_dirs(restore_dir)["flashinfer"] / so
+    assert compile_caches.save_caches(init_dir, snapshot) == {"flashinfer": 1}
+    assert compile_caches.restore_caches(snapshot, restore_dir) == 1
+    restored = compile_caches.cache_dirs(restore_dir)["flashinfer"] / so
     assert restored.read_bytes() == b"kernel"
 
 

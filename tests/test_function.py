@@ -200,13 +200,13 @@ def test_any_exception_in_a_restore_stage_falls_back(made, tmp_path, monkeypatch
 
 
 def test_compiles_counted_says_what_a_stage_added_to_the_compile_caches(tmp_path):
-    from snapfn.handler.llm.recipes import runtime_env
+    from snapfn.snapshot.portable import compile_caches
 
-    triton = runtime_env.cache_dirs(tmp_path)["triton"]
+    triton = compile_caches.cache_dirs(tmp_path)["triton"]
     triton.mkdir(parents=True)
     (triton / "old.cubin").write_bytes(b"x")  # there before: not this stage's
     figures: dict = {}
-    with runtime_env.compiles_counted(tmp_path, figures):
+    with compile_caches.compiles_counted(tmp_path, figures):
         (triton / "new.cubin").write_bytes(b"y")
         (triton / "new.json").write_text("{}")
     assert figures == {"compiled_files": 2}

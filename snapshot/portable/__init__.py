@@ -6,5 +6,6 @@ publish.py    fill a staging dir, write the manifest last, install it atomically
 staging.py    staging directories and their cleanup
 digests.py    sha256 over byte ranges, in parallel threads
 pagecache.py  page-cache pre-warm, residency and drop
+compile_caches.py  Triton, inductor, flashinfer and DeepGEMM caches: set up, saved, restored
 bandwidth.py  the H2D and disk floors a restore is measured against
 """

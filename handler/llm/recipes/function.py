@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.llm.recipes import runtime_env
+from snapfn.snapshot.portable import compile_caches
 from snapfn.handler.llm.recipes.snapshot_files import (
     config_json,
     copy_model_files,
@@ -102,7 +102,7 @@ class LLMFunction:
         ]
 
     def stage_runtime_env(self, figures: Figures) -> None:
-        figures.update(runtime_env.prepare(self.config.cache_dir, self.device))
+        figures.update(compile_caches.prepare(self.config.cache_dir, self.device))
 
     def stage_prewarm(self, figures: Figures) -> None:
         from snapfn.handler.llm.weights.checkpoint import Checkpoint
@@ -135,7 +135,7 @@ class LLMFunction:
         c = self.config
         # NOTE: the profile's forward is the first of a cold init: most kernels JIT-compile
         # here (flashinfer's prefill: 104 s of the 8B's cold init on the H200, commit d1f6db7)
-        with runtime_env.compiles_counted(c.cache_dir, figures):
+        with compile_caches.compiles_counted(c.cache_dir, figures):
             self.plan = profile_memory(
                 self.model,
                 c.page_size,
@@ -187,14 +187,14 @@ class LLMFunction:
             chunks = tuple(dict.fromkeys((*self.config.chunk_sizes, *SHORT_PREFILLS)))
         else:  # the CPU path compiles nothing: touch each code path once, cheaply
             decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
-        with runtime_env.compiles_counted(self.config.cache_dir, figures):
+        with compile_caches.compiles_counted(self.config.cache_dir, figures):
             figures.update(warmup(self.model, self.engine.kv, decode, chunks))
 
     def stage_capture_graphs(self, figures: Figures) -> None:
         if self.uses_graphs():
             pool = self.memory.graph_pool() if self.memory is not None else None
             # decode kernels JIT-compile in the run before each capture: a restore must add none
-            with runtime_env.compiles_counted(self.config.cache_dir, figures):
+            with compile_caches.compiles_counted(self.config.cache_dir, figures):
                 max_seq_len = self.config.graph_max_seq_len
                 stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
             self.graph_stats = stats
@@ -255,7 +255,7 @@ class LLMFunction:
         )
         folder = self.source if self.source is not None else self._restored_from / "model"
         copy_model_files(folder, root / "model")
-        caches = runtime_env.save_caches(self.config.cache_dir, root / "caches")
+        caches = compile_caches.save_caches(self.config.cache_dir, root / "caches")
         return {
             "model_content_hash": model_content_hash(self._model_config.raw, layout),
             "source_model_dir": str(self.source) if self.source else None,
@@ -290,7 +290,7 @@ class LLMFunction:
     def stage_restore_caches(
         self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
     ) -> None:
-        caches = runtime_env.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
+        caches = compile_caches.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
         figures["restored_cache_files"] = caches
         # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
         # while the model is built, and stream_weights waits for it.

@@ -1,5 +1,6 @@
-"""The runtime environment stage: env vars and compile-cache directories, set before any heavy
-import, and moving those caches into and out of snapshots.
+"""Compile caches: where Triton, inductor, flashinfer and DeepGEMM write what they compile, set
+before any heavy import (a function's `runtime_env` stage), and those caches carried into and
+out of a portable snapshot, so that a restore compiles nothing.
 
 # NOTE: these variables only take effect if set before torch / triton / flashinfer are
 # imported and before CUDA is initialised; this module imports none of them at module level.
