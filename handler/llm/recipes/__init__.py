@@ -2,7 +2,6 @@
 
 function.py         `LLMFunction`: the init recipe, its portable snapshot, its restore
 snapshot_files.py   the model files, config and content hash a snapshot records
-runtime_env.py      env vars and compile-cache dirs, moved into and out of snapshots
 releasable.py       weights and KV pool in releasable regions (tier 1)
 process_host.py     what the checkpointed worker runs (tier 1)
 process_service.py  an `LLMService` whose engine runs in a restored worker

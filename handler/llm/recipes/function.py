@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.snapshot.portable import compile_caches
 from snapfn.handler.llm.recipes.snapshot_files import (
     config_json,
     copy_model_files,
@@ -30,6 +29,7 @@ from snapfn.handler.llm.recipes.snapshot_files import (
 )
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
+from snapfn.snapshot.portable import compile_caches
 
 WEIGHTS_FILE = "weights/rank0.bin"
 # Modules a zygote imports before forking restore workers (none of them touches CUDA at import).
