@@ -28,8 +28,8 @@ from snapfn.handler.llm.kernels.flashinfer import backend as flashinfer_backend
 from snapfn.handler.llm.kernels.flashinfer import plan as flashinfer_plan
 from snapfn.handler.llm.kernels.flashinfer.backend import paged_kv_metadata
 from snapfn.handler.llm.kernels.torch_ref import causal_attention
-from snapfn.snapshot.portable import compile_caches
 from snapfn.snapshot.errors import InitFailed
+from snapfn.snapshot.portable import compile_caches
 
 import flashinfer_checks
 
