@@ -228,11 +228,11 @@ def _decode_figures(engine, args: argparse.Namespace) -> dict[str, float]:
     """Steady-state decode ms per step at each batch size (after one warm-up generation): a
     generation of `2 * decode_tokens` tokens less one of `decode_tokens`, over the steps
     between (`_ms_per_step`), so that neither the prompt's prefill nor a generation's end steps
-    count as steady decode. The rows are distinct prompts (`distinct_prompts`). NOTE: until
-    session 5's device runs the figure was one whole generation over its tokens, the prefill
-    included; until session 10's run 3 every row was the same prompt, so a MoE model's rows all
-    read the same experts (its batch 8-64 figures beat a roofline that counts the experts a
-    uniform router would touch)."""
+    count as steady decode. The rows are distinct prompts (`distinct_prompts`). NOTE: before
+    commit 2737f03 the figure was one whole generation over its tokens, the prefill included;
+    before 6f506e2 every row was the same prompt, so a MoE model's rows all read the same
+    experts (its batch 8-64 figures beat a roofline that counts the experts a uniform router
+    would touch)."""
     from snapfn.handler.llm.engine.request import SamplingParams
 
     vocab = engine.model.config.vocab_size
@@ -265,9 +265,9 @@ def _ms_per_step(timed, tokens: int) -> float:
     is no slower than the short one's), the figure is the long generation's best over its
     tokens instead, an upper bound that counts the prefill too, and stderr says so: a step time
     of zero or less is never reported.
-    NOTE: until session 11 the figure was `tokens` tokens less one, over `tokens - 1` steps,
-    which counted those end steps in (all GPU figures up to session 11's runs); until session
-    14 a swamped difference was reported as 0.0 (a CI run's flaky failure)."""
+    NOTE: before commit ccbdee5 the figure was `tokens` tokens less one, over `tokens - 1` steps,
+    which counted those end steps in (the steady figures dated 2026-11-30 in docs/benchmarks.md);
+    before 93fb5f9 a swamped difference was reported as 0.0 (a CI run's flaky failure)."""
     steps = max(1, tokens)
     long = min(timed(2 * steps) for _ in range(2))
     seconds = long - min(timed(steps) for _ in range(2))

@@ -25,7 +25,7 @@ keeps the reference (triton backend) or flashinfer's MLA kernel (flashinfer back
 `SNAPFN_MLA_ABSORB=triton` computes MLA's absorbed products of a decode batch (`W_k^T q`, `W_v o`
 per head) with `triton.absorb`, reading `kv_b` as stored (FP8), instead of two bmms over a
 dense copy; `auto`, the default, keeps the bmms, which were about 1 us a layer faster on the
-H200 (session 15 run 3).
+H200 (bench/results/2026-12-01-h200-steady-glm5-absorb-v2).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ register_backend("torch", _torch_factory)
 register_backend("triton", _triton_factory)
 register_backend("flashinfer", _flashinfer_factory)
 # NOTE: correctness before speed: an unverified kernel must not become every CUDA run's
-# default. triton: tests/test_triton_kernels.py's GPU cases passed on the H200 (session 5, run
-# 2); flashinfer: tests/test_flashinfer.py's (session 5, run 3).
+# default. triton: tests/test_triton_kernels.py's GPU cases passed on the H200 (2026-11-30,
+# bench/results/2026-11-30-h200-tier1-llama8b-keeper-hold); flashinfer: tests/test_flashinfer.py's
+# (2026-11-30, results in commit d1f6db7).
 AUTO_CUDA = ("flashinfer", "triton")
 
 

@@ -21,7 +21,7 @@ forward is planned is `flashinfer.plan.ForwardPlan`'s to say (announced graph fo
 `begin_forward`, others at their first call). A plan also depends on the attention's shape
 (heads, head dim, dtype, scale).
 
-GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (session 5 run 3, session 6 run 3;
+GPU-tested on the H200: `tests/test_flashinfer.py -m gpu` (2026-11-30 and since;
 docs/kernels.md). `mla_attention` with a DSA selection and latent widths flashinfer is built for
 goes to `FlashInferMLA`, which plans like the above (per forward, a graph's into its buffers);
 decode batches on the GPU go to `triton.mla` instead (no plan, no pinned copy a step; faster on

@@ -7,7 +7,7 @@ cuBLAS bmms over a dense copy of `kv_b` in q's dtype.
 
 `kv_b` is `[H * (Dn + Dv), R]`: per head, `W_k` (`Dn` rows) over `W_v` (`Dv` rows), with
 128x128 block scales when FP8. On the H200 the two bmms took 24 us of a GLM-5-shaped batch-1
-step (two layers, session 13's profile), about 2.4 TB/s over the 59 MB bf16 copy; an FP8
+step (two layers, the profile recorded in commit 07522b8), about 2.4 TB/s over the 59 MB bf16 copy; an FP8
 `kv_b` is half those bytes. Each program here reads one tile of one head's `W_k` or `W_v` once
 at its stored width, dequantizes it in float32 and applies it to every token of the batch in
 one tensor-core product (`tl.dot` over a `MAX_TOKENS`-row tile, TF32: a 16-bit q is exact in
@@ -15,7 +15,8 @@ it and the dequantized weight keeps 10 bits, where the bmms round `kv_b` to q's 
 inputs take a float32 dot), summed in float32. Meant for decode batches (`MAX_TOKENS` rows at
 most); longer ones keep the bmms.
 
-Measured on the H200 (session 15, `bench/probes/absorb_probe.py`): the first form, a program
+Measured on the H200 (2026-12-01, `bench/probes/absorb_probe.py`,
+bench/results/2026-12-01-h200-steady-glm5-mla-absorb-v1): the first form, a program
 per token that re-read its head's tile from L2, was 10.8 us against the bmms' 11.6 at one
 token but 42 us against 12.6 at eight; hence the one tile for all tokens.
 

@@ -10,8 +10,8 @@
   DeepGEMM's FP8 GEMM where it is importable on an SM90 GPU (`deepgemm.py`; `deepgemm="off"`,
   or SNAPFN_DEEPGEMM=off through the registry, turns it off), else the weight is dequantized by
   a Triton kernel, then multiplied by `F.linear` like the reference does;
-- `rms_norm`: one program per row (GPU-tested on the H200 as a kernel; in the models since
-  session 4, checked there under triton's interpreter only);
+- `rms_norm`: one program per row (GPU-tested on the H200 as a kernel and in the models'
+  whole-model greedy cases);
 - `add_rms_norm`, `rope_store_kv`, `rope_part`, `norm_rope_store`, `silu_mul`: the decode
   step's elementwise work, one launch each where the reference launches five to fifteen small
   kernels (the residual add and the norm; RoPE of q and k and both cache writes; MLA's and
@@ -34,8 +34,8 @@
 - `mla_attention` for decode batches: `triton.mla.mla_decode_latent`, the latent attention
   with `kv_b` absorbed and the DSA selection read on the GPU (no host planning);
   `mla_decode="off"` (SNAPFN_MLA_DECODE=off) keeps the reference here and flashinfer's MLA
-  kernel in the flashinfer backend (on the H200, session 15 run 4: 0.870 ms against 1.093 a
-  GLM-5-shaped batch-1 step, the same at batch 8);
+  kernel in the flashinfer backend (on the H200, 0.870 ms against 1.093 a GLM-5-shaped
+  batch-1 step, the same at batch 8: bench/results/2026-12-01-h200-steady-glm5);
 - MLA's absorbed products (`absorb_kv_b`, for `triton.mla` here and flashinfer's MLA kernel),
   with `mla_absorb="triton"` (SNAPFN_MLA_ABSORB=triton) and a decode-sized batch:
   `triton.absorb`, reading `kv_b` as stored (FP8: half the bytes); "auto", the default until
@@ -109,7 +109,7 @@ class TritonBackend(TorchBackend):
         self._indexer_select = indexer_select == "auto"
         self._gemv_splits = None if gemv_split == "auto" else 1  # `split_count`'s, or none
         self._cache_stores = cache_stores == "auto"
-        if mla_decode not in ("auto", "off", "triton"):  # triton: the opt-in before session 15
+        if mla_decode not in ("auto", "off", "triton"):  # triton: the opt-in before 4314b28
             raise ValueError(f"mla_decode must be 'auto' or 'off', not {mla_decode!r}")
         self._mla_decode = mla_decode != "off"
         if mla_absorb not in ("auto", "triton"):

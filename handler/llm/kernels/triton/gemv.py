@@ -52,22 +52,23 @@ from snapfn.handler.llm.kernels.triton.kernels import (
 from snapfn.handler.llm.weights.quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 
 # NOTE: one input row: at two to four rows the same kernel, each weight tile multiplied by every
-# row, ran 1.07-2.9x slower than cuBLAS on the H200 (session 9 run 1, bench/probes/gemv_probe.py)
+# row, ran 1.07-2.9x slower than cuBLAS on the H200 (bench/probes/gemv_probe.py, commit 60beb82)
 GEMV_MAX_ROWS = 1
 # K splits (`split_count`): a product with fewer column tiles than the GPU has SMs, such as
 # GLM-5's kv_a and indexer wk (N 576 and 128 over K 6144, FP8) or its float32 router and
 # weights_proj (N 256 and 32), leaves SMs idle. Splitting K gives every SM about
 # GEMV_PROGRAMS_PER_SM programs (what 4-warp programs fill: 64 warps an SM), each at least
-# GEMV_MIN_SPLIT_K long. NOTE: on the H200 (session 12 run 2, gemv_probe.py --splits auto,1)
+# GEMV_MIN_SPLIT_K long. NOTE: on the H200 (gemv_probe.py --splits auto,1, commit d40e24b)
 # the splits took 6.5 -> 5.1 us (kv_a), 4.9 -> 3.6 (wk), 5.9 -> 5.4 (router), 4.0 -> 3.6
 # (weights_proj), but slowed every product that already had a tile per SM (q_a 7.9 -> 8.9,
 # the shared expert's gate | up 9.9 -> 14.3): the last program's read of the partial sums
 # comes after the others' atomic count, a few microseconds on kernels of 5-15
 GEMV_PROGRAMS_PER_SM = 16
-# NOTE: SwiGLU (`gemv(swiglu=True)`) runs in the kernel. Session 12 run 4 (gemv_probe.py) also
+# NOTE: SwiGLU (`gemv(swiglu=True)`) runs in the kernel. gemv_probe.py (commit 22ad861) also
 # timed the product alone with `silu_mul` after it: 58.5 us on GLM-5's dense FP8 gate | up
 # against 57.1 in the kernel; both lose to the norm + `fp8_block_linear` + silu_mul (52.5), as
-# the 8B's bf16 one does (65.2 against 61.7 unfused, session 9 run 2). That tile GEMM is the lead
+# the 8B's bf16 one does (65.2 against 61.7 unfused, the gemv-probe.jsonl of
+# bench/results/2026-11-30-h200-steady-llama8b-attention). That tile GEMM is the lead
 GEMV_MIN_SPLIT_K = 512
 GEMV_MAX_SPLITS = 16
 
@@ -207,8 +208,9 @@ def _gemv_kernel(
 
 # NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. `GEMV_CONFIGS`
 # (16-bit weights): the fastest of a 16-config sweep for each of the 8B's projections on the
-# H200 (session 9 run 2, bench/probes/gemv_probe.py); no pipeline depths: triton does not
-# pipeline these loads (no tl.dot), so stages changed nothing in run 1's sweep
+# H200 (bench/probes/gemv_probe.py, bench/results/2026-11-30-h200-steady-llama8b-attention); no
+# pipeline depths: triton does not pipeline these loads (no tl.dot), so stages changed nothing
+# in the first sweep (commit 60beb82)
 _CONFIGS = {
     (bn, bk, w): triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
@@ -241,13 +243,15 @@ GEMV_CONFIGS = [
     )
 ]
 # FP8 weights (SCALED): each the fastest of a 14-config sweep on one of the GLM-5-shaped model's
-# FP8 projections (session 13 run 2, `gemv_probe.py --configs fp8-wide`), once `lane_sums` had
-# about halved the registers of the 8-16K-weight tiles (which lost everywhere in session 11's
-# sweep, at 128-155 registers a thread); 16x1024w4 was second on two shapes. Each config timed
-# is one more compile at init. NOTE: tried on the H200 and not kept: loading the next K step's
-# tile before multiplying its own (session 12 run 3: slower on every shape), and a tensor-core
-# form (session 13 run 1: the row padded to 16 as a tl.dot operand, the weight tiles pipelined
-# through shared memory; 1.07-2.6x slower than the FMA configs of that time on every shape)
+# FP8 projections (`gemv_probe.py --configs fp8-wide`,
+# bench/results/2026-12-01-h200-steady-glm5-lane-sums), once `lane_sums` had about halved the
+# registers of the 8-16K-weight tiles (which lost everywhere at 128-155 registers a thread:
+# bench/results/2026-11-30-h200-gemv-probe-glm5-fp8); 16x1024w4 was second on two shapes. Each
+# config timed is one more compile at init. NOTE: tried on the H200 and not kept: loading the
+# next K step's tile before multiplying its own (commit 25f2b2e: slower on every shape), and a
+# tensor-core form (the row padded to 16 as a tl.dot operand, the weight tiles pipelined through
+# shared memory; 1.07-2.6x slower than the FMA configs of that time on every shape:
+# bench/results/2026-12-01-h200-gemv-probe-tensor-core)
 GEMV_FP8_CONFIGS = [
     _CONFIGS[c]
     for c in (

@@ -21,7 +21,8 @@ dense, its positions `0 .. seq_len - 1`. A key position becomes a cache slot thr
 request's page-table row in the kernel, so nothing runs on the host before a step: the grid
 and trip counts follow shapes only, and both kernels run inside captured CUDA graphs. This is
 what flashinfer's MLA needs a per-step `plan()` for (its schedule, computed on the host and
-copied to the GPU; 13-15 us of pinned copy a step on the H200, sessions 12-13), and a
+copied to the GPU; 13-15 us of pinned copy a step in the H200 profiles recorded in commits
+22ad861 and 07522b8), and a
 `fill_kv_indices` launch per layer.
 
 Probabilities are rounded to the cache's dtype before they multiply the values, as the

@@ -26,7 +26,7 @@ reference's bf16 matmuls take); float32 inputs, and the interpreter, multiply in
 Both kernels are autotuned on GPUs (`MOE_CONFIGS`: `BLOCK_N`, `BLOCK_K`, warps, stages), once
 per (hidden, intermediate, `BLOCK_M`, dtypes), with triton's results cache on, so the choice
 lands in the snapshot (`triton.kernels.autotuned`); under the interpreter they run untuned with
-`INTERPRETED_TILE` (64 columns by 128 inputs, session 7's fixed tile).
+`INTERPRETED_TILE` (64 columns by 128 inputs, the fixed tile before autotuning).
 NOTE: imports triton at import time, like triton_kernels.py.
 """
 
@@ -50,9 +50,10 @@ from snapfn.handler.llm.kernels.triton.kernels import (
 # launch. 16 rows waste the least on padding when experts get a few pairs each (decode); 64
 # read each expert's weights a quarter as often when they get many (prefill)
 DECODE_BLOCK_M, PREFILL_BLOCK_M = 16, 64
-# NOTE: session 6 ran 16 x 32 x 32 tiles multiplied in IEEE float32 on CUDA cores, with a scale
-# gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (session 7 run 3); session
-# 7 ran 16 x 64 x 128 on tensor cores, the interpreter's tiles now
+# NOTE: before commit 24cec6d the kernels ran 16 x 32 x 32 tiles multiplied in IEEE float32 on
+# CUDA cores, with a scale gathered per element: 7 ms of a GLM-5-shaped decode step of 8 ms (the
+# profile recorded in 24cec6d); its fixed 16 x 64 x 128 tiles on tensor cores are the
+# interpreter's now
 INTERPRETED_TILE = {"BLOCK_N": 64, "BLOCK_K": 128}
 # tiles within one 128x128 scale block (BLOCK_N, BLOCK_K divide 128), warps, pipeline depth; a
 # config that does not fit the GPU (shared memory) is timed as infinitely slow and never chosen
@@ -405,8 +406,8 @@ def _down_gemv_kernel(
 
 # NOTE: (columns, K step, warps), as the dense GEMV's (`triton.gemv.GEMV_CONFIGS`); BLOCK_N
 # divides 128, so a program's columns share one FP8 scale row. Not swept here on a GPU: the
-# engine's tuner picks among them (session 13 run 3's profile: the experts 95 -> 80 us a
-# GLM-5-shaped step, with `lane_sums` and the two wide tiles below added)
+# engine's tuner picks among them (the profile recorded in commit 07522b8: the experts 95 -> 80
+# us a GLM-5-shaped step, with `lane_sums` and the two wide tiles below added)
 MOE_GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
     for bn, bk, w in (
@@ -417,7 +418,7 @@ MOE_GEMV_CONFIGS = [
         (8, 512, 8),
         (16, 256, 8),
         (16, 512, 8),
-        # wide tiles, since `lane_sums` halved their registers (session 13)
+        # wide tiles, since `lane_sums` halved their registers (commit 07522b8)
         (8, 1024, 4),
         (16, 1024, 8),
     )

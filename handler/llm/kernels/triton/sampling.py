@@ -4,7 +4,7 @@
 
 The reference runs torch's argmax and a whole-vocabulary `log_softmax` (gathered at the argmax),
 then casts and concatenates: about eight kernels, some 60 us a decode step on the H200 for a
-128k vocabulary (session 6's profile), between one step's graph and the next. Here one program
+128k vocabulary (bench/results/2026-11-30-h200-steady-llama8b-backends), between one step's graph and the next. Here one program
 per (row, chunk of the vocabulary) finds its chunk's maximum, the first index holding it and the
 sum of `exp(logit - maximum)`; one program per row then combines the chunks: the token is the
 first index of the row's maximum (torch's argmax picks the first too) and its logprob is
