@@ -66,7 +66,7 @@ class Region:
 class CpuRegion(Region):
     def __init__(self, nbytes: int) -> None:
         self.device = torch.device("cpu")
-        self.nbytes = _round_up(max(nbytes, 1), mmap.PAGESIZE)
+        self.nbytes = round_up(max(nbytes, 1), mmap.PAGESIZE)
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.mapped = True
@@ -102,18 +102,8 @@ class CudaRegion(Region):
         if not in_allocator:
             torch.zeros(1, device=device)  # the primary context exists and is current
         index = device.index if device.index is not None else torch.cuda.current_device()
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-        granularity = _ok(cu.cuMemGetAllocationGranularity(prop, flag), "granularity")
-        self.nbytes = _round_up(max(nbytes, 1), max(int(granularity), ALIGN))
-        self._prop = prop
-        self._access = cu.CUmemAccessDesc()
-        self._access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._access.location.id = index
-        self._access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._prop, self._access, granularity = device_memory_props(cu, index)
+        self.nbytes = round_up(max(nbytes, 1), max(granularity, ALIGN))
         self.address = int(_ok(cu.cuMemAddressReserve(self.nbytes, ALIGN, 0, 0), "reserve"))
         self._handle: Any = None
         self.mapped = False
@@ -123,7 +113,7 @@ class CudaRegion(Region):
     @property
     def base(self) -> torch.Tensor:  # type: ignore[override]
         if self._base is None:
-            self._base = torch.as_tensor(_CudaArray(self.address, self.nbytes), device=self.device)
+            self._base = torch.as_tensor(CudaArray(self.address, self.nbytes), device=self.device)
         return self._base
 
     def remap(self) -> None:
@@ -233,7 +223,25 @@ class RegionPool:
             region.remap()
 
 
-class _CudaArray:
+def device_memory_props(cu: Any, index: int) -> tuple[Any, Any, int]:
+    """(allocation prop, read-write access, granularity) of pinned device memory on GPU `index`,
+    the kind every region and span maps."""
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    granularity = int(_ok(cu.cuMemGetAllocationGranularity(prop, flag), "granularity"))
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = index
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return prop, access, granularity
+
+
+class CudaArray:
+    """Device memory at an address, as torch.as_tensor takes it (`__cuda_array_interface__`)."""
+
     def __init__(self, address: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
@@ -259,7 +267,7 @@ class Arena:
         self.region, self.align, self.used = region, align, 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        offset = _round_up(self.used, self.align)
+        offset = round_up(self.used, self.align)
         tensor = self.region.view(offset, tuple(shape), dtype)
         self.used = offset + tensor.numel() * tensor.element_size()
         return tensor
@@ -269,9 +277,9 @@ def arena_bytes(sizes: list[int], align: int = ALIGN) -> int:
     """The region size an Arena needs to take tensors of these byte sizes, in order."""
     used = 0
     for size in sizes:
-        used = _round_up(used, align) + size
+        used = round_up(used, align) + size
     return used
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
