@@ -27,7 +27,11 @@ def test_spec_round_trips_and_refuses_what_a_restorer_must_not_do():
     s = RegionSpec.from_json(spec())
     assert RegionSpec.from_json(s.to_json()) == s
     assert "path" not in RegionSpec.from_json(spec(fill="zero", path="")).to_json()
+    ranged = RegionSpec.from_json(spec(offset=6 * MiB))  # one run of a function's memory image
+    assert ranged.offset == 6 * MiB and RegionSpec.from_json(ranged.to_json()) == ranged
+    assert "offset" not in s.to_json()
     for bad, message in [
+        (spec(offset=-1), "negative"),
         (spec(fill="ones"), "fill 'ones'"),
         (spec(nbytes=3 * MiB + 1), "2 MiB multiple"),
         (spec(nbytes=0), "2 MiB multiple"),
@@ -122,3 +126,16 @@ def test_helper_process_without_a_gpu_reports_why_and_exits(tmp_path):
     finally:
         helper.close()
     assert not os.path.exists(helper.address)
+
+
+def test_a_file_region_takes_its_own_range_of_the_file():
+    from snapfn.snapshot.errors import RestoreFailed
+    from snapfn.snapshot.keeper.region_fill import _range_bytes
+
+    whole = RegionSpec.from_json(spec())  # 4 MiB, the file from its start
+    assert _range_bytes(whole, 3 * MiB) == 3 * MiB
+    with pytest.raises(RestoreFailed, match="do not fit"):
+        _range_bytes(whole, 5 * MiB)
+    ranged = RegionSpec.from_json(spec(offset=6 * MiB))
+    assert _range_bytes(ranged, 16 * MiB) == 4 * MiB  # its region's size
+    assert _range_bytes(ranged, 8 * MiB) == 2 * MiB  # up to the file's end

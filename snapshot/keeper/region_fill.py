@@ -65,20 +65,24 @@ class _Fill:
     def __init__(self, prefetch: RegionPrefetch, made: _Made, ctx: Any) -> None:
         path = prefetch.snapshot_dir / made.spec.path
         self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-        if self.size > made.spec.nbytes:
+        file_bytes, lo = os.fstat(self.fd).st_size, made.spec.offset
+        try:
+            self.size = _range_bytes(made.spec, file_bytes)  # the bytes to copy
+        except RestoreFailed:
             os.close(self.fd)
-            raise RestoreFailed(f"{path}: {self.size} bytes do not fit region {made.spec.name!r}")
+            raise
         unit = REGISTER_UNIT_BYTES if prefetch.read == "register" else SLOT_BYTES
-        self._units = iter(range(0, self.size, unit))
+        self._units = iter(range(lo, lo + self.size, unit))
         self._lock = threading.Lock()
         self.errors: list[Exception] = []
         self.seconds, self._start = 0.0, time.perf_counter()
         source, reader = self.fd, _reader
         if prefetch.read == "register":
-            source, reader = FileMapping(self.fd, self.size), _registered_reader
+            source, reader = FileMapping(self.fd, file_bytes), _registered_reader
         self._mapping = source if prefetch.read == "register" else None
-        args = (prefetch._cu, ctx, source, self.size, made.va, self._next_unit, self.errors)
+        # NOTE: file byte `lo + k` lands at `made.va + k`: readers copy to `va + offset - lo`
+        end, va = lo + self.size, made.va - lo
+        args = (prefetch._cu, ctx, source, end, va, self._next_unit, self.errors)
         self.readers = [
             threading.Thread(target=reader, args=args, daemon=True)
             for _ in range(prefetch.num_threads)
@@ -222,28 +226,25 @@ class RegionPrefetch:
         from snapfn.snapshot.keeper import client as keeper
         from snapfn.snapshot.keeper import pinned_cache
 
-        path = self.snapshot_dir / made.spec.path
+        path, lo = self.snapshot_dir / made.spec.path, made.spec.offset
         if self.local is not None:
             found = self.local.mapped(path)
             if isinstance(found, pinned_cache.Miss):
                 self.figures["pinned_miss"] = found.reason
                 return None
             va, size = found
-            if size > made.spec.nbytes:
-                raise RestoreFailed(f"pinned {made.spec.path}: {size} bytes do not fit its region")
-            _ok(self._cu.cuMemcpyAsync(made.va, va, size, stream), "cuMemcpyAsync(pinned)")
-            return size
+            n = _range_bytes(made.spec, size)
+            _ok(self._cu.cuMemcpyAsync(made.va, va + lo, n, stream), "cuMemcpyAsync(pinned)")
+            return n
         lease = keeper.request(self.pinned, path)
         if isinstance(lease, pinned_cache.Miss):
             self.figures["pinned_miss"] = lease.reason
             return None
         cu = self._cu
         try:
-            if lease.size > made.spec.nbytes or lease.location != "host_numa":
-                raise RestoreFailed(
-                    f"pinned copy of {made.spec.path} ({lease.size} bytes, {lease.location})"
-                    f" does not fit region {made.spec.name!r}"
-                )
+            if lease.location != "host_numa":
+                raise RestoreFailed(f"pinned copy of {made.spec.path} is in {lease.location}")
+            n = _range_bytes(made.spec, lease.size)
             handle = _ok(cu.cuMemImportFromShareableHandle(lease.fd, fd_handle_type(cu)), "import")
         finally:
             os.close(lease.fd)
@@ -254,8 +255,8 @@ class RegionPrefetch:
             cu.cuMemRelease(handle)
             raise
         self._imports.append((va, lease.alloc_bytes, handle))
-        _ok(cu.cuMemcpyAsync(made.va, va, lease.size, stream), "cuMemcpyAsync(pinned)")
-        return lease.size
+        _ok(cu.cuMemcpyAsync(made.va, va + lo, n, stream), "cuMemcpyAsync(pinned)")
+        return n
 
     def _drop_imports(self) -> None:
         """Unmap and release the pinned copies mapped here (the keeper keeps them)."""
@@ -314,6 +315,8 @@ class RegionPrefetch:
 
 
 def _reader(cu, ctx, fd: int, size: int, va: int, next_unit, errors: list) -> None:
+    """Copy units [offset, min(offset + SLOT_BYTES, size)) of `fd` to `va + offset` (`va`:
+    where file byte 0 would land) until `next_unit` has none left."""
     slots: list[tuple[int, memoryview, Any]] = []
     stream = None
     try:
@@ -400,6 +403,14 @@ def main(argv: list[str]) -> int:
     if prefetch.error is not None:
         print(f"[snapfn prefetch] {prefetch.error}", file=sys.stderr, flush=True)
     return 0 if ok else 1
+
+
+def _range_bytes(spec: RegionSpec, file_bytes: int) -> int:
+    """The bytes a "file" region takes from a file of `file_bytes`: from its offset up to its
+    size or the file's end; RestoreFailed when a whole file (offset 0) is larger than it."""
+    if spec.offset == 0 and file_bytes > spec.nbytes:
+        raise RestoreFailed(f"{spec.path}: {file_bytes} bytes do not fit region {spec.name!r}")
+    return max(0, min(file_bytes, spec.offset + spec.nbytes) - spec.offset)
 
 
 # ---- driver helpers ------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ whose driver and context are already up: `KeeperPrefetch(address, doc)` takes th
 
 A spec (recorded by the worker at checkpoint, in the process manifest's "regions") is
 {"name", "address", "nbytes", "device", "fill"}: "fill" is "file" (the region is an image of the
-first bytes of snapshot file "path": the weights and the restore layout), "zero" (the KV pool)
-or "none" (graph intermediates, rewritten by every replay). Each region is a `cuMemCreate` with
+bytes of snapshot file "path" from "offset", 0 when absent, up to the region's size or the file's
+end: the LLM's weights in their restore layout, or one run of a function's memory image), "zero"
+(the KV pool) or "none" (graph intermediates, rewritten by every replay). Each region is a `cuMemCreate` with
 POSIX fd handles. When anything fails, the worker is told why ({"ok": false, "error"}) and
 makes and fills its regions itself, as without a prefetch.
 
@@ -60,6 +61,7 @@ class RegionSpec:
     device: int  # CUDA device ordinal
     fill: str  # "file", "zero" or "none"
     path: str = ""  # "file": the snapshot file, relative to the snapshot directory
+    offset: int = 0  # "file": where in it the region's bytes start
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> RegionSpec:
@@ -70,9 +72,12 @@ class RegionSpec:
             device=int(doc.get("device", 0)),
             fill=str(doc["fill"]),
             path=str(doc.get("path", "")),
+            offset=int(doc.get("offset", 0)),
         )
         if spec.fill not in FILLS:
             raise ValueError(f"region {spec.name!r}: fill {spec.fill!r} is not one of {FILLS}")
+        if spec.offset < 0:
+            raise ValueError(f"region {spec.name!r}: offset {spec.offset} is negative")
         if spec.nbytes <= 0 or spec.nbytes % (2 << 20):
             raise ValueError(f"region {spec.name!r}: {spec.nbytes} bytes is not a 2 MiB multiple")
         if spec.fill == "file" and (
@@ -84,7 +89,9 @@ class RegionSpec:
     def to_json(self) -> dict[str, Any]:
         doc = {"name": self.name, "address": self.address, "nbytes": self.nbytes}
         doc.update(device=self.device, fill=self.fill)
-        return {**doc, "path": self.path} if self.path else doc
+        if self.path:
+            doc["path"] = self.path
+        return {**doc, "offset": self.offset} if self.offset else doc
 
 
 # ---- the worker's side ---------------------------------------------------------------------------
