@@ -19,9 +19,9 @@ machine_tag() {
 }
 
 # results_dir WHAT COMMAND...: this run's results folder, $res, named <date>-<machine>-<what>,
-# holding `command` (COMMAND as given, after the SNAPFN_* variables set), `commit` (git rev-parse
-# HEAD where git is, else $SNAPFN_COMMIT: pass it to a copy of the tree that has no .git) and
-# `machine`. Under bench/results ($RESULTS to change it); where $OUT is set (the device tool, which
+# holding `command` (COMMAND as given, after the SNAPFN_* variables set), `commit`
+# ($SNAPFN_COMMIT where set, else git rev-parse HEAD; pass it to the device tool's copy of the
+# tree, whose .git is not this checkout's) and `machine`. Under bench/results ($RESULTS to change it); where $OUT is set (the device tool, which
 # brings back only a few files) under /tmp/results, packed into $OUT/<folder>.tgz however the
 # recipe ends: unpack it with `tar -xzf <folder>.tgz -C bench/results`.
 results_dir() {
@@ -55,11 +55,13 @@ quote_words() {
 
 record_commit() {
   local head dirty
-  if head=$(git rev-parse HEAD 2> /dev/null); then
+  if [ -n "${SNAPFN_COMMIT:-}" ]; then
+    echo "$SNAPFN_COMMIT (passed in as SNAPFN_COMMIT)"
+  elif head=$(git rev-parse HEAD 2> /dev/null); then
     dirty=$(git status --porcelain --untracked-files=no 2> /dev/null | wc -l)
     if [ "$dirty" -gt 0 ]; then echo "$head (with $dirty changed files)"; else echo "$head"; fi
   else
-    echo "${SNAPFN_COMMIT:-unknown: no .git here and SNAPFN_COMMIT not set}"
+    echo "unknown: no .git here and SNAPFN_COMMIT not set"
   fi
 }
 

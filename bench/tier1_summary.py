@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 mode = json.loads(Path(sys.argv[1]).read_text())["modes"]["restore_process"]
+if "startup" not in mode:  # the restore failed or was skipped: say why
+    print(sys.argv[1].rsplit("/", 1)[-1], mode.get("error") or mode.get("skipped"))
+    sys.exit(1)
 stages = {s["name"]: s for s in mode["startup"]["stages"]}
 timeline = {n: (round(s["start_s"], 3), round(s["seconds"], 3)) for n, s in stages.items()}
 restorer = stages.get("worker.adopt", {}).get("figures", {}).get("restorer", {})

@@ -43,7 +43,8 @@ def main() -> None:
         scheduler=SchedulerConfig(page_size=16, max_num_batched_tokens=2048),
     )
     engine = build_engine(args.model, opts).engine
-    prompts = [[(977 * i + 13 * b) % 1000 + 1 for i in range(200)] for b in range(args.batch)]
+    span = min(1000, engine.model.config.vocab_size - 1)  # ids 1..span: any vocabulary's own
+    prompts = [[(977 * i + 13 * b) % span + 1 for i in range(200)] for b in range(args.batch)]
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     many = SamplingParams(max_new_tokens=args.steps + 1, ignore_eos=True)
     engine.generate(prompts, many)  # warm: shapes, kernels compiled
