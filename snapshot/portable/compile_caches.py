@@ -29,12 +29,18 @@ def cache_dirs(cache_dir: Path) -> dict[str, Path]:
     return {name: Path(cache_dir) / "compile" / name for name in COMPILE_CACHES}
 
 
-def prepare(cache_dir: Path, device: str) -> dict:
-    """Set the environment, then import torch (and init CUDA) with both timed."""
+def set_environment(cache_dir: Path) -> None:
+    """Point every compile cache at its folder under `cache_dir` (made here); lazy CUDA module
+    loading unless the environment says otherwise. Imports nothing."""
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     for name, path in cache_dirs(cache_dir).items():
         path.mkdir(parents=True, exist_ok=True)
         os.environ[COMPILE_CACHES[name]] = str(path)
+
+
+def prepare(cache_dir: Path, device: str) -> dict:
+    """Set the environment, then import torch (and init CUDA) with both timed."""
+    set_environment(cache_dir)
     already = "torch" in sys.modules
     t0 = time.perf_counter()
     import torch
@@ -78,12 +84,23 @@ def save_caches(cache_dir: Path, dest: Path) -> dict[str, int]:
 
 
 def restore_caches(src: Path, cache_dir: Path) -> int:
-    """Copy a snapshot's caches into the local cache dir (before any kernel import)."""
+    """Copy a snapshot's caches into the local cache dir (before any kernel import): the files
+    it lacks, the number copied.
+
+    NOTE: a file already there is never written over: caches are keyed by content, and a
+    running process (a restored worker) may have it mapped, which a rewrite would corrupt.
+    """
     if not src.is_dir():
         return 0
     count = 0
     for name, path in cache_dirs(cache_dir).items():
-        if (src / name).is_dir():
-            shutil.copytree(src / name, path, dirs_exist_ok=True)
-            count += sum(1 for p in (src / name).rglob("*") if p.is_file())
+        for file in sorted(p for p in (src / name).rglob("*") if p.is_file()):
+            dest = path / file.relative_to(src / name)
+            if dest.exists():
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+            shutil.copy2(file, tmp)
+            os.replace(tmp, dest)  # NOTE: a reader never sees half a file
+            count += 1
     return count
