@@ -22,6 +22,17 @@ other modules run when the function's module registers them (`register_init(lib.
 while init hooks run (a connection opened in init registering its own `after_restore`) are moved
 into that `LoadedFunction`, so two loads of one module never share run-time registrations.
 
+Device memory (GPU functions): `device()` is the device snapfn runs the function for ("cpu",
+"cuda", from `--device` / SNAPFN_DEVICE); read it in an init hook. While the init hooks run on
+CUDA, every allocation they make on the current stream lands in a releasable pool that a
+process snapshot keeps out of its image and streams back, verified, after each restore (tensors,
+modules and captured graphs work unchanged). `unsaved(tensor)` marks memory the snapshot need
+not keep: it comes back as zeros (a cache or a workspace re-created by every use). Memory
+allocated while serving uses torch's normal allocator.
+
+Health: `health_event(event)` declares the event `/health/generate` calls the handler with (a
+real call that must succeed for the function to be healthy); without one it calls with `{}`.
+
 SnapStart compatibility: when `snapshot_restore_py` is installed, the hooks in its registry run
 too, read through its public `get_before_snapshot()` / `get_after_restore()` and never mutated.
 That registry is process-wide by its own design; a worker process serves one function, so, as on
@@ -52,7 +63,6 @@ from types import ModuleType
 from typing import Any
 
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
-from snapfn.snapshot.stages import StageRunner, StartupManifest
 
 __all__ = [
     "BadRequest",
@@ -60,13 +70,19 @@ __all__ = [
     "FunctionError",
     "after_restore",
     "before_snapshot",
+    "device",
+    "health_event",
     "init",
     "register_after_restore",
     "register_before_snapshot",
     "register_init",
+    "unsaved",
 ]
 
 HOOKS_ATTR = "__snapfn_hooks__"
+UNSAVED_ATTR = "__snapfn_unsaved__"  # [(address, nbytes)] of memory a snapshot need not keep
+HEALTH_ATTR = "__snapfn_health_event__"
+DEVICE_VARIABLE = "SNAPFN_DEVICE"
 PHASES = ("init", "before_snapshot", "after_restore")
 Handler = Callable[[dict[str, Any], "Context"], Any]
 
@@ -162,6 +178,35 @@ def register_after_restore(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return _record("after_restore", fn, args, kwargs)
 
 
+# ---- device memory and health -------------------------------------------------------------------
+def device() -> str:
+    """The device snapfn runs this function for: "cpu" or "cuda[:N]" (read it in a hook)."""
+    import os
+
+    return os.environ.get(DEVICE_VARIABLE, "cpu")
+
+
+def unsaved(tensor: Any) -> Any:
+    """Mark `tensor`'s memory as not worth keeping in a snapshot: after a restore it holds zeros.
+
+    For caches and workspaces that are rebuilt by every use; returns `tensor`. Call it from the
+    function's module (an init hook): the mark belongs to that module, like a hook.
+    """
+    storage = tensor.untyped_storage()
+    mark = (int(storage.data_ptr()), int(storage.nbytes()))
+    sys._getframe(1).f_globals.setdefault(UNSAVED_ATTR, []).append(mark)
+    return tensor
+
+
+def health_event(event: dict[str, Any]) -> dict[str, Any]:
+    """Declare the event `/health/generate` invokes the handler with; returns `event`."""
+    if not isinstance(event, dict):
+        raise TypeError(f"a health event must be a JSON object, got {type(event).__name__}")
+    json.dumps(event)  # a health event travels as JSON
+    sys._getframe(1).f_globals[HEALTH_ATTR] = dict(event)
+    return event
+
+
 def module_hooks(module: ModuleType) -> list[Hook]:
     """The hooks `module` registered, in registration order."""
     return list(vars(module).get(HOOKS_ATTR, ()))
@@ -200,6 +245,14 @@ class LoadedFunction:
 
     def phase(self, name: str) -> list[Hook]:
         return [h for h in self.hooks if h.phase == name]
+
+    @property
+    def health_event(self) -> dict[str, Any]:
+        return dict(vars(self.module).get(HEALTH_ATTR, {}))
+
+    def unsaved(self) -> list[tuple[int, int]]:
+        """The (address, nbytes) ranges the module marked with `unsaved`."""
+        return list(vars(self.module).get(UNSAVED_ATTR, ()))
 
     def run_init(self) -> list[str]:
         """Run init hooks in registration order; keep hooks they register. InitFailed on error."""
@@ -240,37 +293,6 @@ def load_function(spec: str) -> LoadedFunction:
     if not callable(handler):
         raise BadRequest(f"{spec!r} is a {type(handler).__name__}, not a callable handler")
     return LoadedFunction(spec, module, handler, module_hooks(module))
-
-
-def cold_start_manifest(spec: str) -> StartupManifest:
-    return StartupManifest(kind="init", tier="cold", info={"function": spec})
-
-
-def cold_start_function(
-    startup: StartupManifest,
-    spec: str,
-    function_dir: str | None,
-    log: Callable[[str], None] | None = None,
-) -> LoadedFunction:
-    """A function's cold init as timed stages of `startup` (`cold_start_manifest(spec)`, made
-    by the caller so that it holds the failed stage when this raises): import the function
-    (`function_dir` first on the import path) and run its init hooks.
-    """
-    runner = StageRunner(startup, log=log)
-
-    def import_function(figures: dict[str, Any]) -> LoadedFunction:
-        if function_dir is not None and str(function_dir) not in sys.path:
-            # NOTE: a worker process serves one function; its folder goes first on the import
-            # path, as Lambda's task root does.
-            sys.path.insert(0, str(function_dir))
-        loaded = load_function(spec)
-        figures.update(module=loaded.module.__name__, hooks_declared=len(loaded.hooks))
-        return loaded
-
-    loaded = runner.run("import_function", import_function)
-    runner.run("init_hooks", lambda figures: figures.update(hooks=loaded.run_init()))
-    runner.finish(ok=True)
-    return loaded
 
 
 def _run_hooks(hooks: list[Hook], error: type[SnapfnError]) -> list[str]:

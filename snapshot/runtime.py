@@ -23,8 +23,12 @@ from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
 
 
-def cold_init(fn: SnapshotFunction, log: Log | None = stderr_log) -> StartupManifest:
-    runner = StageRunner(StartupManifest(kind="init", tier="cold"), log=log)
+def cold_init(
+    fn: SnapshotFunction, log: Log | None = stderr_log, startup: StartupManifest | None = None
+) -> StartupManifest:
+    """Run `fn`'s init stages; `startup` (made by the caller) holds the failed stage if one
+    raises."""
+    runner = StageRunner(startup or StartupManifest(kind="init", tier="cold"), log=log)
     runner.manifest.info["versions"] = _versions()
     for name, stage in fn.init_stages():
         runner.run(name, stage)

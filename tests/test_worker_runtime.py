@@ -73,7 +73,7 @@ def function_runtime(example):
 def test_function_comes_up_after_import_and_init_hooks(function_runtime, example):
     rt = function_runtime
     assert rt.readiness.state is Readiness.UP and rt.function_name == EXAMPLE
-    assert [s.name for s in rt.startup.stages] == ["import_function", "init_hooks"]
+    assert [s.name for s in rt.startup.stages] == ["runtime_env", "import_function", "init_hooks"]
     assert rt.startup.kind == "init" and rt.startup.ok
     assert rt.startup.stage("init_hooks").figures["hooks"] == [
         "example_function:load_table",
@@ -120,12 +120,38 @@ def test_snapshot_hooks_run_in_their_orders_as_timed_stages(function_runtime, ex
     assert example.recorder.calls == ["after_1", "after_2", "registered_in_init"]
     assert names[0] == "example_function:reopen_first"
     stages = [s.name for s in function_runtime.startup.stages]
-    assert stages == ["import_function", "init_hooks", "before_snapshot", "after_restore"]
+    assert stages == [
+        "runtime_env",
+        "import_function",
+        "init_hooks",
+        "before_snapshot",
+        "after_restore",
+    ]
     assert function_runtime.startup.stage("after_restore").figures["hooks"] == names
 
 
-def test_health_generate_of_a_function_is_ok(function_runtime):
-    assert function_runtime.health_generate() == {"ok": True}
+def test_health_generate_of_a_function_calls_its_handler(function_runtime):
+    health = function_runtime.health_generate()  # no health event declared: called with {}
+    assert health["ok"] is True and health["result"]["function_name"] == EXAMPLE
+
+
+def test_health_generate_calls_the_declared_event_and_fails_with_the_handler(tmp_path):
+    (tmp_path / "healthy_fn.py").write_text(
+        "from snapfn.handler.api import health_event\n"
+        "health_event({'probe': 1})\n"
+        "def handler(event, context):\n"
+        "    if event.get('probe') != 1:\n"
+        "        raise RuntimeError('not the health event')\n"
+        "    return {'seen': event}\n"
+    )
+    rt = started(ServeTarget(kind="function", function="healthy_fn:handler", function_dir=tmp_path))
+    assert rt.health_generate() == {"ok": True, "result": {"seen": {"probe": 1}}}
+    (tmp_path / "sick_fn.py").write_text(
+        "def handler(event, context):\n    raise RuntimeError('the model is gone')\n"
+    )
+    sick = started(ServeTarget(kind="function", function="sick_fn:handler", function_dir=tmp_path))
+    with pytest.raises(FunctionError, match="the model is gone"):
+        sick.health_generate()
 
 
 def test_a_missing_module_fails_with_a_reason():

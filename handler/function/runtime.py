@@ -15,10 +15,13 @@ Bring-up by kind:
   missing → cold init, then write the snapshot there; no `snapshot_dir` → cold init only. The
   engine runs under an `LLMService` (`runtime.llm`, which the OpenAI endpoints use) and `invoke`
   calls an `LLMHandler` bound to it.
-- "function": `snapshot_dir` holds a process snapshot (`snapfn init --function`) → restore the
-  checkpointed worker and invoke it over its channel; otherwise, or if that fails, import
-  `module:function` and run its init hooks, each a timed stage. `prepare_snapshot()` /
-  `after_restore()` run an in-process function's hooks.
+- "function": `snapshot_dir` holds a snapshot (`snapfn init --function`): its process image
+  (tier 1, on the device it was made for: the checkpointed worker restored and invoked over its
+  channel), else or on any failure its portable tier (tier 0: its compile caches restored, the
+  module imported and its init hooks run again in this process, compiling nothing), else a cold
+  init; every fallback recorded with its reason. No snapshot: a cold init (`runtime_env →
+  import_function → init_hooks`, each a timed stage). `prepare_snapshot()` / `after_restore()`
+  run an in-process function's hooks.
 
 Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
 then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
@@ -31,14 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapfn.handler.api import (
-    Context,
-    Handler,
-    LoadedFunction,
-    call_handler,
-    cold_start_function,
-    cold_start_manifest,
-)
+from snapfn.handler.api import Context, Handler, LoadedFunction, call_handler
 from snapfn.handler.function.target import NotReady, ServeTarget
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
@@ -126,7 +122,11 @@ class WorkerRuntime:
 
     def _planned_startup(self) -> tuple[str, str]:
         if _holds_files(self.target.snapshot_dir):
-            return "restore", "portable" if self.target.kind == "llm" else "process"
+            from snapfn.snapshot.process.snapshot import has_process_image
+
+            return "restore", "process" if has_process_image(
+                self.target.snapshot_dir
+            ) else "portable"
         return "init", "cold"
 
     # ---- kind="llm" ----------------------------------------------------------------------------
@@ -169,23 +169,50 @@ class WorkerRuntime:
 
     # ---- kind="function" -----------------------------------------------------------------------
     def _start_function(self, log: Log) -> None:
+        from snapfn.snapshot.process.snapshot import has_process_image
+
+        snapshot = self.target.snapshot_dir
+        if not _holds_files(snapshot):
+            return self._cold_start_function(log)
         failed = None
-        if _holds_files(self.target.snapshot_dir):
+        if has_process_image(snapshot):
             try:
                 return self._restore_function(log)
             except RestoreFailed as exc:  # every step of a tier-1 restore raises one
                 failed = exc
-                log(f"{exc}; falling back to a cold init of {self.function_name}")
-        self._cold_start_function(log)
-        if failed is not None:
-            self.startup.tier = "cold (fallback)"
-            self.startup.add_failed_process_restore(failed, "cold")
+                log(f"{exc}; falling back to the portable snapshot of {self.function_name}")
+        self._restore_function_portable(log, failed)
+
+    def _user_function(self, device: str | None = None):
+        from snapfn.handler.function.user_function import UserFunction, function_cache_dir
+
+        t = self.target
+        device = device or t.init_config.device
+        cache_dir = function_cache_dir(t.function, t.init_config.cache_dir)
+        return UserFunction(t.function, t.function_dir, device, cache_dir)
+
+    def _recorded_section(self) -> dict[str, Any]:
+        """The snapshot's function section as recorded ({} when unreadable: validate says why)."""
+        from snapfn.handler.function.user_function import USER_FUNCTION
+        from snapfn.snapshot.portable.format import read_manifest
+
+        try:
+            section = read_manifest(Path(self.target.snapshot_dir))[USER_FUNCTION]
+        except (SnapfnError, KeyError, TypeError):
+            return {}
+        return section if isinstance(section, dict) else {}
+
+    def _recorded_device(self) -> str:
+        """The device the snapshot was made for (its function section), else the target's."""
+        device = self._recorded_section().get("device")
+        return device if isinstance(device, str) else self.target.init_config.device
 
     def _restore_function(self, log: Log) -> None:
         """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""
         import os
 
-        from snapfn.handler.function.host import USER_FUNCTION, RemoteHandler
+        from snapfn.handler.function.host import RemoteHandler
+        from snapfn.handler.function.user_function import USER_FUNCTION
         from snapfn.snapshot.process.client import ProcessClient
         from snapfn.snapshot.process.snapshot import restore_process_snapshot
         from snapfn.snapshot.process.worker_process import ProcessConfig
@@ -198,23 +225,46 @@ class WorkerRuntime:
                     f"not {self.target.function!r}"
                 )
 
+        from snapfn.handler.function.user_function import restore_image_caches
+
+        device, snapshot = self._recorded_device(), Path(self.target.snapshot_dir)
+        try:
+            copied = restore_image_caches(snapshot, self._recorded_section())
+        except OSError as exc:
+            copied = f"could not put the caches back: {exc}"  # criu then says what it misses
         worker, self.startup, _ = restore_process_snapshot(
-            Path(self.target.snapshot_dir),
+            snapshot,
             {},
-            device="cpu",
-            config=ProcessConfig.from_env(os.environ),
+            device=device,
+            config=ProcessConfig.from_env(os.environ).for_device(device),
             log=log,
             accept=same_function,
         )
+        self.startup.info["image_caches_restored"] = copied
         self._handler = self._remote = RemoteHandler(ProcessClient(worker, self._worker_exited))
 
-    def _cold_start_function(self, log: Log) -> None:
-        folder = self.target.function_dir
-        self.startup = cold_start_manifest(self.function_name)
-        loaded = cold_start_function(
-            self.startup, self.function_name, None if folder is None else str(folder), log
+    def _restore_function_portable(self, log: Log, failed: RestoreFailed | None) -> None:
+        """Tier 0 (a cold init if that fails too), recording why tier 1 did not serve."""
+        from snapfn.snapshot.runtime import restore
+
+        device = self._recorded_device()
+        fn, self.startup = restore(
+            lambda: self._user_function(device),
+            Path(self.target.snapshot_dir),
+            rewrite_on_fallback=False,
+            log=log,
         )
-        self._function, self._handler = loaded, loaded.handler
+        if failed is not None:
+            self.startup.add_failed_process_restore(failed, "portable", first=True)
+        self._function, self._handler = fn.loaded, fn.loaded.handler
+
+    def _cold_start_function(self, log: Log) -> None:
+        from snapfn.snapshot.runtime import cold_init
+
+        fn = self._user_function()
+        self.startup = StartupManifest(kind="init", tier="cold", info={"function": fn.spec})
+        cold_init(fn, log, self.startup)
+        self._function, self._handler = fn.loaded, fn.loaded.handler
 
     def prepare_snapshot(self) -> list[str]:
         """Run the before-snapshot hooks (timed stage `before_snapshot`); their names, in order."""
@@ -258,12 +308,18 @@ class WorkerRuntime:
             raise NotReady(f"{self.function_name} was closed")
         return call_handler(handler, event, context)
 
-    def health_generate(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """llm: one real 1-token generation through the service; function: {"ok": True}."""
+    def health_generate(self, timeout_s: float = 30.0) -> Any:
+        """A real call through the whole path: llm, one 1-token generation through the service;
+        function, the handler called on its declared health event (`api.health_event`, else
+        `{}`), in the restored worker for tier 1. Raises what the call raised."""
         self._check_up()
-        if self._llm_handler is None:
-            return {"ok": True}
-        return self._llm_handler.health_check(timeout_s)
+        if self._llm_handler is not None:
+            return self._llm_handler.health_check(timeout_s)
+        if self._remote is not None:
+            return {"ok": True, "result": self._remote.health(timeout_s)}
+        event = self._function.health_event if self._function is not None else {}
+        context = Context.new(self.function_name, timeout_s)
+        return {"ok": True, "result": call_handler(self._handler, event, context)}
 
     def _check_up(self, wait_s: float = 0.0) -> None:
         if not self._started or self._closed:

@@ -80,21 +80,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def preload_for_fork(target: Any) -> None:
+def preload_for_fork(target: Any, environ=os.environ) -> None:
     """Make the gunicorn master a zygote: import what a worker's init or restore needs, so
-    workers forked from it skip `import torch`. NOTE: nothing here may initialise CUDA."""
-    if target.kind != "llm":
-        return
+    workers forked from it skip those imports (`import torch` above all). The LLM's modules;
+    a function's own module (with its --function-dir, or the snapshot's copy, on the path),
+    unless its snapshot holds a process image (workers restore that: nothing to import here)
+    or SNAPFN_PRELOAD=off. NOTE: nothing here may initialise CUDA: a module that does at import
+    is refused, with how to fix it."""
     import importlib
 
-    from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
     from snapfn.snapshot.zygote.fork_safety import fork_safety_problem
 
-    for module in ZYGOTE_PRELOAD:
+    if target.kind == "llm":
+        from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
+
+        modules, what = ZYGOTE_PRELOAD, "the LLM's modules"
+    else:
+        modules = _function_preload(target, environ)
+        what = f"importing {', '.join(modules)}"
+        if not modules:
+            return
+    for module in modules:
         importlib.import_module(module)
     problem = fork_safety_problem()
     if problem is not None:
-        raise RuntimeError(f"cannot fork workers safely: {problem}")
+        raise RuntimeError(
+            f"cannot fork workers safely after {what}: {problem}"
+            + (" (or set SNAPFN_PRELOAD=off)" if target.kind == "function" else "")
+        )
+
+
+def _function_preload(target: Any, environ) -> list[str]:
+    """The function's module to import in the master (its folder put on the path), or []."""
+    from snapfn.handler.api import DEVICE_VARIABLE, parse_function_spec
+    from snapfn.handler.function.user_function import (
+        SOURCE_DIR,
+        function_cache_dir,
+        put_on_import_path,
+    )
+    from snapfn.snapshot.portable import compile_caches
+    from snapfn.snapshot.process.snapshot import has_process_image
+
+    snapshot = target.snapshot_dir
+    if environ.get("SNAPFN_PRELOAD", "on") == "off" or (snapshot and has_process_image(snapshot)):
+        return []
+    folder = target.function_dir
+    if folder is None and snapshot is not None and (Path(snapshot) / SOURCE_DIR).is_dir():
+        folder = Path(snapshot) / SOURCE_DIR
+    put_on_import_path(folder)
+    # NOTE: what the worker's runtime_env stage sets, set first: the module may read it
+    os.environ.setdefault(DEVICE_VARIABLE, target.init_config.device)
+    compile_caches.set_environment(
+        function_cache_dir(target.function, target.init_config.cache_dir)
+    )
+    return [parse_function_spec(target.function)[0]]
 
 
 def run(args: argparse.Namespace) -> int:

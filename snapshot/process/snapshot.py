@@ -76,7 +76,10 @@ def init_process_snapshot(
         runner = StageRunner(startup, log=log, offset_s=startup.total_s)
         meta = _checkpoint_or_fall_back(worker, writer.root / IMAGES, config, runner, log)
         if meta:
-            _register_images(writer, writer.root / IMAGES)
+            from_worker = meta.pop("registered", [])  # e.g. a function's device memory image
+            _register_images(writer, writer.root / IMAGES, skip={r[0] for r in from_worker})
+            for relpath, chunk_bytes, chunks, sha in from_worker:
+                writer.register_chunked(relpath, chunk_bytes, chunks, sha)
         name = init["function"]
         manifest: dict[str, Any] = {
             "tier": "process" if meta else "portable",
@@ -120,7 +123,7 @@ def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, A
     return meta
 
 
-def _register_images(writer: SnapshotWriter, images: Path) -> None:
+def _register_images(writer: SnapshotWriter, images: Path, skip: set[str]) -> None:
     """Record chunk digests for the process image files now, so that a restore checks their
     sizes only (hashing ~0.1 GB of small images cost 0.2 s of an 8B restore); `pull` and
     `validate_snapshot(verify="full")` check every chunk. criu parses each image it restores,
@@ -130,6 +133,8 @@ def _register_images(writer: SnapshotWriter, images: Path) -> None:
     root = writer.root
     for path in sorted(p for p in images.rglob("*") if p.is_file() and p.stat().st_size):
         rel, size = str(path.relative_to(root)), path.stat().st_size
+        if rel in skip:  # the worker digested it as it wrote it
+            continue
         ranges = [
             DigestRange(
                 rel, False, i, i * CHUNK_BYTES, min(CHUNK_BYTES, size - i * CHUNK_BYTES), ""

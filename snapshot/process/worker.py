@@ -18,9 +18,10 @@ Any failure is reported as {"event": "failed", "step": str, "error": str} before
 
 A host is what HOST_TARGET ("pkg.module:factory") returns for ARGS_JSON, with methods
 `init() -> dict`, `before_snapshot() -> list[str]`, `after_restore(resume) -> {"t0": wall clock, "stages": [StageRecord JSON]}`, `handle(message, send)`, `close()` and attribute `uses_cuda`;
-optionally `checkpoint_figures` (dict) and `region_specs` (what a restorer may make and fill
+optionally `checkpoint_figures` (dict), `region_specs` (what a restorer may make and fill
 for it beside criu: snapshot/keeper/region_prefetch.py; the resume message then names the socket as
-"regions").
+"regions") and `checkpoint_registered` (snapshot files it wrote at checkpoint, with their chunk
+digests: [[relpath, chunk_bytes, chunk_sha256, file_sha256]], registered as `init()`'s are).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
                 "fds": fds,
                 "figures": getattr(host, "checkpoint_figures", {}),
                 "regions": getattr(host, "region_specs", []),
+                "registered": getattr(host, "checkpoint_registered", []),
             }
         )
         message = channel.recv()  # the dump happens while waiting here; a restore resumes here

@@ -226,6 +226,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
         "regions": ready.get("regions", []),
+        "registered": ready.get("registered", []),
         "image_bytes": image_bytes,
         "memory": moved.to_json() if moved is not None else None,
         "private_memory": memory,

@@ -62,7 +62,9 @@ def add_init_arguments(p: argparse.ArgumentParser) -> None:
         "--function",
         default=None,
         help="snapshot a user function (module:function) instead of the LLM: its init hooks run"
-        " in a checkpointable worker, which is dumped with criu (tier 1; CPU)",
+        " in a checkpointable worker on --device, which is dumped with criu (+ the CUDA"
+        " checkpoint, its device memory kept out of the image): tier 1, or tier 0 (its compile"
+        " caches) with the reason where no process image can be written",
     )
     p.add_argument("--function-dir", type=Path, default=None, help="folder searched first")
     add_init_config_arguments(p)
@@ -80,10 +82,15 @@ def run_init(args: argparse.Namespace) -> int:
         from snapfn.snapshot.stages import stderr_log
 
         startup = init_function_snapshot(
-            args.function, args.snapshot, args.function_dir, stderr_log
+            args.function,
+            args.snapshot,
+            args.function_dir,
+            stderr_log,
+            device=config.device,
+            cache_root=args.cache_dir,
         )
-        if startup.tier != "process":
-            raise BadRequest(f"no process snapshot of {args.function}: {startup.fallbacks}")
+        for fallback in startup.fallbacks:
+            print(f"snapfn init: no process image: {fallback['reason']}", file=sys.stderr)
     elif config.tier == "process":
         startup = _init_process(config, model_dir, args.snapshot)
     elif config.tier == "portable":
