@@ -335,3 +335,49 @@ def test_a_result_that_is_not_json_is_a_marshal_error():
         call_handler(lambda e, c: {"when": object()}, {}, Context.new("fn", 1.0))
     assert info.value.error["errorType"] == "Runtime.MarshalError"
     assert "not JSON serializable" in info.value.error["errorMessage"]
+
+
+# ---- device memory marks and the health event ----------------------------------------------------
+MARKED = """
+import torch
+from snapfn.handler.api import health_event, init, unsaved
+
+health_event({"probe": True})
+state = {}
+
+@init
+def load():
+    state["weights"] = torch.ones(1024)
+    state["scratch"] = unsaved(torch.zeros(4096))
+
+def handler(event, context):
+    return {}
+"""
+
+
+def test_unsaved_memory_and_the_health_event_belong_to_the_module(write_module):
+    fn = load_function(f"{write_module(MARKED)}:handler")
+    assert fn.health_event == {"probe": True} and fn.unsaved() == []
+    fn.run_init()
+    scratch = fn.module.state["scratch"]
+    assert fn.unsaved() == [(scratch.untyped_storage().data_ptr(), 4096 * 4)]
+    other = load_function(f"{write_module(PLAIN)}:handler")
+    assert other.health_event == {} and other.unsaved() == []
+
+
+def test_a_health_event_must_be_a_json_object():
+    from snapfn.handler.api import health_event
+
+    with pytest.raises(TypeError, match="JSON object"):
+        health_event(["not", "an", "object"])
+    with pytest.raises(TypeError):
+        health_event({"when": object()})
+
+
+def test_device_is_what_snapfn_runs_the_function_for(monkeypatch):
+    from snapfn.handler.api import device
+
+    monkeypatch.delenv("SNAPFN_DEVICE", raising=False)
+    assert device() == "cpu"
+    monkeypatch.setenv("SNAPFN_DEVICE", "cuda:1")
+    assert device() == "cuda:1"

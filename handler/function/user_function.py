@@ -36,6 +36,22 @@ _NOT_COPIED = shutil.ignore_patterns(
 )
 
 
+def _not_copied(root: Path):
+    """copytree's ignore for the --function-dir files: caches and environments, the snapshot
+    being written (it may lie inside the folder) and any other snapshot there."""
+    target = root.resolve()
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        skipped = set(_NOT_COPIED(folder, names))
+        for name in names:
+            path = Path(folder, name)
+            if path.resolve() == target or (path / "manifest.json").is_file():
+                skipped.add(name)
+        return skipped
+
+    return ignore
+
+
 def function_cache_dir(spec: str, cache_root: Path | None = None) -> Path:
     """Where `spec`'s compile caches live: `<cache root>/functions/<key of spec>`, the cache root
     being SNAPFN_CACHE_DIR, else ~/.cache/snapfn. NOTE: one stable path per function, not a
@@ -118,7 +134,7 @@ class UserFunction:
         caches = compile_caches.save_caches(self.cache_dir, root / "caches")
         source_files = 0
         if self.function_dir is not None and self.function_dir.is_dir():
-            shutil.copytree(self.function_dir, root / SOURCE_DIR, ignore=_NOT_COPIED)
+            shutil.copytree(self.function_dir, root / SOURCE_DIR, ignore=_not_copied(root))
             source_files = sum(1 for p in (root / SOURCE_DIR).rglob("*") if p.is_file())
         return {
             "spec": self.spec,
