@@ -1,6 +1,8 @@
-"""The CUDA driver, without torch: what the process tier needs below the framework.
+"""Device memory below the framework: the CUDA driver, its checkpoint API, and memory that is
+given back before a checkpoint and mapped again at the same addresses after a restore.
 
 driver.py      the driver API through `cuda.bindings`
 checkpoint.py  the driver's checkpoint API, called on another process's pid
 regions.py     releasable regions: pages given back while their addresses stay valid
+span.py        one reserved range mapped piece by piece, given back together; SpanPool
 """

@@ -9,4 +9,5 @@ written once and streamed back into preallocated memory, every chunk verified.
     cuda_copies.py   the CUDA path's copies, queued with no host sync per chunk
     checksum.py      sum64, the position-weighted chunk checksum (CPU and CUDA alike)
     preads.py        positional reads that fill byte views exactly
+image.py         a span's live memory as a layout: each run one range of the file
 """
