@@ -1,4 +1,5 @@
-"""`snapfn bench`: cold-start modes side by side in one run, each in a fresh process.
+"""`snapfn bench`: cold-start modes side by side in one run, each in a fresh process
+(`--function mod:handler`: a user function's, handler/function/bench.py).
 
     (a) hf           transformers from_pretrained + generate (what users do today)
     (b) safetensors  safetensors.load_file into our engine, eager, no snapshot
@@ -76,6 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt length of the steady mode's prefill figure",
     )
     p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
+    fn = p.add_argument_group(
+        "a user function instead of the LLM (modes: cold, restore_portable, restore_process)"
+    )
+    fn.add_argument("--function", default=None, help="module:handler to bench")
+    fn.add_argument("--function-dir", type=Path, default=None, help="folder searched first")
+    fn.add_argument(
+        "--event",
+        default=None,
+        help="the event every mode answers (JSON; default: its health event)",
+    )
 
 
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
@@ -151,6 +162,10 @@ def _memcpy_gbps(nbytes: int = 1 << 28) -> float:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
+    if args.function is not None:
+        from snapfn.handler.function.bench import run as run_function_bench
+
+        return run_function_bench(args)
     from snapfn.handler.llm.embedded import embedded_model_dir
     from snapfn.snapshot.portable.pagecache import drop, prewarm
 

@@ -1,0 +1,257 @@
+"""`snapfn bench --function mod:handler`: a user function's cold start against its restores,
+side by side in one run, each in a fresh process, to the first answer.
+
+    init              `snapfn init --function` once: the snapshot the restores read (tier 1 and
+                      the tier-0 files in it), timed apart
+    cold              python + imports + the function's cold init + the first answer
+    restore_portable  tier 0: the compile caches put back, the init hooks run again
+    restore_process   tier 1: the checkpointed worker restored, its device memory streamed
+                      back (or filled beside criu by a keeper or a helper)
+
+Beside them: the device memory the snapshot keeps out of its image (the pool's bytes), the
+image's own bytes, and the floor of moving the pool's bytes host → device at the pinned rate
+measured in this run. Every mode answers the same event (`--event`, else the function's health
+event), and the report says whether they all answered the same bits.
+
+    python -m snapfn.handler.function.bench MODE --function F --snapshot DIR --device D
+        --event JSON --t0 WALLCLOCK [--function-dir DIR]      (one mode, run by the above)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FUNCTION_MODES = ("cold", "restore_portable", "restore_process")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The bench of `args.function` (the `snapfn bench` flags): the table, JSON and exit 0 when
+    every mode answered."""
+    import tempfile
+
+    from snapfn.handler.function.host import init_function_snapshot
+    from snapfn.handler.function.user_function import check_device
+    from snapfn.snapshot.portable.format import read_manifest
+    from snapfn.snapshot.stages import stderr_log
+
+    check_device(args.device)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="snapfn-bench-function-"))
+    snapshot = workdir / "snapshot"
+    start = time.perf_counter()
+    print(f"[snapfn bench] init: snapshot of {args.function} …", file=sys.stderr, flush=True)
+    init_function_snapshot(
+        args.function,
+        snapshot,
+        args.function_dir,
+        stderr_log,
+        device=args.device,
+        cache_root=workdir / "cache",  # NOTE: the process image maps what compiled there
+    )
+    init_s = time.perf_counter() - start
+    manifest = read_manifest(snapshot)
+    event = json.loads(args.event) if args.event else manifest["user_function"]["health_event"]
+    results = {}
+    for mode in FUNCTION_MODES:
+        if mode == "restore_process" and manifest["tier"] != "process":
+            results[mode] = {"mode": mode, "skipped": "the snapshot holds no process image"}
+            continue
+        print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
+        # NOTE: a cold start and a tier-0 restore start from empty compile caches, as on a
+        # new machine; tier 1 reads the caches its image maps where init left them
+        cache_root = workdir / f"cache-{mode}" if mode != "restore_process" else workdir / "cache"
+        results[mode] = run_mode(mode, args, snapshot, event, cache_root)
+    report = {
+        "function": args.function,
+        "device": args.device,
+        "machine": _machine(args.device),
+        "event": event,
+        "init_s": round(init_s, 3),
+        "snapshot": snapshot_figures(manifest, args.device),
+        "modes": results,
+    }
+    report["ratios"] = ratios(report)
+    print(format_report(report))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, snapshot: Path, event: Any, cache_root: Path
+) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "snapfn.handler.function.bench", mode]
+    argv += ["--function", args.function, "--snapshot", str(snapshot), "--device", args.device]
+    argv += ["--event", json.dumps(event), "--cache-root", str(cache_root)]
+    argv += ["--t0", repr(time.time())]
+    if args.function_dir is not None:
+        argv += ["--function-dir", str(args.function_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "mode": mode}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def snapshot_figures(manifest: dict[str, Any], device: str) -> dict[str, Any]:
+    """What the process image holds and leaves out, and the floor of streaming the rest."""
+    process = manifest.get("process") or {}
+    worker = process.get("worker", {})
+    figures = {
+        "tier": manifest["tier"],
+        "image_bytes": process.get("image_bytes"),
+        "pool_bytes": worker.get("pool_bytes", 0),
+        "device_in_use_bytes": worker.get("device_in_use_bytes"),
+        "image_device_bytes": worker.get("image_device_bytes"),
+    }
+    if device.startswith("cuda") and figures["pool_bytes"]:
+        from snapfn.snapshot.portable.bandwidth import measure_h2d_gbps
+
+        gbps = measure_h2d_gbps(device)
+        figures.update(h2d_gbps=round(gbps, 2))
+        figures["pool_floor_s"] = round(figures["pool_bytes"] / gbps / 1e9, 4)
+    return figures
+
+
+def ratios(report: dict[str, Any]) -> dict[str, Any]:
+    modes, out = report["modes"], {}
+    cold = modes.get("cold", {}).get("first_answer_s")
+    for mode in ("restore_portable", "restore_process"):
+        got = modes.get(mode, {}).get("first_answer_s")
+        if cold and got:
+            out[f"{mode}_speedup_vs_cold"] = round(cold / got, 2)
+    floor = report["snapshot"].get("pool_floor_s")
+    tier1 = modes.get("restore_process", {}).get("first_answer_s")
+    if floor and tier1:
+        out["restore_process_vs_pool_floor"] = round(tier1 / floor, 2)
+    answers = [json.dumps(r["answer"], sort_keys=True) for r in modes.values() if "answer" in r]
+    if len(answers) > 1:
+        out["answers_equal"] = len(set(answers)) == 1
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s = report["snapshot"]
+    lines = [
+        f"snapfn bench: {report['function']} on {report['device']} ({report['machine']})",
+        f"init (snapshot written, {s['tier']}): {report['init_s']:.3f} s",
+        f"{'mode':<18} {'ready s':>9} {'first answer s':>15}  notes",
+    ]
+    for mode, r in report["modes"].items():
+        note = r.get("error") or r.get("skipped") or _notes(r)
+        ready = f"{r['ready_s']:9.3f}" if "ready_s" in r else f"{'-':>9}"
+        first = f"{r['first_answer_s']:15.3f}" if "first_answer_s" in r else f"{'-':>15}"
+        lines.append(f"{mode:<18} {ready} {first}  {note}")
+    if s.get("image_bytes") is not None:
+        lines.append(
+            f"process image {s['image_bytes'] / 1e9:.3f} GB; device memory kept out of it "
+            f"{s['pool_bytes'] / 1e9:.3f} GB"
+            + (
+                f" (h2d {s['h2d_gbps']} GB/s -> floor {s['pool_floor_s']} s)"
+                if "h2d_gbps" in s
+                else ""
+            )
+        )
+    lines += [f"{k}: {v}" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+def _notes(r: dict[str, Any]) -> str:
+    startup = r.get("startup", {})
+    stages = {s["name"]: s for s in startup.get("stages", [])}
+    parts = [f"tier {startup.get('tier')}"]
+    for name in ("criu_restore", "cuda_restore", "worker.device_memory", "init_hooks"):
+        if name in stages:
+            parts.append(f"{name.removeprefix('worker.')} {stages[name]['seconds']:.3f}")
+    if "init_hooks" in stages and "compiled_files" in stages["init_hooks"]["figures"]:
+        parts.append(f"compiled {stages['init_hooks']['figures']['compiled_files']} files")
+    if startup.get("fallbacks"):
+        parts.append(f"FELL BACK: {startup['fallbacks'][0]['reason']}")
+    return ", ".join(parts)
+
+
+def _machine(device: str) -> str:
+    import platform
+
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.machine()} CPU x{os.cpu_count()}"
+
+
+# ---- one mode, in a fresh process ---------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="snapfn.handler.function.bench")
+    p.add_argument("mode", choices=FUNCTION_MODES)
+    p.add_argument("--function", required=True)
+    p.add_argument("--snapshot", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--event", required=True)
+    p.add_argument("--t0", type=float, required=True)
+    p.add_argument("--function-dir", type=Path, default=None)
+    p.add_argument("--cache-root", type=Path, required=True)
+    a = p.parse_args(argv)
+    answer, startup, ready_at = _start_and_answer(a, json.loads(a.event))
+    done_at = time.time()
+    result = {
+        "ready_s": round(ready_at - a.t0, 4),
+        "first_answer_s": round(done_at - a.t0, 4),
+        "answer": answer,
+        "startup": startup.to_json(),
+    }
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+    # NOTE: no interpreter teardown: a restored worker's channel is closed by exiting
+    os._exit(0)
+
+
+def _start_and_answer(a: argparse.Namespace, event: Any):
+    from snapfn.handler.api import Context, call_handler
+    from snapfn.handler.function.runtime import WorkerRuntime
+    from snapfn.handler.function.target import ServeTarget
+    from snapfn.handler.function.user_function import UserFunction, function_cache_dir
+    from snapfn.handler.llm.init_config import InitConfig
+
+    if a.mode == "restore_portable":
+        from snapfn.snapshot.runtime import restore
+
+        cache_dir = function_cache_dir(a.function, a.cache_root)
+        fn, startup = restore(
+            lambda: UserFunction(a.function, a.function_dir, a.device, cache_dir),
+            a.snapshot,
+            rewrite_on_fallback=False,
+            log=None,
+        )
+        ready_at = time.time()
+        return (
+            call_handler(fn.loaded.handler, event, Context.new(a.function, 900)),
+            startup,
+            ready_at,
+        )
+    snapshot = a.snapshot if a.mode == "restore_process" else None
+    config = InitConfig.from_env(os.environ, device=a.device, cache_dir=a.cache_root)
+    target = ServeTarget(
+        kind="function",
+        function=a.function,
+        function_dir=a.function_dir,
+        snapshot_dir=snapshot,
+        init_config=config,
+    )
+    runtime = WorkerRuntime(target)
+    runtime.start(background=False)
+    if not runtime.startup.ok:
+        raise SystemExit(f"{a.mode}: {runtime.readiness.reason}")
+    ready_at = time.time()
+    return runtime.invoke(event), runtime.startup, ready_at
+
+
+if __name__ == "__main__":
+    sys.exit(main())
