@@ -51,6 +51,8 @@ def refresh() -> dict[str, Any]:
     if torch is not None:
         torch.manual_seed(seed % 2**63)  # seeds the CPU and every initialised CUDA generator
         reseeded.append("torch")
+        if torch.cuda.is_initialized():
+            reseeded.append("torch.cuda")
     for fn in _callbacks:
         fn()
     return {
