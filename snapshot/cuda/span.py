@@ -12,6 +12,8 @@ function's releasable pool (`SpanPool`, a torch MemPool over a span).
                                                  covers consecutive pieces, one mapping each)
     span.adopt_runs(fds)                         or the memory a restorer made, one fd per run
     span.view(address, nbytes)                   a uint8 tensor over mapped bytes
+    pool = SpanPool(device)                      a torch MemPool over a CUDA span: what
+    with pool.routing(): ...                     the current stream allocates inside lands in it
 
 CUDA (`cuMemAddressReserve` once; `cuMemCreate` + `cuMemMap` per piece or run): the reservation
 survives the CUDA driver checkpoint, so the addresses stay valid across a restore, and tensors,
@@ -334,6 +336,8 @@ class SpanPool:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"a SpanPool lives on a CUDA device, not {device}")
+        if not hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
+            raise RuntimeError(f"torch {torch.__version__} cannot route one stream's allocations")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         torch.zeros(1, device=self.device)  # the primary context exists and is current
