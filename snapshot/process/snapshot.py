@@ -222,7 +222,10 @@ def restore_process_snapshot(
             gate,
         )
     except Exception as exc:
-        cause, failed = exc, runner.manifest.stages[-1].name if runner.manifest.stages else "start"
+        # NOTE: the stage that failed, not the last one recorded: validate, on a side thread,
+        # may finish after criu failed
+        failed_stages = [s.name for s in runner.manifest.stages if not s.ok]
+        cause, failed = exc, failed_stages[-1] if failed_stages else "start"
         if validated.done() and validated.exception() is not None:
             cause, failed = validated.exception(), "validate"  # the root cause of what followed
         runner.finish(ok=False)
