@@ -15,7 +15,7 @@ from snapfn.snapshot.portable.signature import (
     SnapshotKey,
     check_signature,
     read_signature,
-    write_signature,
+    signature_bytes,
 )
 
 MANIFEST = b'{"format_version": 1, "files": {"weights/rank0.bin": {"size": 1}}}\n'
@@ -40,7 +40,7 @@ def test_a_signed_manifest_checks_and_any_change_is_refused(scheme, tmp_path):
     )
     verifier = SnapshotKey.from_bytes(public_pem) if scheme == "ed25519" else signer
     assert signer.scheme == verifier.scheme == scheme and signer.key_id == verifier.key_id
-    write_signature(tmp_path, signer, MANIFEST)
+    (tmp_path / SIGNATURE).write_bytes(signature_bytes(signer, MANIFEST))
     check_signature(tmp_path, verifier, MANIFEST)
     edited = MANIFEST.replace(b'"size": 1', b'"size": 2')
     with pytest.raises(BadSnapshot, match="not what the key signed"):
@@ -51,7 +51,7 @@ def test_another_key_and_no_signature_are_refused_by_name(tmp_path):
     a, b = SnapshotKey.from_bytes(pems()[0]), SnapshotKey.from_bytes(pems()[0])
     with pytest.raises(BadSnapshot, match="it is not signed, and a snapshot key is configured"):
         check_signature(tmp_path, a, MANIFEST)
-    write_signature(tmp_path, a, MANIFEST)
+    (tmp_path / SIGNATURE).write_bytes(signature_bytes(a, MANIFEST))
     with pytest.raises(BadSnapshot, match=f"not by the configured ed25519 key '{b.key_id}'"):
         check_signature(tmp_path, b, MANIFEST)
     check_signature(tmp_path, None, MANIFEST)  # no key configured: nothing is required

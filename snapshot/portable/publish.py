@@ -39,6 +39,7 @@ from snapfn.snapshot.portable.format import (
     list_files,
     relpath_problem,
 )
+from snapfn.snapshot.portable.signature import SIGNATURE, signature_bytes
 from snapfn.snapshot.portable.staging import (
     make_locked_temp_dir,
     remove_stale_temp_dirs,
@@ -50,6 +51,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "SnapshotWriter", "install_snapshot"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _RESERVED_KEYS = ("format_version", "created_at", "files")
+_FROM_ENVIRONMENT = object()  # SnapshotWriter's default key: SNAPFN_SNAPSHOT_KEY's, at publish
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -72,9 +74,13 @@ class SnapshotWriter:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_threads: int | None = None,
+        signing_key: Any = _FROM_ENVIRONMENT,
     ) -> None:
+        """`signing_key`: a SnapshotKey, None (no signature), or by default the configured one
+        (portable/signature.py), which signs the manifest when it can."""
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
+        self.signing_key = signing_key
         self.dest = Path(dest).absolute()
         self.chunk_bytes = chunk_bytes
         self.num_threads = num_threads
@@ -137,7 +143,11 @@ class SnapshotWriter:
         on_disk = list_files(root)
         header["files"] = self._describe_files(root, on_disk)
         run_parallel(lambda p: _fsync_path(root / p), sorted(on_disk), self.num_threads)
-        write_durably(root / MANIFEST, (json.dumps(header, indent=1) + "\n").encode())
+        raw = (json.dumps(header, indent=1) + "\n").encode()
+        write_durably(root / MANIFEST, raw)
+        key = self._signing_key()
+        if key is not None and key.can_sign:  # NOTE: inside the staging dir: never unsigned
+            write_durably(root / SIGNATURE, signature_bytes(key, raw))  # once published
         _fsync_tree_dirs(root)
         replaced = _install(root, self.dest)
         self._published = True
@@ -146,10 +156,20 @@ class SnapshotWriter:
             remove_tree(replaced)
         return self.dest
 
+    def _signing_key(self):
+        """The key to sign with: the writer's own, else the configured one (SNAPFN_SNAPSHOT_KEY,
+        read now), else None."""
+        from snapfn.snapshot.portable.signature import SnapshotKey
+
+        if self.signing_key is _FROM_ENVIRONMENT:
+            return SnapshotKey.from_env(os.environ)
+        return self.signing_key
+
     def _describe_files(self, root: Path, on_disk: dict[str, int]) -> dict[str, dict[str, Any]]:
         """The manifest's `files`: registered digests checked, every other file hashed here."""
-        if MANIFEST in on_disk:
-            raise ValueError(f"do not write {MANIFEST} yourself: publish() writes it")
+        for reserved in (MANIFEST, SIGNATURE):
+            if reserved in on_disk:
+                raise ValueError(f"do not write {reserved} yourself: publish() writes it")
         unwritten = sorted(set(self._registered) - set(on_disk))
         if unwritten:
             raise bad_snapshot(

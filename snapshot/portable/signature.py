@@ -2,7 +2,8 @@
 and by every restore while a key is configured.
 
     key = SnapshotKey.from_env(os.environ)        None: nothing signed, nothing required
-    write_signature(snapshot_dir, key)            manifest.sig beside manifest.json
+    signature_bytes(key, manifest_bytes)          manifest.sig's content (publish writes it
+                                                  beside manifest.json, inside the staging dir)
     check_signature(snapshot_dir, key)            BadSnapshot, one line: unsigned, another key,
                                                   or a manifest that is not what was signed
 
@@ -147,11 +148,9 @@ class SnapshotKey:
 _MISMATCH = "its manifest is not what the key signed (edited, or signed by another key)"
 
 
-def write_signature(snapshot_dir: Path, key: SnapshotKey, manifest_bytes: bytes) -> None:
-    """Write `manifest_bytes`' signature as manifest.sig (durably) in `snapshot_dir`."""
-    from snapfn.snapshot.portable.publish import write_durably
-
-    write_durably(Path(snapshot_dir) / SIGNATURE, json.dumps(key.sign(manifest_bytes)).encode())
+def signature_bytes(key: SnapshotKey, manifest_bytes: bytes) -> bytes:
+    """manifest.sig's content: `key`'s signature of `manifest_bytes`."""
+    return json.dumps(key.sign(manifest_bytes)).encode()
 
 
 def check_signature(snapshot_dir: Path, key: SnapshotKey | None, manifest_bytes: bytes) -> None:

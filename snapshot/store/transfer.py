@@ -39,6 +39,7 @@ from snapfn.snapshot.portable.format import (
     verify_ranges,
 )
 from snapfn.snapshot.portable.publish import check_replaceable, install_snapshot, write_durably
+from snapfn.snapshot.portable.signature import SIGNATURE, signature_bytes
 from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.store.pull_staging import PullStaging
 from snapfn.snapshot.store.s3 import (
@@ -54,6 +55,7 @@ __all__ = ["DEFAULT_MULTIPART_BYTES", "DEFAULT_NUM_THREADS", "fetch_manifest", "
 
 DEFAULT_NUM_THREADS = 16
 DEFAULT_MULTIPART_BYTES = 64 << 20  # files above this go up in parts of this size
+FROM_ENVIRONMENT = object()  # a key argument's default: SNAPFN_SNAPSHOT_KEY's, read at the call
 
 
 def push(
@@ -65,8 +67,12 @@ def push(
     num_threads: int = DEFAULT_NUM_THREADS,
     multipart_bytes: int = DEFAULT_MULTIPART_BYTES,
     log: Log | None = stderr_log,
+    key: Any = FROM_ENVIRONMENT,
 ) -> dict[str, Any]:
-    """Upload the snapshot at `snapshot_dir` to `uri`, manifest last; return its manifest."""
+    """Upload the snapshot at `snapshot_dir` to `uri`, its signature then its manifest last;
+    return its manifest. With a snapshot key (`key`, by default the configured one:
+    portable/signature.py) an unsigned snapshot is signed as it goes up, and a signed one must
+    be that key's."""
     from boto3.s3.transfer import TransferConfig
 
     root, where = Path(snapshot_dir), S3Location.parse(uri)
@@ -74,6 +80,7 @@ def push(
     raw = (root / MANIFEST).read_bytes()
     if parse_manifest(root, raw) != manifest:
         raise bad_snapshot(root, f"{MANIFEST} changed while it was verified (republished?)")
+    signature = _signature_to_push(root, raw, _key(key))
     client = client or make_s3_client(endpoint_url, num_threads)
     files = manifest["files"]
     progress = TransferProgress(f"push {where}", sum(e["size"] for e in files.values()), log)
@@ -85,7 +92,13 @@ def push(
     # NOTE: the old manifest goes first and the new one last, so between the two the prefix
     # holds no snapshot at all, never a manifest beside files it does not describe.
     _s3_call(where, MANIFEST, client.delete_object, Bucket=where.bucket, Key=where.key(MANIFEST))
+    _s3_call(where, SIGNATURE, client.delete_object, Bucket=where.bucket, Key=where.key(SIGNATURE))
     _upload_files(client, where, root, sorted(files), config, progress)
+    if signature is not None:  # NOTE: before the manifest: a snapshot there is signed already
+        key_name = where.key(SIGNATURE)
+        _s3_call(
+            where, SIGNATURE, client.put_object, Bucket=where.bucket, Key=key_name, Body=signature
+        )
     _s3_call(
         where, MANIFEST, client.put_object, Bucket=where.bucket, Key=where.key(MANIFEST), Body=raw
     )
@@ -122,16 +135,20 @@ def pull(
     num_threads: int = DEFAULT_NUM_THREADS,
     manifest_bytes: bytes | None = None,
     log: Log | None = stderr_log,
+    key: Any = FROM_ENVIRONMENT,
 ) -> Path:
     """Fetch the snapshot at `uri` into `dest`, verified, resumable, published atomically.
 
-    `manifest_bytes`: the manifest.json already fetched from `uri` (the cache has it).
+    `manifest_bytes`: the manifest.json already fetched from `uri` (the cache has it). With a
+    snapshot key (`key`, by default the configured one: portable/signature.py) the manifest's
+    signature is checked before any of its digests is trusted.
     """
     where, dest = S3Location.parse(uri), Path(dest).absolute()
     client = client or make_s3_client(endpoint_url, num_threads)
     raw = manifest_bytes if manifest_bytes is not None else fetch_manifest(client, where)
+    signature = _fetch_signature(client, where, raw, _key(key))
     manifest = parse_manifest(where, raw)
-    if _already_there(dest, raw):
+    if _already_there(dest, raw) and _same_signature(dest, signature):
         if log is not None:
             log(f"{dest} already holds {where} (same manifest): nothing to fetch")
         return dest
@@ -148,6 +165,8 @@ def pull(
         # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
         verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
         check_listing(staging.files, manifest["files"])
+        if signature is not None:
+            write_durably(staging.files / SIGNATURE, signature)
         write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
         install_snapshot(staging.files, dest)
         staging.remove()
@@ -159,6 +178,65 @@ def pull(
             f"({progress.rate()}){resumed}"
         )
     return dest
+
+
+def _key(key: Any):
+    from snapfn.snapshot.portable.signature import SnapshotKey
+
+    return SnapshotKey.from_env(os.environ) if key is FROM_ENVIRONMENT else key
+
+
+def _signature_to_push(root: Path, raw: bytes, key: Any) -> bytes | None:
+    """manifest.sig's bytes to upload: the snapshot's own (checked against `key` when there is
+    one), or `key`'s signature of a snapshot that has none; None for an unsigned snapshot with
+    no key."""
+    from snapfn.snapshot.portable.signature import check_signature, read_signature
+
+    if read_signature(root) is not None:
+        check_signature(root, key, raw)
+        return (root / SIGNATURE).read_bytes()
+    if key is None:
+        return None
+    if not key.can_sign:
+        raise BadRequest(
+            f"{root} is not signed and the configured key {key.key_id} is a public key: sign it"
+            " where the private key is (snapfn init or push with SNAPFN_SNAPSHOT_KEY)"
+        )
+    return signature_bytes(key, raw)
+
+
+def _fetch_signature(client: Any, where: S3Location, raw: bytes, key: Any) -> bytes | None:
+    """The snapshot's manifest.sig (None when it has none), checked against `key` when one is
+    configured: BadSnapshot, one line, before anything else is fetched."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from snapfn.snapshot.portable.signature import MAX_SIGNATURE_BYTES, parse_signature
+
+    name = where.key(SIGNATURE)
+    try:
+        body = client.get_object(Bucket=where.bucket, Key=name)["Body"]
+        signature = body.read(MAX_SIGNATURE_BYTES + 1)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") != "NoSuchKey":
+            raise s3_refusal(where, name, exc) from None
+        signature = None
+    except BotoCoreError as exc:
+        raise s3_refusal(where, name, exc) from None
+    if key is not None:
+        if signature is None:
+            raise bad_snapshot(where, "it is not signed, and a snapshot key is configured")
+        problem = key.verify(raw, parse_signature(signature, str(where)))
+        if problem is not None:
+            raise bad_snapshot(where, problem)
+    return signature
+
+
+def _same_signature(dest: Path, signature: bytes | None) -> bool:
+    path = dest / SIGNATURE
+    try:
+        return path.read_bytes() == signature if signature is not None else not path.exists()
+    except OSError:
+        return False
 
 
 def _upload_files(client, where: S3Location, root: Path, relpaths, config, progress) -> None:
