@@ -4,6 +4,12 @@
 (the streaming unit); `generate()` drives it to completion for a list of prompts.
 Prompts longer than `max_req_input_len` are refused before any work is done.
 
+Sampling is `sampler.py`'s: a batch of plain greedy requests is picked on the device by the
+backend's kernel; penalties, biases and logprob alternatives take the reference path. A step
+that prefills a request asking for its prompt's logprobs (`SamplingParams.prompt_logprobs`,
+the completions API's `echo` with `logprobs`) computes logits at every position of the step
+(`ForwardBatch.all_logits`), and the request's first output carries them.
+
 Overlapped decode (`SchedulerConfig.overlap_decode`, on by default): a greedy decode step
 replayed from a CUDA graph is landed one step late. `step()` launches the next decode step
 (same requests, input ids straight from the GPU) before it waits for the current one's tokens,
@@ -39,7 +45,7 @@ from snapfn.handler.llm.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from snapfn.handler.llm.engine.sampler import make_generator, sample
+from snapfn.handler.llm.engine.sampler import make_generator, prompt_logprobs, sample
 from snapfn.handler.llm.engine.scheduler import Scheduler
 from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
@@ -128,6 +134,7 @@ class Engine:
     ) -> str:
         params.validate()
         self._check_prompt(prompt_ids)
+        self._check_logit_bias(params)
         req = Request(list(prompt_ids), params)
         if request_id is not None:
             req.request_id = request_id
@@ -161,6 +168,12 @@ class Engine:
         if bad:
             raise BadRequest(f"prompt token ids out of range [0, {vocab}): {bad[:8]}")
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"logit_bias token ids out of range [0, {vocab}): {bad[:8]}")
+
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its pages. False if it is unknown or already finished."""
         with self._lock:
@@ -190,18 +203,24 @@ class Engine:
                 [r.pages for r in scheduled.requests],
                 self.kv.page_size,
                 "cpu",
+                all_logits=any(_scores_prompt(r) for r in scheduled.requests),
             )
             bucket = self._overlap_bucket(scheduled.requests, batch)
             if bucket is not None:
                 return self._land(self._launch(scheduled.requests, batch, bucket))
             logits = self._forward(batch)
-            return self._advance(scheduled.requests, [len(t) for t in scheduled.token_ids], logits)
+            num_new = [len(t) for t in scheduled.token_ids]
+            if batch.all_logits:
+                logits = self._score_prompts(scheduled.requests, num_new, logits)
+            return self._advance(scheduled.requests, num_new, logits)
 
     def _overlap_bucket(self, requests: list[Request], batch: ForwardBatch) -> int | None:
         """The graph bucket to launch `batch` in, landed late; None: run it the plain way."""
         if not self.overlap_decode or self.graphs is None or not batch.is_decode:
             return None
-        if not all(r.params.greedy for r in requests):
+        if batch.all_logits:
+            return None  # a one-token prompt whose logprobs are asked: scored the plain way
+        if not all(r.params.plain_greedy for r in requests):
             return None  # sampling draws on the host, from each request's own generator
         return self.graphs.bucket_for(batch)
 
@@ -261,23 +280,65 @@ class Engine:
         # NOTE: a decode step's rows are all ready: indexing with a host list would copy it to
         # the GPU, which waits for the step's kernels before the sampler's own copy does
         rows = logits if len(ready) == len(requests) else logits[ready]
-        tokens, logprobs = sample(rows, ready_reqs, self._picks)
+        picks = sample(rows, ready_reqs, self._picks)
         return [
-            self._append(req, t, lp)
-            for req, t, lp in zip(ready_reqs, tokens, logprobs, strict=True)
+            self._append(req, t, lp, top)
+            for req, t, lp, top in zip(
+                ready_reqs, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
+            )
         ]
 
-    def _append(self, req: Request, token: int, logprob: float) -> RequestOutput:
+    def _score_prompts(
+        self, requests: list[Request], num_new: list[int], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Record the prompt logprobs of the requests that asked (`logits [T, V]`: every
+        position of the step), and return each request's last row `[B, V]`, as a step without
+        `all_logits` gives."""
+        starts = [0]
+        for n in num_new[:-1]:
+            starts.append(starts[-1] + n)
+        for req, start, n in zip(requests, starts, num_new, strict=True):
+            if _scores_prompt(req):
+                self._record_prompt_logprobs(req, logits[start : start + n])
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, num_new, strict=True)])
+        return logits[last.to(logits.device)]
+
+    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens that `rows` (this step's positions of `req`) predict;
+        the first prompt token, which nothing predicts, gets None."""
+        first = req.num_computed  # the position of this step's first row
+        if first == 0:
+            req.prompt_logprobs.append(None)
+            req.prompt_top_logprobs.append(None)
+        next_ids = req.prompt_ids[first + 1 : first + 1 + rows.shape[0]]
+        if not next_ids:
+            return  # the step holds only the prompt's last position: it predicts the output
+        chosen, tops = prompt_logprobs(rows[: len(next_ids)], next_ids, req.params.prompt_logprobs)
+        req.prompt_logprobs += chosen
+        req.prompt_top_logprobs += tops
+
+    def _append(self, req: Request, token: int, logprob: float, top: tuple = ()) -> RequestOutput:
         req.output_ids.append(token)
         req.logprobs.append(logprob)
+        if req.params.top_logprobs:
+            req.top_logprobs.append(top)
         delta = self._detokenize(req, token)
         reason = self._finish_reason(req, token)
         if reason is not None:
             delta = self._flush(req, delta) if reason != "stop_string" else delta
             self.scheduler.finish(req, "stop" if reason == "stop_string" else reason)
             self._forget(req)
+        first = len(req.output_ids) == 1
         return RequestOutput(
-            req.request_id, (token,), (logprob,), delta, req.finished, req.finish_reason
+            req.request_id,
+            (token,),
+            (logprob,),
+            delta,
+            req.finished,
+            req.finish_reason,
+            new_top_logprobs=(top,) if req.params.top_logprobs else (),
+            prompt_logprobs=tuple(req.prompt_logprobs) if first else (),
+            prompt_top_logprobs=tuple(req.prompt_top_logprobs) if first else (),
         )
 
     def _detokenize(self, req: Request, token: int) -> str:
@@ -342,6 +403,11 @@ class Engine:
         flag = torch.tensor([int(busy)], device=self.model.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _scores_prompt(req: Request) -> bool:
+    """Whether `req` asked for its prompt's logprobs and is still prefilling."""
+    return req.params.prompt_logprobs is not None and req.num_computed < len(req.prompt_ids)
 
 
 def _result(req: Request) -> GenerationResult:

@@ -1,16 +1,37 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds; logprob of the chosen token.
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, penalties, logit biases;
+the chosen token's logprob and, when asked, the most likely alternatives.
 
-Logprobs are of the model's raw distribution (log-softmax of the logits before temperature and
-filtering), as vLLM and SGLang report them by default.
+Logprobs are of the model's raw distribution (log-softmax of the logits before penalties,
+biases, temperature and filtering), as vLLM and SGLang report them by default.
+
+A row is shaped before it is picked from, in vLLM's order: `logit_bias` added, then
+`repetition_penalty` over the prompt and output tokens (a logit > 0 divided by it, one <= 0
+multiplied), then `frequency_penalty` × each token's count in the output and
+`presence_penalty` for each token present in it subtracted. Greedy is the argmax of the shaped
+row; sampling divides it by the temperature, then filters by top-k and top-p.
+
+A batch whose every request is plain greedy (`SamplingParams.plain_greedy`) goes through
+`picks` (a backend's kernel, `greedy_picks`'s contract) with one copy to the host; any other
+batch is picked row by row here, on the reference path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from snapfn.handler.llm.engine.request import Request
+from snapfn.handler.llm.engine.request import Request, SamplingParams, TopLogprobs
+
+
+@dataclass(frozen=True)
+class Picks:
+    """One token per row, its raw logprob, and its row's alternatives (empty when not asked)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs]
 
 
 def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,25 +46,76 @@ def sample(
     logits: torch.Tensor,
     requests: list[Request],
     picks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_picks,
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits [B, V]` (float32) for each request; an all-greedy
+) -> Picks:
+    """Pick one token per row of `logits [B, V]` (float32) for each request; an all-plain-greedy
     batch through `picks` (default `greedy_picks`; a backend's kernel, same contract)."""
-    if all(req.params.greedy for req in requests):
+    if all(req.params.plain_greedy for req in requests):
         # NOTE: one copy to the host for the tokens and their logprobs together: each copy
         # waits for the GPU, and a decode step's host time adds to its latency
         rows = picks(logits)[1].tolist()  # float64 holds every token id exactly
-        return [int(t) for t, _ in rows], [lp for _, lp in rows]
+        return Picks([int(t) for t, _ in rows], [lp for _, lp in rows], [()] * len(rows))
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy_host = logits.argmax(dim=-1).tolist()
+    greedy_host = logits.argmax(dim=-1).tolist()  # one copy for the rows that are plain argmax
     tokens = []
     for row, req in enumerate(requests):
-        if req.params.greedy:
+        p = req.params
+        if p.greedy and not p.shapes_logits:
             tokens.append(greedy_host[row])
-        else:
-            tokens.append(_sample_row(logits[row], req))
+            continue
+        shaped = shape_logits(logits[row], p, req.prompt_ids, req.output_ids)
+        tokens.append(int(shaped.argmax()) if p.greedy else _sample_row(shaped, req))
     index = torch.tensor(tokens, device=logits.device)
     chosen = logprobs_all.gather(1, index[:, None])[:, 0].tolist()
-    return tokens, chosen
+    tops = [
+        top_logprobs(logprobs_all[r], req.params.top_logprobs) for r, req in enumerate(requests)
+    ]
+    return Picks(tokens, chosen, tops)
+
+
+def shape_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """One row of logits `[V]` after the request's biases and penalties (the row itself when it
+    has none)."""
+    if not params.shapes_logits:
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=device, dtype=logits.dtype)
+        logits.index_add_(0, ids, bias)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.int64, device=device)
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, seen, True)
+        penalty = params.repetition_penalty
+        shaped = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(mask, shaped, logits)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        out = torch.tensor(output_ids, dtype=torch.int64, device=device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
+    """The `k` most likely tokens of one row of logprobs `[V]`, most likely first (ties: the
+    lower id first)."""
+    if k <= 0:
+        return ()
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return tuple(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_ids: list[int], k: int
+) -> tuple[list[float], list[TopLogprobs]]:
+    """Logprobs of `next_ids` (the token after each row's position) under `logits [n, V]`, and
+    each row's `k` alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(next_ids, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    return chosen, [top_logprobs(row, k) for row in logprobs]
 
 
 def _sample_row(logits: torch.Tensor, req: Request) -> int:
