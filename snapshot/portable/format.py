@@ -27,6 +27,12 @@ Reading: `validate_snapshot` refuses, with a one-line message naming the file (a
 snapshot whose directory or manifest is missing, unparsable or of another format version, whose
 compat key differs from the current one, which lists an unsafe path (absolute, `..`, not
 canonical) or a file that is missing or has another size, or which holds a file it does not list.
+The manifest is read with bounded size and depth (`MAX_MANIFEST_BYTES`, `MAX_JSON_DEPTH`):
+anything but a regular file at `manifest.json` (a directory, a FIFO, a socket, a device, a
+symlink) is refused from its `lstat`, before any read, and it is opened non-blocking in case it
+is swapped meanwhile; it must be UTF-8. `load_json` is that bounded parser, for the tables
+manifests carry too. The keys a function reads from its own section are its to check (the
+runtime's `check_manifest` hook); `tier`, when present, is "portable" or "process".
 `verify="sizes"` (every cold start) also hashes every file without `chunks`; chunked files are
 verified by whoever streams them (`chunk_digests`, `check_chunk`). `verify="full"` hashes
 everything, in parallel threads (digests.py).
@@ -41,6 +47,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -63,8 +70,10 @@ __all__ = [
     "digests_problem",
     "entry_problem",
     "list_files",
+    "load_json",
     "parse_manifest",
     "read_manifest",
+    "read_manifest_bytes",
     "relpath_problem",
     "validate_snapshot",
     "verify_files",
@@ -72,6 +81,10 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("sizes", "full")
+TIERS = ("portable", "process")
+# An 8B llama's manifest, its compile caches' 553 files listed, is ~0.2 MB, nested 9 deep.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32
 _REQUIRED_KEYS: dict[str, type] = {"created_at": str, "compat": dict, "files": dict}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -82,15 +95,106 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def read_manifest(snapshot_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Load and shape-check `snapshot_dir/manifest.json`; BadSnapshot/IncompatibleSnapshot if not."""
     root = Path(snapshot_dir)
+    return parse_manifest(root, read_manifest_bytes(root))
+
+
+def read_manifest_bytes(snapshot_dir: str | os.PathLike[str]) -> bytes:
+    """The exact bytes of `snapshot_dir/manifest.json`, at most MAX_MANIFEST_BYTES of them.
+
+    BadSnapshot (one line) when the directory or the file is missing, or when the file is not
+    a regular one — refused from its `lstat`, before any read (a FIFO would block the reader) —
+    or is larger than that.
+    """
+    root = Path(snapshot_dir)
     if not root.is_dir():
         raise bad_snapshot(root, "no snapshot directory there")
+    return read_regular_file(root, MANIFEST, MAX_MANIFEST_BYTES)
+
+
+def read_regular_file(root: Path, relpath: str, max_bytes: int) -> bytes:
+    """The bytes of `root/relpath`, refused (BadSnapshot naming `root`) unless it is a regular
+    file of at most `max_bytes`: the kind is checked before it is opened, and the open neither
+    follows a symlink nor blocks on a FIFO swapped in meanwhile."""
+    path = root / relpath
     try:
-        data = (root / MANIFEST).read_bytes()
+        kind = _kind(os.lstat(path).st_mode)
+        if kind is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                info = os.fstat(fd)
+                kind = _kind(info.st_mode)
+                if kind is None and info.st_size <= max_bytes:
+                    return _read_at_most(fd, relpath, root, max_bytes)
+            finally:
+                os.close(fd)
     except FileNotFoundError:
-        raise bad_snapshot(root, f"{MANIFEST} is missing (incomplete or not a snapshot)") from None
+        raise bad_snapshot(root, f"{relpath} is missing (incomplete or not a snapshot)") from None
     except OSError as e:
-        raise bad_snapshot(root, f"cannot read {MANIFEST}: {e.strerror}") from None
-    return parse_manifest(root, data)
+        raise bad_snapshot(root, f"cannot read {relpath}: {e.strerror}") from None
+    if kind is not None:
+        raise bad_snapshot(root, f"{relpath} is {kind}, not a regular file")
+    raise bad_snapshot(
+        root, f"{relpath} is {info.st_size} bytes, more than the {max_bytes} allowed"
+    )
+
+
+def _read_at_most(fd: int, relpath: str, root: Path, max_bytes: int) -> bytes:
+    pieces, total = [], 0
+    while piece := os.read(fd, min(1 << 20, max_bytes + 1 - total)):
+        pieces.append(piece)
+        total += len(piece)
+        if total > max_bytes:  # it grew while being read
+            raise bad_snapshot(root, f"{relpath} is more than the {max_bytes} bytes allowed")
+    return b"".join(pieces)
+
+
+def _kind(mode: int) -> str | None:
+    """None for a regular file, else what the file is, for a refusal."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def load_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON text (UTF-8 when bytes) nested at most `max_depth` containers deep.
+
+    ValueError (its message one line, saying what is wrong) otherwise: invalid UTF-8, invalid
+    JSON, or nesting deeper than that — the parser's own recursion limit included, so a deeply
+    nested document is refused rather than raising RecursionError. Size is the caller's bound
+    (it read the bytes).
+    """
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
+        doc = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ValueError(f"nested more than {max_depth} levels deep") from None
+    except ValueError as e:  # JSONDecodeError
+        raise ValueError(one_line(f"not valid JSON ({e})")) from None
+    if _depth_exceeds(doc, max_depth):
+        raise ValueError(f"nested more than {max_depth} levels deep")
+    return doc
+
+
+def _depth_exceeds(doc: Any, max_depth: int) -> bool:
+    """Whether `doc` nests containers more than `max_depth` deep (walked without recursion)."""
+    pending = [(doc, 1)] if isinstance(doc, dict | list) else []
+    while pending:
+        node, depth = pending.pop()
+        if depth > max_depth:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def parse_manifest(where: object, data: bytes) -> dict[str, Any]:
@@ -98,10 +202,14 @@ def parse_manifest(where: object, data: bytes) -> dict[str, Any]:
 
     `read_manifest` reads a directory's; the S3 store (store/transfer.py) checks a fetched one with it.
     """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad_snapshot(
+            where, f"{MANIFEST} is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
+        )
     try:
-        manifest = json.loads(data)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise bad_snapshot(where, f"{MANIFEST} is not valid JSON ({e})") from None
+        manifest = load_json(data)
+    except ValueError as e:
+        raise bad_snapshot(where, f"{MANIFEST} is {e}") from None
     _check_manifest_shape(where, manifest)
     return manifest
 
@@ -207,6 +315,11 @@ def _check_manifest_shape(root: object, manifest: Any) -> None:
             raise bad_snapshot(root, f"{MANIFEST} lacks required key {key!r}")
         if not isinstance(manifest[key], kind):
             raise bad_snapshot(root, f"{MANIFEST} key {key!r} is not a JSON {kind.__name__}")
+    for key, kind in (("tier", str), ("function", str)):
+        if key in manifest and not isinstance(manifest[key], kind):
+            raise bad_snapshot(root, f"{MANIFEST} key {key!r} is not a JSON {kind.__name__}")
+    if manifest.get("tier", "portable") not in TIERS:
+        raise bad_snapshot(root, f"{MANIFEST} tier {manifest['tier']!r} is not one of {TIERS}")
     for relpath, entry in manifest["files"].items():
         problem = relpath_problem(relpath) or entry_problem(entry)
         if problem:
