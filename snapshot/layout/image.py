@@ -30,13 +30,14 @@ import torch
 
 from snapfn.snapshot.cuda.regions import ALIGN
 from snapfn.snapshot.cuda.span import Run, Span, plan_runs
-from snapfn.snapshot.errors import BadSnapshot
+from snapfn.snapshot.errors import BadSnapshot, one_line
 from snapfn.snapshot.layout.checksum import first_bad_chunk
 from snapfn.snapshot.layout.streamer import StreamReport, WeightStreamer
 from snapfn.snapshot.layout.table import RestoreLayout
 from snapfn.snapshot.layout.writer import write_restore_layout
 
 CHUNK_BYTES = ALIGN  # one chunk per 2 MiB: a chunk never straddles two runs
+MAX_RUNS = 4096  # what an image read back may hold (save_image plans 128 by default)
 
 
 @dataclass(frozen=True)
@@ -82,19 +83,27 @@ class PoolImage:
 
     @classmethod
     def from_json(cls, doc: Any) -> PoolImage:
-        """BadSnapshot, one line, for anything that is not a pool image."""
+        """BadSnapshot, one line, for anything that is not a pool image: at most `MAX_RUNS`
+        runs, each [address, nbytes] exact positive integers below 2^64."""
         try:
-            runs = tuple(Run(int(a), int(n)) for a, n in doc["runs"])
+            runs = tuple(_parse_run(pair) for pair in doc["runs"])
+            if len(runs) > MAX_RUNS:
+                raise ValueError(f"{len(runs)} runs, more than {MAX_RUNS}")
+            if not isinstance(doc["layout"], dict):
+                raise TypeError("its layout is not a JSON object")
             layout = RestoreLayout.from_json(json.dumps(doc["layout"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadSnapshot(f"the device memory image is unreadable: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise BadSnapshot(one_line(f"the device memory image is unreadable: {exc}")) from None
         image = cls(runs, layout)
         image.check()
         return image
 
     def check(self) -> None:
-        """The runs and the layout agree: every run starts an entry, and its bytes are one
-        contiguous range of the file in whole chunks."""
+        """The runs and the layout agree: runs in address order, not overlapping, each starts
+        an entry, and its bytes are one contiguous range of the file in whole chunks."""
+        for before, run in zip(self.runs, self.runs[1:], strict=False):
+            if run.address < before.address + before.nbytes:
+                raise BadSnapshot(f"run at {run.address:#x} overlaps or precedes the one before")
         for run in self.runs:
             entry = self.layout.tensors.get(_name(run.address))
             if entry is None or run.nbytes % CHUNK_BYTES or entry.offset % CHUNK_BYTES:
@@ -152,6 +161,16 @@ def check_image(span: Span, image: PoolImage) -> int | None:
 
 def _name(address: int) -> str:
     return f"{address:x}"
+
+
+def _parse_run(pair: Any) -> Run:
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise TypeError(f"a run is [address, nbytes], not {pair!r}")
+    address, nbytes = pair
+    for value in pair:
+        if type(value) is not int or not 0 < value < 1 << 64:
+            raise ValueError(f"run {pair!r}: not a positive 64-bit address and size")
+    return Run(address, nbytes)
 
 
 def _zero_all_but(

@@ -33,8 +33,12 @@ parse them as int64, not as doubles. A reader calls `RestoreLayout.validate(file
 trusting a table.
 
 This module is the table only: `RestoreLayout.to_json` / `from_json` (BadSnapshot on anything
-that is not a table) and `validate` (BadSnapshot, one line, on a table that does not describe
-the file). writer.py writes a file and its table; streamer.py reads the file back.
+that is not a table: parsed with the manifest's bounds on size and depth, every number an exact
+JSON integer) and `validate` (BadSnapshot, one line, on a table that does not describe the file:
+`align` a power of two, both it and `chunk_bytes` at most `MAX_CHUNK_BYTES`, since a streamer
+pins a ring of chunks; tensors inside the file, aligned, not overlapping, `nbytes` their shape's; one
+digest and sum per chunk). writer.py writes a file and its table; streamer.py reads the file
+back.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from snapfn.snapshot.errors import BadSnapshot
+from snapfn.snapshot.errors import BadSnapshot, one_line
+from snapfn.snapshot.portable.format import MAX_MANIFEST_BYTES, load_json
 
 LAYOUT_FORMAT = "snapfn-restore-layout"
 LAYOUT_VERSION = 1
@@ -74,6 +79,9 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+# a streamer pins `ring_slots` chunks of host memory: tables of larger chunks are refused (the
+# writer's default is 64 MiB, a function's memory image 2 MiB)
+MAX_CHUNK_BYTES = 256 << 20
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -135,8 +143,15 @@ class RestoreLayout:
     @classmethod
     def from_json(cls, text: str | bytes) -> RestoreLayout:
         """Parse a table; BadSnapshot if it is not one (structure only: see `validate`)."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise BadSnapshot(f"restore layout table is {len(text)} bytes, more than allowed")
         try:
-            doc = json.loads(text)
+            doc = load_json(text)
+        except ValueError as e:
+            raise BadSnapshot(f"restore layout table is {e}") from None
+        if not isinstance(doc, dict):
+            raise BadSnapshot("restore layout table is not a JSON object")
+        try:
             if doc.get("format") != LAYOUT_FORMAT or doc.get("version") != LAYOUT_VERSION:
                 raise BadSnapshot(
                     f"restore layout: format {doc.get('format')!r} version "
@@ -147,19 +162,24 @@ class RestoreLayout:
                 file_bytes=_as_int(doc["file_bytes"]),
                 align=_as_int(doc["align"]),
                 chunk_bytes=_as_int(doc["chunk_bytes"]),
-                chunk_sha256=[_as_str(d) for d in doc["chunk_sha256"]],
+                chunk_sha256=[_as_str(d) for d in _as_list(doc["chunk_sha256"])],
                 file_sha256=_as_str(doc["file_sha256"]),
                 chunk_sum64=_parse_sums(doc.get("chunk_sum64")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BadSnapshot(f"restore layout table is malformed: {e!r}") from None
+            raise BadSnapshot(one_line(f"restore layout table is malformed: {e!r}")) from None
 
     def validate(self, file_size: int) -> None:
         """Refuse (BadSnapshot, one line) a table that does not describe a `file_size` file."""
-        if self.align <= 0 or self.align & (self.align - 1):
-            raise BadSnapshot(f"restore layout: align {self.align} is not a power of two")
-        if self.chunk_bytes <= 0:
-            raise BadSnapshot(f"restore layout: chunk_bytes {self.chunk_bytes} is not positive")
+        if self.align <= 0 or self.align & (self.align - 1) or self.align > MAX_CHUNK_BYTES:
+            raise BadSnapshot(
+                f"restore layout: align {self.align} is not a power of two of at most "
+                f"{MAX_CHUNK_BYTES} bytes"
+            )
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise BadSnapshot(
+                f"restore layout: chunk_bytes {self.chunk_bytes} is not in [1, {MAX_CHUNK_BYTES}]"
+            )
         if file_size != self.file_bytes:
             raise BadSnapshot(
                 f"restore layout: the file is {file_size} bytes but its table says "
@@ -244,9 +264,17 @@ def _as_str(value: object) -> str:
 
 
 def _parse_sums(values: list | None) -> list[int] | None:
-    return None if values is None else [_as_int(v) for v in values]
+    return None if values is None else [_as_int(v) for v in _as_list(values)]
+
+
+def _as_list(value: object) -> list:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    return value
 
 
 def _parse_entry(doc: dict) -> TensorEntry:
+    if not isinstance(doc["shape"], list):
+        raise TypeError(f"expected a shape list, got {doc['shape']!r}")
     shape = tuple(_as_int(d) for d in doc["shape"])
     return TensorEntry(_as_str(doc["dtype"]), shape, _as_int(doc["offset"]), _as_int(doc["nbytes"]))
