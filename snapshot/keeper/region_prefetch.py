@@ -15,6 +15,7 @@ work first, in a CUDA context of its own, and hands the memory over:
     the worker: receive() → {"ok", "figures"} + one fd per region (SCM_RIGHTS) → import each
                 (cuMemImportFromShareableHandle), map it at its region's address, verify the
                 weights on the GPU against the layout's sum64 table → ack()
+                (only from a peer of its own user or root: SO_PEERCRED, snapshot/unix_socket.py)
     the helper exits: its mappings, handles and context go; the worker's imports keep the memory
     helper.close()                                         kills it if it is still there
 
@@ -49,8 +50,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snapfn.snapshot.unix_socket import peer_problem
+
 FILLS = ("file", "zero", "none")
 MAX_MESSAGE = 1 << 16  # the hand-over message's bytes (the fds travel beside it)
+MAX_REGIONS = 4096  # one fd per region travels in the hand-over
+MAX_REGION_BYTES = 1 << 48
+MAX_DEVICES = 1024
+
+
+def _field(doc: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """`doc[key]` (or `default` where given and the key is absent), which must be a `kind`
+    (an int never a bool)."""
+    if key not in doc and default is not None:
+        return default
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"a region spec's {key!r} is not a JSON {kind.__name__}: {value!r:.64}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -65,26 +82,65 @@ class RegionSpec:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> RegionSpec:
-        spec = cls(
-            name=str(doc["name"]),
-            address=int(doc["address"]),
-            nbytes=int(doc["nbytes"]),
-            device=int(doc.get("device", 0)),
-            fill=str(doc["fill"]),
-            path=str(doc.get("path", "")),
-            offset=int(doc.get("offset", 0)),
-        )
-        if spec.fill not in FILLS:
-            raise ValueError(f"region {spec.name!r}: fill {spec.fill!r} is not one of {FILLS}")
-        if spec.offset < 0:
-            raise ValueError(f"region {spec.name!r}: offset {spec.offset} is negative")
-        if spec.nbytes <= 0 or spec.nbytes % (2 << 20):
-            raise ValueError(f"region {spec.name!r}: {spec.nbytes} bytes is not a 2 MiB multiple")
-        if spec.fill == "file" and (
-            not spec.path or Path(spec.path).is_absolute() or ".." in Path(spec.path).parts
-        ):
-            raise ValueError(f"region {spec.name!r}: file {spec.path!r} is not inside the snapshot")
+        """ValueError (one line) for anything a restorer must not make: fields of another type
+        (numbers are exact JSON integers), an address range outside 64 bits, a size that is
+        not a positive 2 MiB multiple or is over `MAX_REGION_BYTES`, a fill not in `FILLS`, a
+        "file" region whose path is not a plain path inside the snapshot."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"a region spec is a JSON object, not {type(doc).__name__}")
+        try:
+            spec = cls(
+                name=_field(doc, "name", str),
+                address=_field(doc, "address", int),
+                nbytes=_field(doc, "nbytes", int),
+                device=_field(doc, "device", int, 0),
+                fill=_field(doc, "fill", str),
+                path=_field(doc, "path", str, ""),
+                offset=_field(doc, "offset", int, 0),
+            )
+        except KeyError as exc:
+            raise ValueError(f"a region spec lacks {exc}") from None
+        spec._check()
         return spec
+
+    def _check(self) -> None:
+        where = f"region {self.name[:64]!r}"
+        if not self.name or len(self.name) > 256:
+            raise ValueError(f"{where}: its name is empty or longer than 256 characters")
+        if self.fill not in FILLS:
+            raise ValueError(f"{where}: fill {self.fill[:64]!r} is not one of {FILLS}")
+        if self.offset < 0 or self.offset >= 1 << 63:
+            raise ValueError(f"{where}: offset {self.offset} is negative or past 2^63")
+        if self.nbytes <= 0 or self.nbytes % (2 << 20) or self.nbytes > MAX_REGION_BYTES:
+            raise ValueError(
+                f"{where}: {self.nbytes} bytes is not a 2 MiB multiple of at most "
+                f"{MAX_REGION_BYTES}"
+            )
+        if self.address <= 0 or self.address + self.nbytes > 1 << 64:
+            raise ValueError(f"{where}: address {self.address} is not inside 64 bits")
+        if not 0 <= self.device < MAX_DEVICES:
+            raise ValueError(f"{where}: device {self.device} is not a CUDA ordinal")
+        if self.fill == "file" and (
+            not self.path
+            or "\0" in self.path
+            or Path(self.path).is_absolute()
+            or ".." in Path(self.path).parts
+        ):
+            raise ValueError(f"{where}: file {self.path[:256]!r} is not inside the snapshot")
+
+    @classmethod
+    def list_from_json(cls, docs: Any) -> list[RegionSpec]:
+        """A process image's "regions": at most `MAX_REGIONS` specs whose address ranges do
+        not overlap; ValueError (one line) otherwise."""
+        if not isinstance(docs, list):
+            raise ValueError(f"the regions are a JSON list, not {type(docs).__name__}")
+        if len(docs) > MAX_REGIONS:
+            raise ValueError(f"{len(docs)} regions, more than {MAX_REGIONS}")
+        specs = sorted((cls.from_json(doc) for doc in docs), key=lambda s: s.address)
+        for before, spec in zip(specs, specs[1:], strict=False):
+            if spec.address < before.address + before.nbytes:
+                raise ValueError(f"region {spec.name!r} overlaps region {before.name!r}")
+        return specs
 
     def to_json(self) -> dict[str, Any]:
         doc = {"name": self.name, "address": self.address, "nbytes": self.nbytes}
@@ -98,7 +154,9 @@ class RegionSpec:
 def receive(address: str, timeout_s: float) -> tuple[dict[str, Any], dict[int, int], socket.socket]:
     """Connect to a RegionPrefetch: (its message, {region address: fd}, the socket to `ack` on).
 
-    Raises OSError / ValueError when the hand-over fails; the fds are then already closed."""
+    Raises OSError / ValueError when the hand-over fails — PermissionError, with the reason,
+    when the process listening runs as neither this user nor root; the fds are then already
+    closed."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(timeout_s)
     fds: list[int] = []
@@ -112,9 +170,16 @@ def receive(address: str, timeout_s: float) -> tuple[dict[str, Any], dict[int, i
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
+        untrusted = peer_problem(sock)
+        if untrusted is not None:
+            raise PermissionError(f"the regions' socket {address} is not trusted: {untrusted}")
         data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4096)
         message = json.loads(data)
+        if not isinstance(message, dict):
+            raise ValueError("the hand-over message is not a JSON object")
         addresses = message.get("regions", [])
+        if not isinstance(addresses, list) or not all(type(a) is int for a in addresses):
+            raise ValueError("the hand-over's regions are not a list of addresses")
         if len(addresses) != len(fds):
             raise ValueError(f"{len(fds)} fds for {len(addresses)} regions")
         return message, dict(zip(addresses, fds, strict=True)), sock
@@ -143,7 +208,8 @@ def prefetch_doc(
     pinned: str = "",
 ) -> dict[str, Any]:
     """What a RegionPrefetch is made from (region_fill.prefetch_from_doc), listening at a
-    socket in a new private directory: a helper's argument, or a keeper's prefetch request."""
+    socket in a new private directory (mkdtemp: 0700, this user's, an unguessable name): a
+    helper's argument, or a keeper's prefetch request."""
     directory = tempfile.mkdtemp(prefix="snapfn-regions-")
     doc = {"snapshot_dir": str(snapshot_dir), "address": os.path.join(directory, "sock")}
     doc.update(specs=[s.to_json() for s in specs], timeout_s=timeout_s)

@@ -15,20 +15,34 @@ caller falls back to tier 0 with the manifest of the failed attempt.
 The manifest gains: "tier": "process", "process": {images, inherit, uses_cuda, hooks,
 image_bytes, memory (what moved to memory.bin, or null), regions, private_memory, seconds, host},
 "replay": the greedy tokens + logprobs recorded at init.
+
+What a restore uses of the process section is checked before criu, the prefetch helper or the
+validation stage use it (`process_section_problem`): `images` a plain folder name whose files
+are listed; `inherit` one `pipe:[inode]` for each of the worker's pipes (what criu is handed as
+`--inherit-fd`); `uses_cuda` and `mount_namespace` booleans; `memory` null or a listed file in
+the images folder of its recorded size under criu's key; `regions` valid RegionSpecs that do
+not overlap, whose files are listed, and which together fit the GPU the compat key records.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, bad_snapshot
+from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, SnapfnError, bad_snapshot
 from snapfn.snapshot.portable.compat import check_compat, compat_key
-from snapfn.snapshot.portable.format import validate_snapshot
+from snapfn.snapshot.portable.format import (
+    load_json,
+    read_manifest,
+    read_manifest_bytes,
+    relpath_problem,
+    validate_snapshot,
+)
 from snapfn.snapshot.process import criu
 from snapfn.snapshot.process import worker_process as process
 from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
@@ -39,6 +53,7 @@ if TYPE_CHECKING:
 Log = Callable[[str], None]
 IMAGES = "process"
 CHUNK_BYTES = 64 << 20
+_PIPE = re.compile(r"pipe:\[[0-9]{1,20}\]")  # what /proc/PID/fd/N reads for a pipe
 
 
 class ProcessRestoreFailed(RestoreFailed):
@@ -146,12 +161,11 @@ def _register_images(writer: SnapshotWriter, images: Path, skip: set[str]) -> No
 
 
 def has_process_image(snapshot_dir: Path) -> bool:
-    """Whether the snapshot says it holds a process image (read cheaply, not validated)."""
-    import json
-
+    """Whether the snapshot says it holds a process image (read cheaply, with the manifest's
+    bounds, not validated: a special file there reads as no)."""
     try:
-        manifest = json.loads((Path(snapshot_dir) / "manifest.json").read_text())
-    except (OSError, ValueError):
+        manifest = load_json(read_manifest_bytes(snapshot_dir))
+    except (SnapfnError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("tier") == "process"
 
@@ -237,27 +251,90 @@ def restore_process_snapshot(
 
 
 def _read_manifest(snapshot_dir: Path) -> dict[str, Any]:
-    """manifest.json as it is, not validated ({} when unreadable: validate says why)."""
-    import json
+    """manifest.json shape-checked (format.read_manifest), its files not yet verified ({} when
+    unreadable: validate says why)."""
+    try:
+        return read_manifest(snapshot_dir)
+    except SnapfnError:
+        return {}
+
+
+def process_section_problem(manifest: dict[str, Any]) -> str | None:
+    """Why the process section of a (shape-checked) manifest may not be used, or None."""
+    meta = manifest.get("process")
+    if manifest.get("tier") != "process" or not isinstance(meta, dict):
+        return "holds no process image (tier is not 'process')"
+    files = manifest.get("files", {})
+    images = meta.get("images")
+    if not isinstance(images, str) or "/" in images or relpath_problem(images):
+        return f"its process image folder {images!r:.64} is not a plain folder name"
+    if not any(relpath.startswith(f"{images}/") for relpath in files):
+        return f"no file of its process image folder {images!r} is listed"
+    inherit = meta.get("inherit")
+    if not isinstance(inherit, dict) or sorted(inherit) != sorted(process.PIPES):
+        return f"its process image does not inherit one pipe each for {process.PIPES}"
+    for name, key in inherit.items():
+        if not isinstance(key, str) or not _PIPE.fullmatch(key):
+            return f"its process image inherits {name} as {key!r:.64}, not as pipe:[inode]"
+    for key in ("uses_cuda", "mount_namespace"):
+        if not isinstance(meta.get(key, False), bool):
+            return f"its process section's {key} is {meta[key]!r:.64}, not true or false"
+    if "uses_cuda" not in meta:
+        return "its process section does not say whether the worker uses CUDA"
+    return _memory_problem(meta.get("memory"), images, files) or _regions_problem(
+        meta.get("regions", []), files, manifest.get("compat", {})
+    )
+
+
+def _memory_problem(memory: Any, images: str, files: dict[str, Any]) -> str | None:
+    """What moved out of criu's image (image_memory.MovedMemory), or null."""
+    from snapfn.snapshot.process.image_memory import MEMORY_KEY
+
+    if memory is None:
+        return None
+    if not isinstance(memory, dict):
+        return "its process image's memory is not a JSON object"
+    name, entry = memory.get("file"), files.get(f"{images}/{memory.get('file')}")
+    if not isinstance(name, str) or "/" in name or relpath_problem(name) or entry is None:
+        return f"its process image's memory file {name!r:.64} is not a listed image file"
+    if memory.get("key") != MEMORY_KEY:
+        return f"its process image's memory key is {memory.get('key')!r:.64}, not {MEMORY_KEY!r}"
+    if memory.get("file_bytes") != entry["size"]:
+        return (
+            f"its process image's memory file is {entry['size']} bytes, its record says otherwise"
+        )
+    return None
+
+
+def _regions_problem(docs: Any, files: dict[str, Any], compat: dict[str, Any]) -> str | None:
+    from snapfn.snapshot.keeper.region_prefetch import RegionSpec
 
     try:
-        manifest = json.loads((snapshot_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+        specs = RegionSpec.list_from_json(docs)
+    except ValueError as exc:
+        return f"its process image's regions: {exc}"
+    for spec in specs:
+        if spec.fill == "file" and spec.path not in files:
+            return f"region {spec.name!r} is filled from {spec.path!r}, which is not listed"
+        if spec.fill == "file" and spec.offset > files[spec.path]["size"]:
+            return f"region {spec.name!r} starts past the end of {spec.path!r}"
+    total, memory = sum(s.nbytes for s in specs), compat.get("gpu_total_memory_bytes")
+    if specs and isinstance(memory, int) and total > memory:
+        return f"its regions take {total} bytes, more than the GPU's {memory}"
+    return None
 
 
 def _process_meta(manifest: dict[str, Any], snapshot_dir: Path) -> dict[str, Any] | None:
     """The unvalidated manifest's process section, so that criu can start beside the
-    validation — but only once every image file criu will read has its recorded size (criu
-    hangs on a truncated image, eagerly or lazily, until it is killed). None when anything looks
-    wrong: the caller then waits for validate's reason."""
+    validation — but only once it passed `process_section_problem` and every image file criu
+    will read has its recorded size (criu hangs on a truncated image, eagerly or lazily, until
+    it is killed). None when anything looks wrong: the caller then waits for validate's
+    reason."""
+    if not manifest or process_section_problem(manifest) is not None:
+        return None
     try:
         meta, files = manifest["process"], manifest["files"]
         images = meta["images"]
-        simple = isinstance(images, str) and images and "/" not in images and images != ".."
-        if not simple or not isinstance(meta.get("inherit"), dict):
-            return None
         on_disk = {
             f"{images}/{p.name}": p.stat().st_size
             for p in (snapshot_dir / images).iterdir()
@@ -293,11 +370,11 @@ def _start_prefetch(
     if config.prefetch == "off":
         figures["skipped"] = "SNAPFN_PROCESS_PREFETCH=off"
         return None
-    try:
-        specs = [RegionSpec.from_json(s) for s in manifest["process"].get("regions", [])]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # validate says what
-        figures["skipped"] = f"unreadable regions: {type(exc).__name__}: {exc}"
+    problem = process_section_problem(manifest) if manifest else "unreadable manifest"
+    if problem is not None:  # validate says it too
+        figures["skipped"] = f"not started on a process section that fails its checks: {problem}"
         return None
+    specs = RegionSpec.list_from_json(manifest["process"].get("regions", []))
     if not specs:
         figures["skipped"] = "the process image records no regions"
         return None
@@ -343,13 +420,13 @@ def _current_compat(device: str, world_size: int, config: process.ProcessConfig)
 
 def _validate(snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None) -> dict:
     manifest = validate_snapshot(snapshot_dir, None, verify="sizes")
+    problem = process_section_problem(manifest)
+    if problem is not None:
+        raise bad_snapshot(snapshot_dir, problem)
+    if f"{manifest['process']['images']}/inventory.img" not in manifest["files"]:
+        raise bad_snapshot(snapshot_dir, "the process image has no inventory.img")
     if accept is not None:
         accept(manifest)
-    meta = manifest.get("process")
-    if manifest.get("tier") != "process" or not isinstance(meta, dict):
-        raise bad_snapshot(snapshot_dir, "holds no process image (tier is not 'process')")
-    if not (snapshot_dir / meta.get("images", IMAGES) / "inventory.img").is_file():
-        raise bad_snapshot(snapshot_dir, "the process image has no inventory.img")
     return manifest
 
 
