@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from test_unix_socket import NOBODY, foreign_listener, needs_root
+
 from snapfn.snapshot.process.criu import CriuConfig
 
 from criu_fakes import fake_criu
@@ -78,3 +80,15 @@ def test_doctor_says_whether_a_keeper_answers(tmp_path, monkeypatch):
         stop.set()
         serving.join(5)
     assert doctor._keeper_finding("580", {"SNAPFN_PINNED_SOCKET": ""}).detail.startswith("off")
+
+
+@needs_root
+def test_doctor_flags_a_keeper_socket_of_another_user(tmp_path):
+    from snapfn.snapshot.process import doctor
+
+    address = str(tmp_path / "keeper.sock")
+    with foreign_listener(address, {"ok": True}):
+        found = doctor._keeper_finding("580.159.04", {"SNAPFN_PINNED_SOCKET": address})
+    assert not found.ok
+    assert found.detail.startswith(f"keeper at {address} not trusted: its peer (pid ")
+    assert f"runs as uid {NOBODY}" in found.detail and found.detail.endswith("restores refuse it")

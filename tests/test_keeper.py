@@ -2,23 +2,36 @@
 prefetch whose regions are memfds, a recorded CUDA restore), the protocol and the fallbacks are
 real — a restore uses the keeper when it answers and does the work itself when it does not or
 refuses, a closed lease cancels a hand-over nobody took, a GPU-less keeper refuses GPU ops with
-its reason. The CUDA half runs in tests/test_process_gpu.py."""
+its reason; a keeper of another user (a child dropped to uid 65534) is refused by the restore,
+which does the work itself, and the keeper refuses such a user's connections. The CUDA half runs
+in tests/test_process_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from test_unix_socket import (
+    NOBODY,
+    foreign_client,
+    foreign_listener,
+    needs_root,
+    open_up,
+    reachable_dir,
+)
 
 from snapfn.snapshot.cuda import checkpoint as cuda_checkpoint
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.keeper import client as keeper
 from snapfn.snapshot.keeper import region_prefetch
-from snapfn.snapshot.keeper.client import KeeperPrefetch, KeeperUnavailable
+from snapfn.snapshot.keeper.client import KeeperNotTrusted, KeeperPrefetch, KeeperUnavailable
 from snapfn.snapshot.keeper.daemon import Keeper
 from snapfn.snapshot.keeper.pinned_cache import PinnedCache
 from snapfn.snapshot.keeper.region_prefetch import RegionSpec, prefetch_doc
@@ -201,6 +214,97 @@ def test_snapfn_keeper_serves_without_a_snapshot_until_stopped(tmp_path):
     assert "0 files, 0.00 GB pinned" in err and f"serving on {address}" in err
     with pytest.raises(KeeperUnavailable, match="no keeper at"):
         keeper.device_fields(address, 0)
+
+
+# what a fake keeper answers every request with: invented GPU fields and a CUDA restore "done"
+FAKE_ANSWER = {"ok": True, "fields": {"gpu_name": "FAKE GPU"}, "restore_s": 0.0, "unlock_s": 0.0}
+
+
+@needs_root
+def test_a_restore_refuses_a_keeper_of_another_user_and_does_the_work_itself(
+    tmp_path, recorded_cuda, monkeypatch
+):
+    from snapfn.snapshot.portable import compat
+
+    address = str(tmp_path / "keeper.sock")
+    monkeypatch.setattr(compat, "driver_api_fields", lambda i: {"gpu_name": "NVIDIA H200"})
+    monkeypatch.setattr(cuda_checkpoint, "available", lambda: (True, ""))
+    with foreign_listener(address, FAKE_ANSWER) as pid:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(address)
+            sock.send(b'{"op": "device"}')
+            assert json.loads(sock.recv(1 << 16)) == FAKE_ANSWER  # believed without the check
+        reason = f"keeper at {address} not trusted: its peer (pid {pid}) runs as uid {NOBODY}"
+        with pytest.raises(KeeperNotTrusted, match="^" + re.escape(reason)) as raised:
+            keeper.device_fields(address, 0)
+        assert isinstance(raised.value, KeeperUnavailable)  # the caller does the work itself
+        assert "\n" not in str(raised.value)
+        config = process.ProcessConfig(pinned_socket=address)
+        assert _current_compat("cuda:0", 1, config)["gpu_name"] == "NVIDIA H200"  # not FAKE
+        figures: dict = {}
+        process._cuda_restore(5, figures, address)
+        assert recorded_cuda == [("restore", 5), ("unlock", 5)]  # done here, not "by" the fake
+        assert figures["keeper"].startswith(reason) and "by" not in figures
+        doc = prefetch_doc([RegionSpec.from_json(spec())], tmp_path, timeout_s=10)
+        with pytest.raises(KeeperNotTrusted, match=re.escape(reason)):
+            KeeperPrefetch(address, doc)
+        miss = keeper.request(address, tmp_path / "keeper.sock")
+        assert miss.reason.startswith(reason)
+
+
+@needs_root
+def test_a_keeper_whose_directory_is_another_users_or_open_is_refused(fake_keeper, tmp_path):
+    _, address = fake_keeper
+    keeper.probe(address)  # trusted as it is
+    os.chown(tmp_path, NOBODY, NOBODY)
+    try:
+        with pytest.raises(KeeperNotTrusted, match=f"{tmp_path} is owned by uid {NOBODY}"):
+            keeper.call(address, {"op": "device"})
+    finally:
+        os.chown(tmp_path, 0, 0)
+    os.chmod(tmp_path, 0o777)
+    try:
+        with pytest.raises(KeeperNotTrusted, match=f"{tmp_path} is mode 0777, not 0700"):
+            keeper.call(address, {"op": "device"})
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+@needs_root
+def test_the_keeper_refuses_connections_of_another_user(recorded_cuda):
+    gpu_less = Keeper(PinnedCache("memfd"), cuda=False)
+    with reachable_dir() as directory:
+        address = str(directory / "keeper.sock")
+        stop, thread = serving(gpu_less, address)
+        try:
+            open_up(directory, directory / "keeper.sock")  # anyone may connect: still refused
+            answer = json.loads(foreign_client(address, {"op": "cuda_restore", "pid": 1}))
+            assert answer["ok"] is False
+            assert answer["reason"].startswith("not trusted: its peer (pid ")
+            assert f"runs as uid {NOBODY}, not this user (uid 0)" in answer["reason"]
+            assert recorded_cuda == []  # nothing was done for it
+            os.chmod(directory, 0o700)
+            with pytest.raises(RestoreFailed, match="this keeper has no GPU"):  # we are answered
+                keeper.cuda_restore(address, 1)
+        finally:
+            stop.set()
+            thread.join(5)
+
+
+def test_the_keeper_serves_only_in_a_private_directory(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    with pytest.raises(RestoreFailed, match=f"{loose} is mode 0755, not 0700"):
+        Keeper(PinnedCache("memfd"), cuda=False).serve(str(loose / "keeper.sock"))
+    assert not (loose / "keeper.sock").exists()
+    # `snapfn keeper` says why in one line and exits non-zero
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "keeper", "--backend", "memfd"]
+    done = subprocess.run(
+        argv + ["--socket", str(loose / "keeper.sock")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert f"{loose} is mode 0755, not 0700" in done.stderr and "Traceback" not in done.stderr
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:

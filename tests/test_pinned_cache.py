@@ -1,10 +1,12 @@
 """The pinned-copy keeper's protocol on CPU (memfd copies standing in for pinned CUDA host
 allocations): a file is served by its identity, a changed or unknown file is refused with the
-reason, no keeper is a quick miss; and `snapfn pin` as a process. The CUDA copies and the
-helper's fill from them: tests/test_process_gpu.py."""
+reason, no keeper is a quick miss, a lease that is not a whole copy of the file asked for is a
+miss too; and `snapfn pin` as a process. The CUDA copies and the helper's fill from them:
+tests/test_process_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -98,14 +100,88 @@ def test_a_bad_request_is_answered_and_the_keeper_keeps_serving(keeper):
     os.close(lease.fd)
 
 
+def _answer_once(address: str, reply: dict, fd_bytes: int) -> threading.Thread:
+    """A keeper of this user that answers one "file" request with `reply` and a memfd."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(1)
+
+    def answer() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            fd = os.memfd_create("fake")
+            os.ftruncate(fd, fd_bytes)
+            with conn:
+                conn.recv(1 << 16)
+                socket.send_fds(conn, [json.dumps(reply).encode()], [fd])
+            os.close(fd)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_lease_that_is_not_a_whole_copy_of_the_file_asked_for_is_a_miss(tmp_path):
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 8192)
+    asked = pinned_cache.FileIdentity.of(weights).to_json()
+    good = {"ok": True, "identity": asked, "size": 8192, "alloc_bytes": 8192, "location": "memfd"}
+    cases = [
+        ({**good, "identity": {**asked, "ino": asked["ino"] + 1}}, 8192, "not of the file asked"),
+        ({**good, "size": 4096}, 8192, "a copy of 4096 bytes of a file of 8192"),
+        ({**good, "alloc_bytes": 4096}, 8192, "an allocation of 4096 bytes for 8192"),
+        ({**good, "location": "device"}, 8192, "a copy in 'device'"),
+        (good, 100, "a memfd of 100 bytes for 8192"),
+        ({**good, "size": "many"}, 8192, "invalid literal"),
+    ]
+    for n, (reply, fd_bytes, reason) in enumerate(cases):
+        address = str(tmp_path / f"k{n}.sock")
+        thread = _answer_once(address, reply, fd_bytes)
+        miss = request(address, weights)
+        thread.join(5)
+        assert isinstance(miss, Miss), reply
+        assert (
+            miss.reason.startswith(f"keeper at {address} answered badly: ")
+            and reason in miss.reason
+        )
+    fds_before = len(os.listdir("/proc/self/fd"))
+    address = str(tmp_path / "good.sock")
+    thread = _answer_once(address, good, 8192)
+    lease = request(address, weights)
+    thread.join(5)
+    assert isinstance(lease, Lease) and lease.size == 8192
+    os.close(lease.fd)
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # every refused lease's fd was closed
+
+
 def test_restores_look_for_the_keeper_where_snapfn_pin_serves_by_default(tmp_path):
     from snapfn.snapshot.process.worker_process import ProcessConfig
 
     environ = {"XDG_RUNTIME_DIR": str(tmp_path)}
-    expected = str(tmp_path / f"snapfn-pinned-{os.getuid()}.sock")
+    expected = str(tmp_path / f"snapfn-{os.geteuid()}" / "keeper.sock")
     assert pinned_cache.default_socket(environ) == expected
     assert ProcessConfig.from_env(environ).pinned_socket == expected
     assert ProcessConfig.from_env({"SNAPFN_PINNED_SOCKET": ""}).pinned_socket == ""
+    assert pinned_cache.default_socket({}) == f"/tmp/snapfn-{os.geteuid()}/keeper.sock"
+    # the keeper makes that directory, private, and a restore finds it there
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 4096)
+    cache, stop = PinnedCache("memfd"), threading.Event()
+    cache.add(weights)
+    thread = threading.Thread(
+        target=Keeper(cache, cuda=False).serve, args=(expected, stop), daemon=True
+    )
+    thread.start()
+    try:
+        _wait_for(lambda: os.path.exists(expected))
+        st = os.stat(os.path.dirname(expected))
+        assert (st.st_mode & 0o777, st.st_uid) == (0o700, os.geteuid())
+        assert os.stat(expected).st_mode & 0o777 == 0o600
+        assert _leased(expected, weights)
+    finally:
+        stop.set()
+        thread.join(5)
+        cache.close()
 
 
 def test_snapfn_pin_refuses_a_snapshot_without_weight_regions(tmp_path):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,20 +72,22 @@ def foreign_listener(path: str | Path, reply: dict, fds: tuple[int, ...] = ()):
         os.waitpid(pid, 0)
 
 
-def foreign_client(path: str | Path, message: dict, kind=socket.SOCK_SEQPACKET) -> bytes:
+def foreign_client(path: str | Path, message: dict) -> bytes:
     """What a process running as uid 65534 is answered when it connects to `path` and sends
-    `message` (b"" when it is hung up on; the connection's error, as bytes, when it fails)."""
+    `message` (b"" when it is hung up on; the connection's error, as bytes, when it fails).
+    A send that fails (a server that has hung up already) still reads what it was sent."""
     answer_r, answer_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(answer_r)
             _become_nobody()
-            with socket.socket(socket.AF_UNIX, kind) as sock:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
                 sock.settimeout(10)
                 try:
                     sock.connect(str(path))
-                    sock.send(json.dumps(message).encode())
+                    with contextlib.suppress(BrokenPipeError):
+                        sock.send(json.dumps(message).encode())
                     answer = sock.recv(1 << 16)
                 except OSError as exc:
                     answer = f"error: {exc}".encode()
@@ -95,6 +99,17 @@ def foreign_client(path: str | Path, message: dict, kind=socket.SOCK_SEQPACKET) 
         answer = answers.read()
     os.waitpid(pid, 0)
     return answer
+
+
+@contextlib.contextmanager
+def reachable_dir():
+    """A fresh private directory straight under the system temp dir (pytest's own are inside
+    directories only root can enter): `open_up` then lets another user reach a socket in it."""
+    directory = Path(tempfile.mkdtemp(prefix="snapfn-test-"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def open_up(directory: Path, sock: Path) -> None:

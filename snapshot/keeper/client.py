@@ -1,6 +1,9 @@
 """The restorer's end of the keeper (daemon.py has the protocol): one request per connection,
-each failure a `KeeperUnavailable` (nobody answered: do the work yourself) or a `RestoreFailed`
-with the keeper's reason. Nothing here imports torch."""
+each failure a `KeeperUnavailable` (nobody answered, or nobody to trust: do the work yourself)
+or a `RestoreFailed` with the keeper's reason. A keeper is trusted only when its socket's
+directory is private (0700, this user's or root's) and the process listening runs as this user
+or as root (SO_PEERCRED, snapshot/unix_socket.py); anything else is refused with the reason
+before a byte is sent. Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.snapshot.errors import RestoreFailed, one_line
-from snapfn.snapshot.keeper.pinned_cache import MAX_MESSAGE, FileIdentity, Lease, Miss
+from snapfn.snapshot.keeper.pinned_cache import LOCATIONS, MAX_MESSAGE, FileIdentity, Lease, Miss
+from snapfn.snapshot.unix_socket import peer_problem, private_dir_problem
 
 CALL_TIMEOUT_S = 5.0  # the quick requests (device, prefetch's start)
 RESTORE_TIMEOUT_S = 60.0  # the CUDA restore of a worker (0.24–0.55 s for an 8B on the H200)
@@ -34,9 +38,24 @@ def answers(address: str) -> bool:
     return True
 
 
+class KeeperNotTrusted(KeeperUnavailable):
+    """Something listens where the keeper should, but not as this user or root (or its
+    directory is not private): refused, and the caller does the work itself."""
+
+
+def probe(address: str) -> None:
+    """Connect to the keeper at `address` and hang up, asking nothing; KeeperUnavailable
+    (KeeperNotTrusted: someone else's socket) when a restore would not use it."""
+    _connect(address, 1.0).close()
+
+
 def _connect(address: str, timeout_s: float) -> socket.socket:
+    """A connection to the keeper at `address`, its directory and its peer checked."""
     if not address or not os.path.exists(address):
         raise KeeperUnavailable(f"no keeper at {address or '(none configured)'}")
+    untrusted = private_dir_problem(os.path.dirname(os.path.abspath(address)))
+    if untrusted is not None:
+        raise KeeperNotTrusted(f"keeper at {address} not trusted: {untrusted}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(timeout_s)
     try:
@@ -44,6 +63,10 @@ def _connect(address: str, timeout_s: float) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise KeeperUnavailable(one_line(f"keeper at {address}: {exc}")) from None
+    untrusted = peer_problem(sock)
+    if untrusted is not None:
+        sock.close()
+        raise KeeperNotTrusted(f"keeper at {address} not trusted: {untrusted}")
     return sock
 
 
@@ -64,10 +87,13 @@ def _exchange(sock: socket.socket, address: str, message: Mapping[str, Any]) -> 
 
 def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | Miss:
     """Ask the keeper at `address` for `path`'s pinned copy (the "file" op, for a helper
-    process); never raises: a Miss says why not."""
+    process); never raises: a Miss says why not. The lease is checked against what was asked:
+    the same file identity, its size, an allocation that holds it, a known location (the bytes
+    themselves are checked by the worker, chunk by chunk, once they are in its regions)."""
     try:
+        asked = FileIdentity.of(path)
         with _connect(address, timeout_s) as sock:
-            sock.send(json.dumps(FileIdentity.of(path).to_json()).encode())
+            sock.send(json.dumps(asked.to_json()).encode())
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
     except KeeperUnavailable as exc:
         return Miss(str(exc))
@@ -75,17 +101,35 @@ def request(address: str, path: Path | str, timeout_s: float = 2.0) -> Lease | M
         return Miss(one_line(f"keeper at {address}: {exc}"))
     try:
         reply = json.loads(data)
+        if not isinstance(reply, dict):
+            raise ValueError("not a JSON object")
         if not reply.get("ok"):
-            return Miss(str(reply.get("reason", "refused")))
+            return Miss(one_line(str(reply.get("reason", "refused"))))
         if len(fds) != 1:
             raise ValueError(f"{len(fds)} fds with the reply")
-        size, alloc_bytes = int(reply["size"]), int(reply["alloc_bytes"])
-        return Lease(fds.pop(), size, alloc_bytes, str(reply["location"]))
-    except (ValueError, KeyError, TypeError) as exc:
+        lease = Lease(fds[0], int(reply["size"]), int(reply["alloc_bytes"]), str(reply["location"]))
+        _check_lease(lease, asked, reply.get("identity"))
+        fds.clear()  # the caller's now
+        return lease
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         return Miss(one_line(f"keeper at {address} answered badly: {exc}"))
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _check_lease(lease: Lease, asked: FileIdentity, identity: Any) -> None:
+    """ValueError unless `lease` is a copy of the file `asked` for, whole."""
+    if identity != asked.to_json():
+        raise ValueError(f"a copy of {identity}, not of the file asked for ({asked.to_json()})")
+    if lease.size != asked.size:
+        raise ValueError(f"a copy of {lease.size} bytes of a file of {asked.size}")
+    if lease.alloc_bytes < lease.size:
+        raise ValueError(f"an allocation of {lease.alloc_bytes} bytes for {lease.size}")
+    if lease.location not in LOCATIONS:
+        raise ValueError(f"a copy in {lease.location!r} (one of {', '.join(LOCATIONS)} expected)")
+    if lease.location == "memfd" and os.fstat(lease.fd).st_size < lease.size:
+        raise ValueError(f"a memfd of {os.fstat(lease.fd).st_size} bytes for {lease.size}")
 
 
 def call(address: str, message: Mapping[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict:

@@ -13,8 +13,11 @@ fields, for the regions (made and filled here, in its context, straight from the
 when it holds them) and for the CUDA restore and unlock of the restored worker's pid. A restore
 that does not find it, or whose request fails, does that work itself as before.
 
-Protocol (SOCK_SEQPACKET, one JSON request per connection, "op" names it; the socket is 0600:
-the keeper serves its own user's restores only):
+Protocol (SOCK_SEQPACKET, one JSON request per connection, "op" names it). The keeper serves
+its own user's restores only: its socket (0600) is in a private directory (0700, its user's;
+made when missing, refused when another user owns it or it is open to others), and every
+connection whose peer runs as neither its user nor root (SO_PEERCRED) is answered
+{"ok": false, "reason": "not trusted: …"} and closed unread (snapshot/unix_socket.py):
 
     file          {dev, ino, size, mtime_ns}   → a pinned copy's fd (`request`)
     device        {index}                      → {"fields"}: the compat key's GPU fields
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -49,9 +53,12 @@ from snapfn.snapshot.keeper.pinned_cache import (
     default_socket,
     files_to_pin,
 )
+from snapfn.snapshot.unix_socket import ensure_private_dir, peer_problem
 
 if TYPE_CHECKING:
     from snapfn.snapshot.keeper.region_fill import RegionPrefetch
+
+log = logging.getLogger(__name__)
 
 
 class Keeper:
@@ -75,8 +82,12 @@ class Keeper:
             use_primary_context(driver(), self.device)  # held for the keeper's life
 
     def serve(self, address: str, stop: threading.Event | None = None) -> None:
-        """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when a
-        keeper already answers there (a stale socket file is replaced)."""
+        """Answer requests on `address` until `stop` is set (or forever). RestoreFailed when its
+        directory is not private to this user, or a keeper already answers there (a stale
+        socket file is replaced)."""
+        untrusted = ensure_private_dir(os.path.dirname(os.path.abspath(address)))
+        if untrusted is not None:
+            raise RestoreFailed(f"the keeper does not serve on {address}: {untrusted}")
         if answers(address):
             raise RestoreFailed(f"another keeper already serves on {address}")
         with contextlib.suppress(FileNotFoundError):
@@ -100,6 +111,12 @@ class Keeper:
 
     def _answer(self, conn: socket.socket) -> None:
         with conn:
+            untrusted = peer_problem(conn)
+            if untrusted is not None:
+                log.warning("snapfn keeper: refused a connection: %s", untrusted)
+                _send(conn, {"ok": False, "reason": f"not trusted: {untrusted}"})
+                _discard_request(conn)
+                return
             conn.settimeout(CALL_TIMEOUT_S)
             try:
                 request = json.loads(conn.recv(MAX_MESSAGE))
@@ -173,6 +190,14 @@ def _send(conn: socket.socket, reply: Mapping[str, Any]) -> None:
         conn.send(json.dumps(reply).encode())
 
 
+def _discard_request(conn: socket.socket, timeout_s: float = 0.5) -> None:
+    """Take the request a refused peer sent, unread, so that closing does not reset the
+    connection before it reads the refusal (unix sockets reset a peer whose data is unread)."""
+    conn.settimeout(timeout_s)
+    with contextlib.suppress(OSError):
+        conn.recv(MAX_MESSAGE)
+
+
 # ---- snapfn keeper / snapfn pin ------------------------------------------------------------------
 def add_keeper_arguments(parser) -> None:
     _add_arguments(parser, snapshot_required=False, hold="page-cache")
@@ -196,8 +221,9 @@ def _add_arguments(parser, snapshot_required: bool, hold: str) -> None:
     parser.add_argument(
         "--socket",
         default=None,
-        help="where to serve (default: $SNAPFN_PINNED_SOCKET, else"
-        " $XDG_RUNTIME_DIR or /tmp, /snapfn-pinned-UID.sock); restores look there too",
+        help="where to serve, in a directory private to this user (made 0700 when missing;"
+        " default: $SNAPFN_PINNED_SOCKET, else $XDG_RUNTIME_DIR or /tmp, /snapfn-UID/keeper.sock);"
+        " restores look there too",
     )
     parser.add_argument(
         "--device",

@@ -17,11 +17,14 @@ restore's helper imports the fd, maps it and copies from it (`bench/probes/host_
 and map 0.06 s, 55.3 GB/s). The price: the files' bytes stay pinned in RAM while the keeper runs.
 
 Protocol (the keeper's "file" op, SOCK_SEQPACKET, one request per connection): →
-{"dev", "ino", "size", "mtime_ns"} of the file as the client sees it; ← {"ok": true, "size",
-"alloc_bytes", "location"} with the fd, or {"ok": false, "reason"}. A copy is matched by the
-file's identity (device, inode, size, modification time); the worker checks every chunk's
-sum64 on the GPU after the hand-over, so a wrong copy is refused like a damaged file and the
-restore falls back.
+{"dev", "ino", "size", "mtime_ns"} of the file as the client sees it; ← {"ok": true, "identity",
+"size", "alloc_bytes", "location"} with the fd, or {"ok": false, "reason"}. A copy is matched by
+the file's identity (device, inode, size, modification time). The client (`client.request`)
+trusts only a keeper of its own user or root (snapshot/unix_socket.py) and takes a lease only
+for the identity it asked, of that file's size, in an allocation that holds it; the bytes are
+checked where they land: the worker checks every chunk's sum64 on the GPU after the hand-over,
+as it checks streamed weights, so a wrong copy is refused like a damaged file and the restore
+falls back.
 
 Backends: "cuda" (the above) and "memfd" (an unpinned memfd with the file's bytes: the protocol
 without a GPU, for tests and for CPU machines, where nothing reads it).
@@ -39,11 +42,13 @@ from typing import Any
 
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.layout.preads import preadv_exact
+from snapfn.snapshot.unix_socket import default_dir
 
 MAX_MESSAGE = 1 << 16
 # "cuda": a copy in CUDA host-NUMA memory, exportable; "page-cache": the file's page-cache pages
 # registered in place (the keeper's own prefetches only); "memfd": the protocol without a GPU
 BACKENDS = ("cuda", "page-cache", "memfd")
+LOCATIONS = ("host_numa", "memfd")  # where a leased copy is: "cuda" copies, "memfd" copies
 FILL_THREADS = 8
 FILL_BYTES = 64 << 20
 
@@ -84,9 +89,9 @@ class Miss:
 
 
 def default_socket(environ: Mapping[str, str]) -> str:
-    """Where `snapfn pin` listens and a restore looks, unless told otherwise."""
-    base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return str(Path(base) / f"snapfn-pinned-{os.getuid()}.sock")
+    """Where `snapfn keeper` / `snapfn pin` listens and a restore looks, unless told otherwise:
+    keeper.sock in this user's private socket directory (snapshot/unix_socket.py)."""
+    return str(default_dir(environ) / "keeper.sock")
 
 
 @dataclass
@@ -127,6 +132,7 @@ class PinnedCache:
             return "page-cache pins serve the keeper's own prefetches only (it makes the regions)"
         location = "host_numa" if self.backend == "cuda" else "memfd"
         return found.fd, {
+            "identity": asked.to_json(),
             "size": asked.size,
             "alloc_bytes": found.alloc_bytes,
             "location": location,

@@ -7,7 +7,8 @@ driver checkpoint API, page-cache drop, disk free — ending with a verdict on p
 nothing (no GPU on a CPU machine) are `ok=True` with the fact in `detail`. Nothing is imported
 or initialised that a plain look can avoid: torch's version comes from package metadata,
 CUDA is initialised only with `cuda=True` (`--cuda`), `cuCheckpointProcessLock` is only
-looked up, never called, and a keeper is only connected to, never asked anything. `run(args)` prints `format_findings` and exits 0 when every finding
+looked up, never called, and a keeper is only connected to (its directory and peer checked as
+a restore checks them), never asked anything. `run(args)` prints `format_findings` and exits 0 when every finding
 is ok, else 1.
 """
 
@@ -166,7 +167,7 @@ def _disk_free_finding(path: Path, min_free_gib: float) -> Finding:
 def _keeper_finding(driver: str | None, environ) -> Finding:
     """Whether a `snapfn keeper` answers where this machine's tier-1 restores look (a fact:
     without one they still work, slower)."""
-    from snapfn.snapshot.keeper.client import answers
+    from snapfn.snapshot.keeper import client as keeper
     from snapfn.snapshot.keeper.pinned_cache import default_socket
 
     if driver is None:
@@ -174,7 +175,13 @@ def _keeper_finding(driver: str | None, environ) -> Finding:
     address = environ.get("SNAPFN_PINNED_SOCKET", default_socket(environ))
     if not address:
         return Finding("keeper", True, "off (SNAPFN_PINNED_SOCKET is empty)")
-    if answers(address):
+    try:
+        keeper.probe(address)
+    except keeper.KeeperNotTrusted as exc:  # someone else's socket where restores look
+        return Finding("keeper", False, f"{exc}; tier-1 restores refuse it")
+    except keeper.KeeperUnavailable:
+        pass
+    else:
         return Finding("keeper", True, f"answering at {address}")
     return Finding(
         "keeper",
