@@ -1,13 +1,25 @@
 """The restorer-side region prefetch (snapshot/keeper/region_prefetch.py, region_fill.py): specs, and the hand-over of
-region fds to the worker over a unix socket. The CUDA half (cuMemCreate, fills, imports) runs in
-tests/test_process_gpu.py on a GPU; here the regions are memfds standing in for CUDA handles."""
+region fds to the worker over a unix socket, only between processes of one user (or root) in a
+private directory. The CUDA half (cuMemCreate, fills, imports) runs in tests/test_process_gpu.py
+on a GPU; here the regions are memfds standing in for CUDA handles."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import threading
 
 import pytest
+from test_unix_socket import (
+    NOBODY,
+    foreign_client,
+    foreign_listener,
+    needs_root,
+    open_up,
+    reachable_dir,
+)
 
 from snapfn.snapshot.keeper import region_prefetch
 from snapfn.snapshot.keeper.region_fill import RegionPrefetch, _Made
@@ -139,3 +151,67 @@ def test_a_file_region_takes_its_own_range_of_the_file():
     ranged = RegionSpec.from_json(spec(offset=6 * MiB))
     assert _range_bytes(ranged, 16 * MiB) == 4 * MiB  # its region's size
     assert _range_bytes(ranged, 8 * MiB) == 2 * MiB  # up to the file's end
+
+
+@needs_root
+def test_the_worker_takes_regions_only_from_a_process_of_its_own_user(tmp_path):
+    address = str(tmp_path / "sock")
+    region = os.memfd_create("fake-weights")
+    offer = {"ok": True, "error": None, "figures": {}, "regions": [1 << 40]}
+    try:
+        with foreign_listener(address, offer, fds=(region,)) as pid:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                sock.connect(address)
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+                assert json.loads(data) == offer and len(fds) == 1  # offered, without the check
+                os.close(fds[0])
+            fds_before = len(os.listdir("/proc/self/fd"))
+            reason = f"the regions' socket {address} is not trusted: its peer (pid {pid}) runs"
+            with pytest.raises(PermissionError, match="^" + re.escape(reason)):
+                region_prefetch.receive(address, timeout_s=5)
+            assert len(os.listdir("/proc/self/fd")) == fds_before  # nothing taken from it
+    finally:
+        os.close(region)
+
+
+@needs_root
+def test_the_prefetch_hands_its_regions_only_to_a_process_of_its_own_user():
+    with reachable_dir() as directory:
+        address = directory / "sock"
+        specs = [RegionSpec.from_json(spec(name="w", address=1 << 40))]
+        thread, result = serve_in_thread(
+            MemfdPrefetch(specs, directory, str(address), timeout_s=10)
+        )
+        while not address.exists():
+            threading.Event().wait(0.01)
+        open_up(directory, address)  # anyone may connect: still refused
+        answer = json.loads(foreign_client(address, None))
+        assert answer["ok"] is False and answer["error"].startswith("not trusted: its peer")
+        message, fds, sock = region_prefetch.receive(str(address), timeout_s=10)
+        assert message["ok"] and os.pread(fds[1 << 40], 8, 0) == b"w"  # still ours to take
+        assert f"runs as uid {NOBODY}" in message["figures"]["refused"]
+        os.close(fds[1 << 40])
+        region_prefetch.ack(sock)
+        thread.join(10)
+        assert result == [True]
+
+
+def test_a_prefetch_listens_only_in_a_private_directory_and_answers_only_json_objects(tmp_path):
+    from snapfn.snapshot.errors import RestoreFailed
+
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    with pytest.raises(RestoreFailed, match=f"{loose} is mode 0755, not 0700"):
+        MemfdPrefetch([RegionSpec.from_json(spec())], tmp_path, str(loose / "sock"))
+    assert not (loose / "sock").exists()
+    address = str(tmp_path / "sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(address)
+        listener.listen(1)
+        for bad, reason in [(b"[1, 2]", "not a JSON object"), (b'{"regions": "x"}', "not a list")]:
+            accepted = threading.Thread(target=lambda b=bad: listener.accept()[0].send(b))
+            accepted.start()
+            with pytest.raises(ValueError, match=reason):
+                region_prefetch.receive(address, timeout_s=5)
+            accepted.join(5)

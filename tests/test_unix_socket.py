@@ -72,10 +72,11 @@ def foreign_listener(path: str | Path, reply: dict, fds: tuple[int, ...] = ()):
         os.waitpid(pid, 0)
 
 
-def foreign_client(path: str | Path, message: dict) -> bytes:
+def foreign_client(path: str | Path, message: dict | None) -> bytes:
     """What a process running as uid 65534 is answered when it connects to `path` and sends
-    `message` (b"" when it is hung up on; the connection's error, as bytes, when it fails).
-    A send that fails (a server that has hung up already) still reads what it was sent."""
+    `message` (None: sends nothing; b"" when it is hung up on; the connection's error, as
+    bytes, when it fails). A send that fails (a server that has hung up already) still reads
+    what it was sent."""
     answer_r, answer_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -87,7 +88,8 @@ def foreign_client(path: str | Path, message: dict) -> bytes:
                 try:
                     sock.connect(str(path))
                     with contextlib.suppress(BrokenPipeError):
-                        sock.send(json.dumps(message).encode())
+                        if message is not None:
+                            sock.send(json.dumps(message).encode())
                     answer = sock.recv(1 << 16)
                 except OSError as exc:
                     answer = f"error: {exc}".encode()

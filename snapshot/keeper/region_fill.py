@@ -9,7 +9,11 @@ pinned slots, copies on each reader's stream), "zero" regions mapped and zeroed;
 to the first connection on the unix socket at `address` with {"ok", "error", "figures",
 "regions"}, and after the worker's ack everything here is let go (the worker's imports keep the
 memory). A failure is handed over as its reason; the worker then makes its regions itself.
-Nothing here imports torch.
+The socket's directory must be private (the restorer's `prefetch_doc` makes one), and only a
+peer of this user or root (SO_PEERCRED, snapshot/unix_socket.py) is handed the fds; another is
+refused and the wait goes on. A pinned copy from a keeper is used only when `client.request`
+took its lease (a trusted keeper, the file's identity and size), and the bytes it fills are
+checked by the worker like streamed ones. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from snapfn.snapshot.keeper.file_mapping import FileMapping
 from snapfn.snapshot.keeper.pinned_cache import PinnedCache
 from snapfn.snapshot.keeper.region_prefetch import MAX_MESSAGE, RegionSpec
 from snapfn.snapshot.layout.preads import preadv_exact
+from snapfn.snapshot.unix_socket import peer_problem, private_dir_problem
 
 SLOT_BYTES = 16 << 20  # pinned staging buffer per reader, two per reader
 READS = ("pread", "register")  # how readers get file bytes to the device (see _Fill)
@@ -137,6 +142,9 @@ class RegionPrefetch:
         self._imports: list[
             tuple[int, int, Any]
         ] = []  # pinned copies mapped here: va, size, handle
+        untrusted = private_dir_problem(os.path.dirname(os.path.abspath(address)))
+        if untrusted is not None:
+            raise RestoreFailed(f"the regions' socket {address} is not private: {untrusted}")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(address)
         self._listener.listen(1)
@@ -271,19 +279,27 @@ class RegionPrefetch:
         self._cancelled.set()
 
     def _serve(self) -> bool:
-        """Hand the fds to the first connection and wait for its ack; False if none came
-        (timed out or cancelled)."""
+        """Hand the fds to the first trusted connection and wait for its ack; False if none
+        came (timed out or cancelled). A peer of another user is refused (its reason in the
+        figures: "refused") and the wait goes on."""
         self._listener.settimeout(0.05)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 conn, _ = self._listener.accept()
-                break
             except TimeoutError:
                 if self._cancelled.is_set() or time.monotonic() > deadline:
                     return False
+                continue
             except OSError:
                 return False
+            untrusted = peer_problem(conn)
+            if untrusted is None:
+                break
+            self.figures["refused"] = untrusted
+            refusal = {"ok": False, "error": f"not trusted: {untrusted}"}
+            with conn, contextlib.suppress(OSError):
+                conn.send(json.dumps(refusal).encode())
         with conn:
             conn.settimeout(self.timeout_s)
             message = {"ok": self.error is None, "error": self.error, "figures": self.figures}
