@@ -1,14 +1,27 @@
-"""The zygote fork server: preloaded imports, millisecond forks, exit reporting, clean close."""
+"""The zygote fork server: preloaded imports, millisecond forks, exit reporting, clean close; its
+socket trusted only between processes of one user (or root), both ends, in a private directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_unix_socket import (
+    NOBODY,
+    foreign_client,
+    foreign_listener,
+    needs_root,
+    open_up,
+    reachable_dir,
+)
 
 from snapfn.snapshot.errors import BadRequest, InitFailed
 from snapfn.snapshot.zygote.owner import Zygote, run_worker_inline
@@ -210,3 +223,62 @@ def test_cuda_worker_initialises_cuda_after_fork(torch_zygote, fork):
     worker = fork(torch_zygote, "zygote_targets:use_cuda", {})
     assert worker.channel.recv(timeout_s=60) == {"sum": 12.0, "cuda_initialized": True}
     assert worker.wait(10) == 0
+
+
+@needs_root
+def test_fork_refuses_a_zygote_socket_of_another_user(tmp_path):
+    private_dir = tmp_path / "zygote"
+    private_dir.mkdir(mode=0o700)
+    socket_path = private_dir / "zygote.sock"
+    stand_in = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    zygote = Zygote(stand_in, socket_path, private_dir / "zygote.log", {}, 1, private_dir)
+    try:
+        with foreign_listener(socket_path, {"ok": True, "pid": 1}) as pid:
+            reason = f"zygote {stand_in.pid}'s socket is not trusted: its peer (pid {pid}) runs"
+            with pytest.raises(InitFailed, match="^" + re.escape(reason)) as raised:
+                zygote.fork("zygote_targets:report", {"t_request": 0.0})
+            assert f"as uid {NOBODY}" in str(raised.value) and "\n" not in str(raised.value)
+    finally:
+        zygote.close()
+
+
+def test_fork_refuses_a_zygote_directory_opened_to_others(light_zygote, fork):
+    light_zygote._private_dir.chmod(0o755)
+    with pytest.raises(InitFailed, match=r"is mode 0755, not 0700"):
+        fork(light_zygote, "zygote_targets:exit_with", {"code": 0})
+    light_zygote._private_dir.chmod(0o700)
+    assert fork(light_zygote, "zygote_targets:exit_with", {"code": 4}).wait(10) == 4
+
+
+@needs_root
+def test_the_zygote_refuses_a_fork_request_of_another_user(fork):
+    with reachable_dir() as directory:
+        zygote = Zygote.start(["zygote_targets"], env=zygote_env(), socket_dir=directory)
+        try:
+            os.chmod(directory, 0o711)
+            open_up(zygote._private_dir, zygote.socket_path)  # anyone may connect: still refused
+            answer = json.loads(foreign_client(zygote.socket_path, None))
+            assert answer["ok"] is False
+            assert answer["error"].startswith("not trusted: its peer (pid ")
+            assert f"runs as uid {NOBODY}, not this user (uid 0)" in answer["error"]
+            zygote._private_dir.chmod(0o700)
+            assert fork(zygote, "zygote_targets:exit_with", {"code": 3}).wait(10) == 3
+            assert "zygote: refused a connection: its peer (pid " in zygote.log_path.read_text()
+        finally:
+            zygote.close()
+
+
+def test_the_zygote_serves_only_in_a_private_directory(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    argv = [sys.executable, "-m", "snapfn.snapshot.zygote.server", "--socket"]
+    done = subprocess.run(
+        argv + [str(loose / "zygote.sock")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 4
+    assert done.stderr.strip().endswith(
+        f"refusing to serve: {loose} is mode 0755, not 0700:"
+        " other users could reach or place its sockets"
+    )
+    assert not (loose / "zygote.sock").exists()

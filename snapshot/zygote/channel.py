@@ -12,7 +12,8 @@ Three parties: the owner (`zygote.Zygote`, which starts the zygote process), the
                         A close stops new forks; the zygote SIGKILLs its workers' process groups
                         (kill_workers) or waits for them to exit (drain), reaps them all, exits.
   request socket        AF_UNIX SOCK_SEQPACKET at <private 0700 temp dir>/zygote.sock, one
-                        connection per worker, one JSON object per packet:
+                        connection per worker, one JSON object per packet; both ends refuse a
+                        peer that runs as neither their user nor root (SO_PEERCRED):
       -> {"op": "fork", "target": "pkg.module:function", "args": {...}, "env": {str: str}}
          with SCM_RIGHTS carrying 4 fds: the worker's stdin, stdout, stderr, control channel
       <- {"ok": true, "pid": int}  or  {"ok": false, "error": str} (then the zygote hangs up)

@@ -11,6 +11,11 @@ in this process instead, behind the same surface. The protocol is in channel.py.
 
 NOTE: CUDA must not be initialised in the zygote (fork_safety.py): a child forked after its
 parent initialised CUDA cannot use CUDA. `start` fails with InitFailed if a preload module did.
+
+The zygote's socket lives in a fresh private directory (mkdtemp: 0700, this user's). Each fork
+checks, before it sends anything, that the directory is still private and that the process
+listening runs as this user or as root (SO_PEERCRED, snapshot/unix_socket.py); anything else is
+an InitFailed with the reason, and the zygote itself refuses peers of other users the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed
+from snapfn.snapshot.unix_socket import peer_problem, private_dir_problem
 from snapfn.snapshot.zygote.channel import (
     MAX_REQUEST_BYTES,
     Channel,
@@ -214,10 +220,17 @@ class Zygote:
     def _send_fork(
         self, packet: bytes, fds: list[int], timeout_s: float
     ) -> tuple[socket.socket, int]:
+        untrusted = private_dir_problem(self.socket_path.parent)
+        if untrusted is not None:
+            raise InitFailed(f"zygote {self.pid}'s socket is not trusted: {untrusted}")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.settimeout(timeout_s)
             conn.connect(str(self.socket_path))
+            untrusted = peer_problem(conn)
+            if untrusted is not None:
+                conn.close()
+                raise InitFailed(f"zygote {self.pid}'s socket is not trusted: {untrusted}")
             socket.send_fds(conn, [packet], fds)
             reply = json.loads(conn.recv(MAX_REQUEST_BYTES) or b"{}")
         except (OSError, ValueError) as exc:

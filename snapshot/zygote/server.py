@@ -7,8 +7,11 @@ Started by `zygote.Zygote.start`, never imported by the owner. It imports the pr
 if that left it unsafe to fork (fork_safety.py), freezes the preloaded heap out of the garbage
 collector (fewer copy-on-write pages), then runs one single-threaded select loop over the request
 socket, the owner's lifeline on stdin and a signal wakeup pipe (SIGCHLD to reap, SIGTERM to close
-killing workers). The protocol is in channel.py. Exit status: 0 after a close, 2 when a preload
-failed, 3 when preloading left it unsafe to fork; its workers are killed and reaped on any exit.
+killing workers). The protocol is in channel.py. A connection whose peer runs as neither this
+user nor root (SO_PEERCRED) is answered {"ok": false, "error": "not trusted: …"} and closed
+before anything is read from it. Exit status: 0 after a close, 2 when a preload failed, 3 when
+preloading left it unsafe to fork, 4 when its socket's directory is not private to this user
+(snapshot/unix_socket.py); its workers are killed and reaped on any exit.
 
 A worker closes the zygote's sockets, takes the passed fds as 0/1/2, resets signal handlers,
 calls `os.setsid()`, reseeds `random` (and numpy's global state when loaded), applies `env`,
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.snapshot.errors import BadRequest, InitFailed
+from snapfn.snapshot.unix_socket import ensure_private_dir, peer_problem
 from snapfn.snapshot.zygote.channel import MAX_REQUEST_BYTES, Channel, recv_fork_request, run_target
 from snapfn.snapshot.zygote.fork_safety import (
     adopt_stdio,
@@ -139,6 +143,12 @@ class _Server:
 
     def _accept(self, listener: socket.socket) -> None:
         conn, _ = listener.accept()
+        untrusted = peer_problem(conn)
+        if untrusted is not None:
+            print(f"zygote: refused a connection: {untrusted}", file=sys.stderr)
+            _send_json(conn, {"ok": False, "error": f"not trusted: {untrusted}"})
+            conn.close()
+            return
         conn.settimeout(REQUEST_RECV_TIMEOUT_S)
         try:
             request, fds = recv_fork_request(conn)
@@ -253,10 +263,15 @@ def serve(socket_path: Path, preload: Sequence[str]) -> int:
     if problem is not None:
         print(f"zygote: refusing to serve: {problem}", file=sys.stderr)
         return 3
+    untrusted = ensure_private_dir(socket_path.parent)
+    if untrusted is not None:
+        print(f"zygote: refusing to serve: {untrusted}", file=sys.stderr)
+        return 4
     gc.collect()
     gc.freeze()  # keep the preloaded heap out of the collector: fewer copy-on-write pages
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(str(socket_path))
+    os.chmod(socket_path, 0o600)
     listener.listen(64)
     ready = {"ready": True, "pid": os.getpid(), "preload_s": preload_s}
     ready["num_native_threads"] = count_native_threads()
