@@ -38,7 +38,7 @@ def test_each_gpu_gets_a_keeper_and_its_instances_are_told_where(tmp_path):
     plan = plan_for(
         "--snapshot", str(snap), "--keeper", "on", environ={"XDG_RUNTIME_DIR": "/run/u"}
     )
-    assert plan.keeper_dir == f"/run/u/snapfn-keepers-{os.getpid()}"
+    assert plan.keeper_dir == f"/run/u/snapfn-{os.geteuid()}/keepers-{os.getpid()}"
     argv = plan.keeper_argv("1")
     assert argv[1:4] == ["-m", "snapfn.handler.cli", "keeper"]
     assert argv[argv.index("--socket") + 1] == f"{plan.keeper_dir}/gpu1.sock"
@@ -103,7 +103,9 @@ def test_keepers_start_with_their_gpu_and_stop_with_the_activator(tmp_path):
     keepers = Keepers(StandInPlan(plan, tmp_path))
     keepers.start()
     try:
-        assert os.path.isdir(plan.keeper_dir)
+        for directory in (Path(plan.keeper_dir).parent, Path(plan.keeper_dir)):  # both private
+            st = directory.stat()
+            assert (st.st_mode & 0o777, st.st_uid) == (0o700, os.geteuid()), directory
         wait_for(lambda: (tmp_path / "gpu0").exists() and (tmp_path / "gpu1").exists())
         assert keepers.exited() == {}
         procs = list(keepers.procs.values())
@@ -122,3 +124,17 @@ def test_a_keeper_that_exits_is_reported_not_fatal(tmp_path):
     off = Keepers(plan_for())
     off.start()  # keeper off: nothing starts
     assert off.procs == {}
+
+
+def test_no_keeper_starts_in_a_socket_directory_that_is_not_private(tmp_path, caplog):
+    plan = plan_for("--keeper", "on", environ={"XDG_RUNTIME_DIR": str(tmp_path)})
+    parent = Path(plan.keeper_dir).parent
+    parent.mkdir()
+    parent.chmod(0o755)  # e.g. made by someone else, or by hand
+    keepers = Keepers(StandInPlan(plan, tmp_path))
+    with caplog.at_level("WARNING", logger="snapfn.activator"):
+        keepers.start()
+    assert keepers.procs == {} and not (tmp_path / "gpu0").exists()
+    assert f"no keepers: {parent} is mode 0755, not 0700" in caplog.text
+    keepers.stop()
+    assert parent.is_dir() and parent.stat().st_mode & 0o777 == 0o755  # left as it was

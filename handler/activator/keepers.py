@@ -6,19 +6,22 @@ llama on the H200, docs/benchmarks.md).
 
 A keeper is an optimisation, never a dependency: an instance that finds its keeper gone (it
 failed to start, it died) restores without it, as with `--keeper off`. So a keeper that exits
-is logged, not restarted, and the activator serves on.
+is logged, not restarted, and the activator serves on. The keepers' sockets live in a directory
+private to this user (`<$XDG_RUNTIME_DIR or /tmp>/snapfn-UID/keepers-PID`, each 0700); when
+either directory is another user's or open to others, no keeper starts and the reason is logged.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from snapfn.handler.activator.plan import ActivatorPlan
+from snapfn.snapshot.unix_socket import ensure_private_dir
 
 log = logging.getLogger("snapfn.activator")
 STOP_TIMEOUT_S = 10.0
@@ -30,11 +33,17 @@ class Keepers:
 
     plan: ActivatorPlan
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _own_dir: bool = field(default=False, repr=False)  # the sockets' directory passed its check
 
     def start(self) -> None:
         if not self.plan.keeper_dir:
             return
-        os.makedirs(self.plan.keeper_dir, mode=0o700, exist_ok=True)
+        keeper_dir = Path(self.plan.keeper_dir)
+        untrusted = ensure_private_dir(keeper_dir.parent) or ensure_private_dir(keeper_dir)
+        if untrusted is not None:
+            log.warning("no keepers: %s (restores go without)", untrusted)
+            return
+        self._own_dir = True
         for gpu in self.plan.gpu_ids:
             try:
                 self.procs[gpu] = subprocess.Popen(
@@ -69,5 +78,6 @@ class Keepers:
                 proc.kill()
                 proc.wait()
         self.procs = {}
-        if self.plan.keeper_dir:
+        if self._own_dir:  # never another user's directory
             shutil.rmtree(self.plan.keeper_dir, ignore_errors=True)
+            self._own_dir = False

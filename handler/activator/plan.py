@@ -29,6 +29,7 @@ from snapfn.handler.activator.parent_watch import PARENT_PID_VARIABLE
 from snapfn.handler.function.target_flags import check_target_flags
 from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.unix_socket import default_dir
 
 # `snapfn serve` flags (argparse dests) an instance gets as given; the rest are the activator's
 FORWARDED_FLAGS = (
@@ -64,7 +65,8 @@ class ActivatorPlan:
     base_env: tuple[tuple[str, str], ...]  # the activator's environment less its own settings
     api_key: str | None
     # with --keeper on: where each GPU's keeper serves is `<keeper_dir>/gpu<id>.sock` ("": off),
-    # and the snapshot it holds (a local process snapshot, else None: it only keeps CUDA warm)
+    # keeper_dir inside this user's private socket directory (snapshot/unix_socket.py), and the
+    # snapshot it holds (a local process snapshot, else None: it only keeps CUDA warm)
     keeper_dir: str = ""
     keeper_snapshot: str | None = None
 
@@ -96,8 +98,7 @@ class ActivatorPlan:
         if config.keeper == "on":
             if not gpus:
                 raise BadRequest("--keeper on needs a GPU: none is visible here")
-            base = environ.get("XDG_RUNTIME_DIR") or "/tmp"
-            keeper_dir = str(Path(base) / f"snapfn-keepers-{os.getpid()}")
+            keeper_dir = str(default_dir(environ) / f"keepers-{os.getpid()}")
             keeper_snapshot = _local_process_snapshot(args.snapshot)
         return cls(
             gpu_ids=gpus,
