@@ -2,11 +2,29 @@
 
     init_and_snapshot(fn, dest)  cold init (timed stages) → write a tier-0 snapshot atomically
     restore(make_fn, snap)       validate → restore stages → up; on any failure: release the
-                                 half-restored function, record why, cold init instead (and
-                                 write a fresh snapshot when the function knows its source)
+                                 half-restored function, record why, cold init from a
+                                 trustworthy source instead (and write a fresh snapshot)
 
 Never serves from a snapshot that failed a check: a function is returned only after every
 stage of its restore (the replay check included) passed, or after a cold init.
+
+Validation (stage `validate`): the snapshot format's checks (portable/format.py: listing, sizes,
+digests of small files, the compat key), then the manifest must hold the function's own section
+(a JSON object under `fn.name`, and `function`, when recorded, must be `fn.name`), then the
+function's `check_manifest(snapshot_dir, manifest)` when it has one: every field of its section
+a restore uses, checked (type, range, consistency) before any stage uses it.
+
+Fallback sources. A cold init after a refusal reads from what `fallback(recorded)` makes —
+`recorded` being the snapshot's manifest when it can be read and shape-checked, else None —
+which is either a source the user named (a model folder, a function spec) or a source the
+manifest records whose content the function verifies against the manifest before it serves
+(the LLM: the loaded model's content hash, checked right after its weights load). Never a
+path taken from the snapshot unverified. When there is no such source, `fallback` raises
+`NoTrustedSource` with the reason; `restore` then raises `NoTrustedSource` naming the refusal
+and that reason, on one line, without cold-initialising, serving or rewriting anything — a
+server should then stop (an orchestrator restarts it) rather than wait for a fix that cannot
+come. A fallback whose verification fails raises `NoTrustedSource` the same way. The snapshot is
+rewritten only from the trustworthy source (`rewrite_on_fallback`).
 """
 
 from __future__ import annotations
@@ -15,12 +33,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.errors import SnapfnError
+from snapfn.snapshot.errors import InitFailed, SnapfnError, bad_snapshot, one_line
 from snapfn.snapshot.function import SnapshotFunction
 from snapfn.snapshot.portable.compat import compat_key
-from snapfn.snapshot.portable.format import validate_snapshot
+from snapfn.snapshot.portable.format import read_manifest, validate_snapshot
 from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
+
+Fallback = Callable[[dict[str, Any] | None], SnapshotFunction]
+
+
+class NoTrustedSource(InitFailed):
+    """A snapshot was refused and nothing trustworthy is left to cold-init from (no source was
+    named, and none recorded in the snapshot could be verified). Permanent for this process:
+    the same configuration fails the same way, so a server reports it and exits."""
+
+    code = "no_trusted_source"
 
 
 def cold_init(
@@ -72,10 +100,17 @@ def restore(
     make_fn: Callable[[], SnapshotFunction],
     snapshot_dir: Path,
     *,
+    fallback: Fallback | None = None,
     rewrite_on_fallback: bool = True,
     log: Log | None = stderr_log,
 ) -> tuple[SnapshotFunction, StartupManifest]:
-    """Restore from `snapshot_dir`, or fall back to a cold init recording the reason."""
+    """Restore from `snapshot_dir`, or fall back to a cold init recording the reason.
+
+    `fallback(recorded)` makes the function the fallback cold-initialises (see the module
+    docstring); by default `make_fn()`, whose `source` the caller named (None: no fallback).
+    Raises NoTrustedSource when the restore failed and there is nothing trustworthy to fall
+    back to.
+    """
     snapshot_dir = Path(snapshot_dir)
     fn = make_fn()
     runner = StageRunner(StartupManifest(kind="restore", tier="portable"), log=log)
@@ -91,14 +126,45 @@ def restore(
     except Exception as exc:  # any failure of any stage: never serve from this snapshot
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        if log is not None:
-            log(
-                f"restore from {snapshot_dir} failed at {failed} ({reason}); falling back to a cold init"
-            )
         fn.release()
-    return _fallback(
-        make_fn, snapshot_dir, runner.manifest, failed, reason, rewrite_on_fallback, log
-    )
+    refused = f"restore from {snapshot_dir} failed at {failed} ({reason})"
+    cold = _fallback_function(make_fn, fallback, snapshot_dir, refused)
+    if log is not None:
+        log(f"{refused}; falling back to a cold init from {_source(cold)}")
+    startup = _cold_init_instead(cold, refused, log)
+    startup.tier = "cold (fallback)"
+    startup.add_fallback("portable", "cold", failed, reason)
+    startup.info["failed_restore"] = runner.manifest.to_json()
+    if rewrite_on_fallback:
+        _rewrite(cold, snapshot_dir, startup, log)
+    return cold, startup
+
+
+def _fallback_function(make_fn, fallback, snapshot_dir, refused) -> SnapshotFunction:
+    """The function to cold-init from a trustworthy source; NoTrustedSource (one line, the
+    refusal and why no source is trustworthy) when there is none."""
+    try:
+        if fallback is not None:
+            return fallback(_recorded_manifest(snapshot_dir))
+        fn = make_fn()
+        if getattr(fn, "source", None) is None:
+            raise NoTrustedSource("no source was named to cold-init from")
+        return fn
+    except NoTrustedSource as exc:  # NOTE: not logged here: the one line is the caller's to say
+        message = f"{refused}, and there is no trustworthy source for a cold init: {exc}"
+        raise NoTrustedSource(one_line(message)) from None
+
+
+def _recorded_manifest(snapshot_dir: Path) -> dict[str, Any] | None:
+    """The manifest, shape-checked, for a fallback to verify a recorded source against."""
+    try:
+        return read_manifest(snapshot_dir)
+    except SnapfnError:
+        return None
+
+
+def _source(fn: SnapshotFunction) -> str:
+    return str(getattr(fn, "source", None) or "its source")
 
 
 def _versions() -> dict[str, str]:
@@ -116,28 +182,38 @@ def _versions() -> dict[str, str]:
 
 def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:
     manifest = validate_snapshot(snapshot_dir, compat_key(fn.device, fn.world_size), verify="sizes")
-    figures["files"] = len(manifest.get("files", {}))
+    figures["files"] = len(manifest["files"])
+    recorded = manifest.get("function", fn.name)
+    if recorded != fn.name:
+        raise bad_snapshot(snapshot_dir, f"holds function {recorded!r:.80}, not {fn.name!r}")
+    if not isinstance(manifest.get(fn.name), dict):
+        raise bad_snapshot(snapshot_dir, f"its manifest has no {fn.name!r} section")
+    check = getattr(fn, "check_manifest", None)
+    if check is not None:
+        check(snapshot_dir, manifest)
     return manifest
 
 
-def _fallback(make_fn, snapshot_dir, failed_manifest, step, reason, rewrite, log):
-    fn = make_fn()
-    if getattr(fn, "source", None) is None:
-        raise SnapfnError(
-            f"restore failed at {step} ({reason}) and no model folder is known for a cold init"
+def _cold_init_instead(fn: SnapshotFunction, refused: str, log: Log | None) -> StartupManifest:
+    try:
+        return cold_init(fn, log)
+    except NoTrustedSource as exc:  # a recorded source failed its verification
+        fn.release()
+        message = f"{refused}, and its recorded source cannot be trusted: {exc}"
+        raise NoTrustedSource(one_line(message)) from None
+    except BaseException:
+        fn.release()
+        raise
+
+
+def _rewrite(fn: SnapshotFunction, snapshot_dir: Path, startup: StartupManifest, log) -> None:
+    """A fresh snapshot from the fallback's (trustworthy) source; a failed write is recorded."""
+    try:
+        write_snapshot(fn, snapshot_dir, startup, log)
+    except (SnapfnError, OSError) as exc:
+        startup.add_fallback(
+            "portable", "cold", "write_snapshot", f"could not rewrite the snapshot: {exc}"
         )
-    startup = cold_init(fn, log)
-    startup.tier = "cold (fallback)"
-    startup.add_fallback("portable", "cold", step, reason)
-    startup.info["failed_restore"] = failed_manifest.to_json()
-    if rewrite:
-        try:
-            write_snapshot(fn, snapshot_dir, startup, log)
-        except (SnapfnError, OSError) as exc:
-            startup.add_fallback(
-                "portable", "cold", "write_snapshot", f"could not rewrite the snapshot: {exc}"
-            )
-    return fn, startup
 
 
 def summary(manifest: StartupManifest) -> str:
