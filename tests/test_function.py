@@ -146,7 +146,7 @@ CORRUPTIONS = {
         lambda s: _edit_manifest(s, lambda m: m["compat"].update(torch="0.0.1")),
         "validate",
     ),
-    "table outside file": (lambda s: _edit_manifest(s, _table_out_of_bounds), "stream_weights"),
+    "table outside file": (lambda s: _edit_manifest(s, _table_out_of_bounds), "validate"),
     "health record edited": (
         lambda s: _edit_manifest(s, lambda m: m["llm"]["health"].update(logprob=-0.5)),
         "health_check",

@@ -226,9 +226,7 @@ def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> i
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
     t0 = time.perf_counter()
-    service, startup, _ = restore_llm(
-        snapshot, config, args.model or _recorded_source(snapshot), log=None
-    )
+    service, startup, _ = restore_llm(snapshot, config, args.model, log=None)
     load_s = time.perf_counter() - t0
     print(summary(startup), file=sys.stderr)
     try:
@@ -308,25 +306,19 @@ def _sync(engine) -> None:
 
 
 def _restore(args: argparse.Namespace, snapshot: Path):
-    """Restore the LLM function from a snapshot (tier 0), falling back to a cold init."""
+    """Restore the LLM function from a snapshot (tier 0), falling back to a cold init from
+    `--model`, else from the snapshot's recorded source once its content hash matches; with
+    neither, NoTrustedSource (the CLI prints its one line and exits non-zero)."""
     from snapfn.handler.llm.init_config import InitConfig
     from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.recipes.sources import llm_fallback
     from snapfn.snapshot.runtime import restore, summary
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
-    source = args.model or _recorded_source(snapshot)
-    fn, startup = restore(lambda: LLMFunction(config, source), snapshot)
+    fallback = llm_fallback(config, args.model)
+    fn, startup = restore(lambda: LLMFunction(config, args.model), snapshot, fallback=fallback)
     print(summary(startup), file=sys.stderr)
     return fn.engine, fn.engine.model.config.model_type
-
-
-def _recorded_source(snapshot: Path) -> Path | None:
-    """The model folder the snapshot was made from, if its manifest is readable (for fallback)."""
-    try:
-        recorded = json.loads((snapshot / "manifest.json").read_text())["llm"]["source_model_dir"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return Path(recorded) if recorded else None
 
 
 def _report(args, source, model_type: str, engine, load_s: float, timing: dict) -> None:

@@ -1,11 +1,15 @@
 """The built-in LLM function: its init recipe, its tier-0 snapshot, and its restore recipe.
 
 Cold init (each a timed stage):
-    runtime_env → prewarm → load_weights → memory_profile → kv_pool → warmup
+    runtime_env → prewarm → load_weights → [verify_source] → memory_profile → kv_pool → warmup
     → capture_graphs → tokenizer → health_check
+(`verify_source` when the source is one a refused snapshot recorded, not one the user named:
+the loaded model's content hash must be the one the snapshot recorded — sources.py.)
 Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
     runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
     → tokenizer → health_check (+ replay check against the token recorded at init)
+The validate stage ends with `check_manifest`: every field of the "llm" section the restore
+reads is checked before use (section.py); `build_model` checks it against the model too.
 
 Snapshot contents (under the snapshot directory):
     weights/rank0.bin   restore layout: every parameter in its final dtype/layout, 2 MiB aligned
@@ -21,9 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes.section import (
+    CheckedSection,
+    check_against_model,
+    check_section,
+)
 from snapfn.handler.llm.recipes.snapshot_files import (
     config_json,
     copy_model_files,
+    loaded_content_hash,
     model_content_hash,
     report_fields,
 )
@@ -63,12 +73,21 @@ class LLMFunction:
     world_size = 1
 
     def __init__(
-        self, config: InitConfig, model_dir: Path | None = None, releasable: bool = False
+        self,
+        config: InitConfig,
+        model_dir: Path | None = None,
+        releasable: bool = False,
+        expected_content_hash: str | None = None,
     ) -> None:
-        """`releasable`: weights and KV pool in releasable regions (for a process snapshot)."""
+        """`releasable`: weights and KV pool in releasable regions (for a process snapshot).
+        `expected_content_hash`: the cold init verifies that `model_dir` loads as this model
+        (a source recorded by a snapshot, not named by the user) before going on."""
         self.config = config
         self.device = config.device
         self.source = Path(model_dir) if model_dir is not None else None
+        self.expected_content_hash = expected_content_hash
+        self._checked: CheckedSection | None = None
+        self._recorded_source: dict[str, Any] = {}
         self.engine = None
         self.model = None
         self.plan = None
@@ -89,10 +108,12 @@ class LLMFunction:
     def init_stages(self) -> list[Stage]:
         if self.source is None:
             raise ValueError("a cold init needs a model folder")
+        verify = [("verify_source", self.stage_verify_source)] if self.expected_content_hash else []
         return [
             ("runtime_env", self.stage_runtime_env),
             ("prewarm", self.stage_prewarm),
             ("load_weights", self.stage_load_weights),
+            *verify,
             ("memory_profile", self.stage_memory_profile),
             ("kv_pool", self.stage_kv_pool),
             ("warmup", self.stage_warmup),
@@ -128,6 +149,19 @@ class LLMFunction:
             gb_per_s=round(report.gb_per_s, 3),
             not_loaded=len(report.not_loaded),
         )
+
+    def stage_verify_source(self, figures: Figures) -> None:
+        """The model loaded from a recorded source is the one the snapshot recorded."""
+        from snapfn.snapshot.runtime import NoTrustedSource
+
+        got = loaded_content_hash(self._model_config.raw, self.model.named_parameters())
+        figures.update(content_hash=got, expected=self.expected_content_hash)
+        if got != self.expected_content_hash:
+            raise NoTrustedSource(
+                f"the snapshot's recorded source {self.source} holds another model (content "
+                f"hash {got[:16]}.., the snapshot recorded {self.expected_content_hash[:16]}..; "
+                "or this configuration loads it with another dtype)"
+            )
 
     def stage_memory_profile(self, figures: Figures) -> None:
         from snapfn.handler.llm.engine.memory import profile_memory
@@ -258,7 +292,7 @@ class LLMFunction:
         caches = compile_caches.save_caches(self.config.cache_dir, root / "caches")
         return {
             "model_content_hash": model_content_hash(self._model_config.raw, layout),
-            "source_model_dir": str(self.source) if self.source else None,
+            **self._source_fields(),
             "model_type": self._model_config.model_type,
             "init_config": config_json(self.config),
             "memory_plan": self.plan.to_json(),
@@ -268,10 +302,29 @@ class LLMFunction:
             "compile_caches": caches,
         }
 
+    def _source_fields(self) -> dict[str, Any]:
+        """Where this model came from, for a fallback to verify by content hash: the folder of a
+        cold init (and whether it is the embedded model), else what the restored snapshot said."""
+        if self.source is None:
+            return {"source_model_dir": None, "source_embedded": False, **self._recorded_source}
+        from snapfn.handler.llm.embedded import embedded_model_dir
+
+        embedded = self.source.resolve() == embedded_model_dir().resolve()
+        return {"source_model_dir": str(self.source.absolute()), "source_embedded": embedded}
+
     # ---- restore -------------------------------------------------------------------------------
+    def check_manifest(self, snapshot_dir: Path, manifest: dict[str, Any]) -> None:
+        """The validate stage's last check: the "llm" section's fields (section.py)."""
+        self._checked = check_section(manifest["llm"], manifest["files"], self.config)
+
     def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]:
+        if self._checked is None:
+            self.check_manifest(snapshot_dir, manifest)
         section = manifest["llm"]
         self._restored_from = Path(snapshot_dir)
+        self._recorded_source = {
+            k: section[k] for k in ("source_model_dir", "source_embedded") if k in section
+        }
         return [
             ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
@@ -280,7 +333,7 @@ class LLMFunction:
             ("warmup", self.stage_warmup),
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
-            ("health_check", lambda f: self.stage_replay_check(f, section["health"])),
+            ("health_check", lambda f: self.stage_replay_check(f, self._checked.health)),
         ]
 
     def prepare_runtime(self, figures: Figures) -> None:
@@ -298,15 +351,14 @@ class LLMFunction:
         from snapfn.handler.llm.tokenizer import load_tokenizer
 
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore")
-        self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE, section)
+        self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE)
         self._tokenizer = pool.submit(load_tokenizer, snapshot_dir / "model")
         pool.shutdown(wait=False)
 
-    def _open_streamer(self, path: Path, section: dict[str, Any]):
+    def _open_streamer(self, path: Path):
         from snapfn.snapshot.layout.streamer import WeightStreamer
-        from snapfn.snapshot.layout.table import RestoreLayout
 
-        layout = RestoreLayout.from_json(section["layout"])
+        layout = self._checked.layout
         layout.validate(path.stat().st_size)
         c = self.config
         streamer = WeightStreamer(
@@ -322,9 +374,16 @@ class LLMFunction:
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
         from snapfn.handler.llm.build import build_model
         from snapfn.handler.llm.config import ModelConfig
+        from snapfn.snapshot.portable.format import load_json, read_regular_file
 
-        self._model_config = ModelConfig.from_dir(model_folder)
+        raw = read_regular_file(model_folder, "config.json", 1 << 20)
+        try:
+            doc = load_json(raw)
+        except ValueError as exc:
+            raise RestoreFailed(f"the snapshot's model/config.json is {exc}") from None
+        self._model_config = ModelConfig.from_hf(doc)
         self.model = build_model(self._model_config, self.config.engine_options())
+        check_against_model(self._checked, self._model_config, self.model)
         self._adopt_parameters(figures)
         figures["parameters"] = sum(1 for _ in self.model.parameters())
 
@@ -343,7 +402,7 @@ class LLMFunction:
     def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
         from snapfn.handler.llm.engine.memory import MemoryPlan
 
-        self.plan = MemoryPlan.from_json(section["memory_plan"])
+        self.plan = MemoryPlan(**self._checked.plan)  # checked in validate and build_model
         self.stage_kv_pool(figures)
 
     def stage_replay_check(self, figures: Figures, recorded: dict[str, Any]) -> None:

@@ -1,12 +1,16 @@
 """Bring the built-in LLM up from a snapshot: tier 1 (process image) first, then tier 0.
 
-    service, startup, fn = restore_llm(snapshot_dir, config, source, log)
+    service, startup, fn = restore_llm(snapshot_dir, config, named, log)
 
 - the snapshot holds a process image (and SNAPFN_PROCESS_RESTORE is not "off"): restore the
   worker (snapshot/process/snapshot.py) and serve through a ProcessLLMService; `fn` is None;
 - that fails at any step (the worker is already killed): record the step and reason as a
   fallback "process → portable" and restore tier 0 in this process, which itself falls back to
   a cold init — the returned startup manifest says every step that failed and why.
+
+`named` is the model folder the user named, or None: the cold fallback's source
+(sources.py: else the snapshot's recorded source, verified by its content hash; else
+NoTrustedSource is raised, nothing served).
 """
 
 from __future__ import annotations
@@ -76,10 +80,13 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
 
 
 def restore_llm(
-    snapshot_dir: Path, config: InitConfig, source: Path | None, log: Log | None, on_exit=None
+    snapshot_dir: Path, config: InitConfig, named: Path | None, log: Log | None, on_exit=None
 ) -> tuple[Any, Any, Any]:
-    """(service, startup, fn): tier 1 when possible, else tier 0 (→ cold init) in this process."""
+    """(service, startup, fn): tier 1 when possible, else tier 0 (→ cold init) in this process.
+
+    Raises NoTrustedSource when every tier was refused and no trustworthy source is left."""
     from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.recipes.sources import llm_fallback
     from snapfn.snapshot.runtime import restore
 
     failed = None
@@ -93,7 +100,12 @@ def restore_llm(
                 log(f"{exc}; falling back to the portable snapshot")
     from snapfn.handler.llm.service import LLMService
 
-    fn, startup = restore(lambda: LLMFunction(config, source), Path(snapshot_dir), log=log)
+    fn, startup = restore(
+        lambda: LLMFunction(config, named),
+        Path(snapshot_dir),
+        fallback=llm_fallback(config, named),
+        log=log,
+    )
     if failed is not None:
         startup.add_failed_process_restore(failed, "portable", first=True)
     return LLMService(fn.engine), startup, fn

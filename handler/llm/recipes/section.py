@@ -1,0 +1,239 @@
+"""The "llm" section of a snapshot's manifest: its wire format, and the checks a restore runs on
+it before any stage uses a value from it.
+
+    {
+      "model_content_hash": "<64 hex>",        # snapshot_files.model_content_hash of the model
+      "source_model_dir": "/models/llama" | null,  # the folder the init read (a fallback's
+      "source_embedded": false,                # candidate, verified by the content hash);
+                                               # true: the embedded default model
+      "model_type": "llama",                   # model/config.json's
+      "init_config": {...},                    # the InitConfig of the init (for `inspect`)
+      "memory_plan": {"num_pages", "page_size", "bytes_per_page", "kv_bytes", "weights_bytes",
+                      "peak_activation_bytes", "total_bytes", "mem_fraction_static", "source"},
+      "graph_buckets": [1, 2, 4, ...],         # captured at init (for `inspect`)
+      "layout": "<the restore layout's table, as JSON text>",   # layout/table.py
+      "health": {"prompt_ids": [...], "token": 42, "logprob": -0.01},
+      "compile_caches": {...}                  # what caches/ holds (for `inspect`)
+    }
+
+`check_section` (the validate stage, before the model is built): the types and ranges of every
+field a restore reads; the layout's table against the weights file the manifest lists (the
+same size, chunking and digests, and a valid table); the memory plan against that table (its
+weights bytes), against itself (`kv_bytes = num_pages × bytes_per_page`) and against the
+configuration this restore runs with (the page size; on CPU the page count the KV budget gives,
+on CUDA the memory fraction, the GPU's memory and pages that fit in it) — a plan from another
+configuration, or a page count that would not fit, is refused instead of served or OOM-killed.
+`check_against_model` (once the model is built from the snapshot's config): the model type,
+the plan's bytes per page and weights bytes, on CUDA this GPU's memory (the plan's total), and
+the health record's token ids inside the vocabulary. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from snapfn.snapshot.errors import BadSnapshot, one_line
+
+WEIGHTS_FILE = "weights/rank0.bin"
+PLAN_SOURCES = ("profiled", "fixed budget")
+MAX_PROMPT_IDS = 1 << 16
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_INT_FIELDS = (
+    "num_pages",
+    "page_size",
+    "bytes_per_page",
+    "kv_bytes",
+    "weights_bytes",
+    "peak_activation_bytes",
+    "total_bytes",
+)
+
+
+@dataclass(frozen=True)
+class CheckedSection:
+    """What a restore reads of the section, each value checked."""
+
+    layout: Any  # RestoreLayout, validated against the weights file
+    plan: dict[str, Any]  # MemoryPlan's fields
+    health: dict[str, Any]
+    model_type: str
+    content_hash: str
+
+
+def check_section(section: dict[str, Any], files: dict[str, Any], config: Any) -> CheckedSection:
+    """The section's fields a restore uses, checked (see the module docstring); BadSnapshot."""
+    content_hash = section.get("model_content_hash")
+    if not isinstance(content_hash, str) or not _HEX64.fullmatch(content_hash):
+        raise _refuse(f"model_content_hash {content_hash!r:.80} is not 64 lowercase hex digits")
+    model_type = section.get("model_type")
+    if not isinstance(model_type, str) or not 0 < len(model_type) <= 64:
+        raise _refuse(f"model_type {model_type!r:.80} is not a model type")
+    layout = _checked_layout(section.get("layout"), files)
+    plan = _checked_plan(section.get("memory_plan"), layout, config)
+    health = _checked_health(section.get("health"))
+    return CheckedSection(layout, plan, health, model_type, content_hash)
+
+
+def check_against_model(checked: CheckedSection, model_config: Any, model: Any) -> None:
+    """The section against the model built from the snapshot's model/config.json."""
+    from snapfn.handler.llm.engine.kv_pool import bytes_per_page
+    from snapfn.handler.llm.engine.memory import weights_bytes
+
+    if model_config.model_type != checked.model_type:
+        raise _refuse(
+            f"model_type is {checked.model_type!r}, its model/config.json says "
+            f"{model_config.model_type!r}"
+        )
+    plan = checked.plan
+    per_page = bytes_per_page(model.kv_buffer_specs(), plan["page_size"], model.dtype)
+    if plan["bytes_per_page"] != per_page:
+        raise _refuse(
+            f"memory_plan bytes_per_page is {plan['bytes_per_page']}, the model's pages take "
+            f"{per_page}"
+        )
+    if plan["weights_bytes"] != weights_bytes(model):
+        raise _refuse(
+            f"memory_plan weights_bytes is {plan['weights_bytes']}, the model holds "
+            f"{weights_bytes(model)}"
+        )
+    if model.device.type == "cuda":
+        import torch
+
+        total = torch.cuda.mem_get_info(model.device)[1]
+        if plan["total_bytes"] != total:
+            raise _refuse(
+                f"memory_plan was profiled on a GPU of {plan['total_bytes']} bytes, this one "
+                f"has {total}"
+            )
+    ids = [*checked.health["prompt_ids"], checked.health["token"]]
+    if max(ids) >= model_config.vocab_size:
+        raise _refuse(
+            f"health record token id {max(ids)} is outside the model's {model_config.vocab_size}"
+            "-token vocabulary"
+        )
+
+
+def _checked_layout(text: Any, files: dict[str, Any]) -> Any:
+    from snapfn.snapshot.layout.table import RestoreLayout
+
+    if not isinstance(text, str):
+        raise _refuse("layout is not a restore layout table (JSON text)")
+    entry = files.get(WEIGHTS_FILE)
+    if entry is None:
+        raise _refuse(f"{WEIGHTS_FILE} is not listed")
+    try:
+        layout = RestoreLayout.from_json(text)
+        layout.validate(entry["size"])
+    except BadSnapshot as exc:
+        raise _refuse(str(exc)) from None
+    if entry.get("chunk_bytes") != layout.chunk_bytes or entry.get("chunks") != layout.chunk_sha256:
+        raise _refuse(f"the restore layout's chunk digests are not those listed for {WEIGHTS_FILE}")
+    if entry.get("sha256") not in (None, layout.file_sha256):
+        raise _refuse(f"the restore layout's file sha256 is not the one listed for {WEIGHTS_FILE}")
+    return layout
+
+
+def _checked_plan(plan: Any, layout: Any, config: Any) -> dict[str, Any]:
+    if not isinstance(plan, dict):
+        raise _refuse("memory_plan is not a JSON object")
+    expected = {*_INT_FIELDS, "mem_fraction_static", "source"}
+    if set(plan) != expected:
+        odd = sorted(set(plan) ^ expected)
+        raise _refuse(f"memory_plan fields differ from a memory plan's ({', '.join(odd)[:120]})")
+    for name in _INT_FIELDS:
+        value = plan[name]
+        if type(value) is not int or not 0 <= value < 1 << 62:
+            raise _refuse(f"memory_plan {name} {value!r:.40} is not a byte or page count")
+    fraction = plan["mem_fraction_static"]
+    if type(fraction) not in (int, float) or not 0.0 <= fraction <= 1.0:
+        raise _refuse(f"memory_plan mem_fraction_static {fraction!r:.40} is not in [0, 1]")
+    if plan["source"] not in PLAN_SOURCES:
+        raise _refuse(f"memory_plan source {plan['source']!r:.40} is not one of {PLAN_SOURCES}")
+    _check_plan_sums(plan, layout)
+    if config.device.startswith("cuda"):
+        _check_profiled_plan(plan, config)
+    else:
+        _check_fixed_plan(plan, config)
+    return dict(plan)
+
+
+def _check_plan_sums(plan: dict[str, Any], layout: Any) -> None:
+    if plan["num_pages"] < 1 or plan["page_size"] < 1 or plan["bytes_per_page"] < 1:
+        raise _refuse("memory_plan has no pages, or pages of no size")
+    if plan["kv_bytes"] != plan["num_pages"] * plan["bytes_per_page"]:
+        raise _refuse(
+            f"memory_plan kv_bytes {plan['kv_bytes']} is not num_pages {plan['num_pages']} x "
+            f"bytes_per_page {plan['bytes_per_page']}"
+        )
+    tensor_bytes = sum(e.nbytes for e in layout.tensors.values())
+    if plan["weights_bytes"] != tensor_bytes:
+        raise _refuse(
+            f"memory_plan weights_bytes {plan['weights_bytes']} is not the {tensor_bytes} "
+            "bytes of the restore layout's tensors"
+        )
+
+
+def _check_fixed_plan(plan: dict[str, Any], config: Any) -> None:
+    """On CPU the pool is a fixed byte budget: the plan must be what this configuration gives."""
+    pages = max(1, config.kv_cache_bytes_cpu // plan["bytes_per_page"])
+    if plan["source"] != "fixed budget":
+        raise _refuse(f"memory_plan is {plan['source']!r}, a CPU restore needs a fixed budget")
+    if plan["page_size"] != config.page_size:
+        raise _refuse(
+            f"memory_plan page_size is {plan['page_size']}, this configuration's is "
+            f"{config.page_size}"
+        )
+    if plan["num_pages"] != pages:
+        raise _refuse(
+            f"memory_plan has {plan['num_pages']} pages, this configuration's KV budget of "
+            f"{config.kv_cache_bytes_cpu} bytes gives {pages}"
+        )
+
+
+def _check_profiled_plan(plan: dict[str, Any], config: Any) -> None:
+    """On CUDA the plan was profiled: for this configuration's page size and memory fraction,
+    its pages must fit beside the weights and the activations' peak in the GPU memory it
+    records (`check_against_model` checks that this GPU has that much)."""
+    if plan["source"] != "profiled":
+        raise _refuse(f"memory_plan is {plan['source']!r}, a CUDA restore needs a profiled one")
+    if plan["page_size"] != config.page_size:
+        raise _refuse(
+            f"memory_plan page_size is {plan['page_size']}, this configuration's is "
+            f"{config.page_size}"
+        )
+    if not math.isclose(plan["mem_fraction_static"], config.mem_fraction_static):
+        raise _refuse(
+            f"memory_plan was made for mem_fraction_static {plan['mem_fraction_static']}, this "
+            f"configuration's is {config.mem_fraction_static}"
+        )
+    room = int(plan["total_bytes"] * plan["mem_fraction_static"]) - plan["weights_bytes"]
+    if plan["num_pages"] < 2 or plan["kv_bytes"] + plan["peak_activation_bytes"] > room:
+        raise _refuse(
+            f"memory_plan's {plan['num_pages']} pages ({plan['kv_bytes']} bytes) and "
+            f"{plan['peak_activation_bytes']} bytes of activations do not fit the {room} bytes "
+            "its GPU has beside the weights"
+        )
+
+
+def _checked_health(health: Any) -> dict[str, Any]:
+    if not isinstance(health, dict):
+        raise _refuse("health is not a JSON object")
+    ids, token, logprob = health.get("prompt_ids"), health.get("token"), health.get("logprob")
+    if (
+        not isinstance(ids, list)
+        or not 0 < len(ids) <= MAX_PROMPT_IDS
+        or not all(type(i) is int and i >= 0 for i in ids)
+    ):
+        raise _refuse("health prompt_ids is not a list of token ids")
+    if type(token) is not int or token < 0:
+        raise _refuse(f"health token {token!r:.40} is not a token id")
+    if type(logprob) not in (int, float) or not -math.inf < logprob <= 0.0:
+        raise _refuse(f"health logprob {logprob!r:.40} is not a finite log probability")
+    return {"prompt_ids": list(ids), "token": token, "logprob": logprob}
+
+
+def _refuse(reason: str) -> BadSnapshot:
+    return BadSnapshot(one_line(f"its llm section: {reason}"))
