@@ -449,5 +449,7 @@ def test_a_snapshot_without_a_known_model_fails_when_it_cannot_fall_back(tmp_pat
     (snap / "manifest.json").write_text("{not json")
     rt = started(ServeTarget(snapshot_dir=snap, init_config=llm_config(tmp_path)))
     assert rt.readiness.state is Readiness.FAILED
-    assert "no model folder is known" in rt.readiness.reason
+    assert "no trustworthy source for a cold init" in rt.readiness.reason
+    assert "falling back" not in " ".join(rt.startup.info["log"])
+    assert rt.fatal is not None and rt.fatal.code == "no_trusted_source"
     assert rt.startup.kind == "restore"

@@ -25,6 +25,20 @@ Bring-up by kind:
 
 Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
 then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
+
+Fallback sources (snapshot/runtime.py): an LLM's cold fallback reads the model the target
+names (`model_dir`), else the source the snapshot records once its content hash matches
+(handler/llm/recipes/sources.py); a function's is always the target's `function` spec (never
+the manifest's), on the device the snapshot records when that is a device name, else the
+target's. A process image's compile caches are put back only into the folder this runtime keeps
+the function's caches in, and only files the manifest lists with their digests.
+
+Fatal start (the contract with the front doors): when the start failed because no trustworthy
+source is left — every tier of the snapshot was refused and nothing named or verifiable can be
+cold-initialised — `runtime.fatal` holds that `NoTrustedSource` error (code
+"no_trusted_source", an InitFailed; its message is readiness's reason, one line). Nothing will
+change while this process runs: a server reports it (`/health`: failed, with the reason) and
+exits non-zero so that an orchestrator replaces it. Any other failed start leaves `fatal` None.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ if TYPE_CHECKING:
     from snapfn.handler.llm.handler import LLMHandler
     from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.handler.llm.service import LLMService
+    from snapfn.snapshot.runtime import NoTrustedSource
 
 Log = Callable[[str], None]
 
@@ -55,6 +70,7 @@ class WorkerRuntime:
         self.target = target
         self.readiness = ReadinessState()
         self.startup: StartupManifest | None = None
+        self.fatal: NoTrustedSource | None = None  # see the module docstring
         self.function_name = target.function if target.kind == "function" else "llm"
         self.llm: LLMService | None = None
         self._log = log
@@ -110,7 +126,11 @@ class WorkerRuntime:
         return log
 
     def _fail(self, exc: BaseException, lines: list[str]) -> None:
+        from snapfn.snapshot.runtime import NoTrustedSource  # NOTE: no torch import there
+
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, NoTrustedSource):
+            self.fatal = exc
         if self.startup is None:
             kind, tier = self._planned_startup()
             self.startup = StartupManifest(kind=kind, tier=tier, info={"log": lines})
@@ -143,9 +163,8 @@ class WorkerRuntime:
         from snapfn.handler.llm.recipes.process_restore import restore_llm
 
         t, config = self.target, self.target.init_config
-        if _holds_files(t.snapshot_dir):
-            source = t.model_dir or _recorded_source(t.snapshot_dir)
-            return restore_llm(Path(t.snapshot_dir), config, source, log, self._worker_exited)
+        if _holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
+            return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction
         from snapfn.snapshot.runtime import cold_init
 
@@ -191,21 +210,22 @@ class WorkerRuntime:
         cache_dir = function_cache_dir(t.function, t.init_config.cache_dir)
         return UserFunction(t.function, t.function_dir, device, cache_dir)
 
-    def _recorded_section(self) -> dict[str, Any]:
-        """The snapshot's function section as recorded ({} when unreadable: validate says why)."""
-        from snapfn.handler.function.user_function import USER_FUNCTION
+    def _recorded_manifest(self) -> dict[str, Any]:
+        """The snapshot's manifest, shape-checked ({} when unreadable: validate says why)."""
         from snapfn.snapshot.portable.format import read_manifest
 
         try:
-            section = read_manifest(Path(self.target.snapshot_dir))[USER_FUNCTION]
-        except (SnapfnError, KeyError, TypeError):
+            return read_manifest(Path(self.target.snapshot_dir))
+        except SnapfnError:
             return {}
-        return section if isinstance(section, dict) else {}
 
     def _recorded_device(self) -> str:
-        """The device the snapshot was made for (its function section), else the target's."""
-        device = self._recorded_section().get("device")
-        return device if isinstance(device, str) else self.target.init_config.device
+        """The device the snapshot was made for (its function section), when that is a
+        device name, else the target's."""
+        from snapfn.handler.function.user_function import USER_FUNCTION, recorded_device
+
+        section = self._recorded_manifest().get(USER_FUNCTION)
+        return recorded_device(section, self.target.init_config.device)
 
     def _restore_function(self, log: Log) -> None:
         """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""
@@ -226,12 +246,17 @@ class WorkerRuntime:
                 )
 
         from snapfn.handler.function.user_function import restore_image_caches
+        from snapfn.snapshot.process.snapshot import ProcessRestoreFailed
 
         device, snapshot = self._recorded_device(), Path(self.target.snapshot_dir)
+        cache_dir = self._user_function(device).cache_dir
         try:
-            copied = restore_image_caches(snapshot, self._recorded_section())
+            copied = restore_image_caches(snapshot, self._recorded_manifest(), cache_dir)
         except OSError as exc:
             copied = f"could not put the caches back: {exc}"  # criu then says what it misses
+        except (SnapfnError, KeyError) as exc:  # a damaged snapshot: nothing was copied
+            attempt = StartupManifest(kind="restore", tier="process")
+            raise ProcessRestoreFailed("validate", str(exc), attempt) from None
         worker, self.startup, _ = restore_process_snapshot(
             snapshot,
             {},
@@ -251,6 +276,7 @@ class WorkerRuntime:
         fn, self.startup = restore(
             lambda: self._user_function(device),
             Path(self.target.snapshot_dir),
+            fallback=lambda recorded: self._user_function(device),  # the spec the user named
             rewrite_on_fallback=False,
             log=log,
         )
@@ -354,17 +380,6 @@ class WorkerRuntime:
 
 def _holds_files(folder: Path | None) -> bool:
     return folder is not None and Path(folder).is_dir() and any(Path(folder).iterdir())
-
-
-def _recorded_source(snapshot_dir: Path) -> Path | None:
-    """The model folder a snapshot was made from, if its manifest says (for a cold fallback)."""
-    from snapfn.snapshot.portable.format import read_manifest
-
-    try:
-        recorded = read_manifest(snapshot_dir)["llm"]["source_model_dir"]
-    except (SnapfnError, KeyError, TypeError):
-        return None
-    return Path(recorded) if recorded else None
 
 
 def _write_snapshot(fn: LLMFunction, dest: Path, startup: StartupManifest, log: Log) -> None:

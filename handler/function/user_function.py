@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -171,14 +172,49 @@ class UserFunction:
         self.loaded = None
 
 
-def restore_image_caches(snapshot_dir: Path, section: dict[str, Any]) -> int:
+def restore_image_caches(
+    snapshot_dir: Path, manifest: dict[str, Any], cache_dir: Path
+) -> int | str:
     """Before a tier-1 restore: the compile caches its process image maps (inductor's .so
     files), put back where the init had them if they are missing there — criu reopens them by
-    path. The files copied; OSError when that path cannot be written here."""
-    cache_dir = section.get("cache_dir")
-    if not isinstance(cache_dir, str) or not os.path.isabs(cache_dir):
+    path. Only into `cache_dir`, the folder this runtime keeps the function's caches in (never
+    a path the manifest names): when the image recorded another one, nothing is copied and the
+    reason comes back as a string (criu then says what it misses, and the restore falls back).
+    Before anything is copied, the snapshot holds only what `manifest` lists, and every file to
+    copy has its recorded digest (BadSnapshot if not).
+    The files copied; OSError when `cache_dir` cannot be written here."""
+    from snapfn.snapshot.portable.format import check_listing, verify_files
+
+    section = manifest.get(USER_FUNCTION)
+    recorded = section.get("cache_dir") if isinstance(section, dict) else None
+    if recorded != str(Path(cache_dir).absolute()):
+        return f"not put back: the image's caches were at {str(recorded)[:200]!r}, not {str(cache_dir)!r}"
+    missing = []
+    for relpath in manifest["files"]:
+        _, name, rest = (relpath.split("/", 2) + ["", ""])[:3]
+        dest = compile_caches.cache_dirs(cache_dir).get(name)
+        if (
+            relpath.startswith("caches/")
+            and rest
+            and dest is not None
+            and not (dest / rest).exists()
+        ):
+            missing.append(relpath)
+    if not missing:
         return 0
+    check_listing(Path(snapshot_dir), manifest["files"])  # nothing unlisted is copied either
+    verify_files(snapshot_dir, manifest, missing)
     return compile_caches.restore_caches(Path(snapshot_dir) / "caches", Path(cache_dir))
+
+
+DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")  # what a snapshot's recorded device may be
+
+
+def recorded_device(section: Any, default: str) -> str:
+    """The device a function's snapshot records (its section's "device"), when it is one a
+    function runs on (`DEVICE`), else `default`."""
+    device = section.get("device") if isinstance(section, dict) else None
+    return device if isinstance(device, str) and DEVICE.fullmatch(device) else default
 
 
 def put_on_import_path(function_dir: Path | None) -> None:
