@@ -23,7 +23,8 @@ path taken from the snapshot unverified. When there is no such source, `fallback
 `NoTrustedSource` with the reason; `restore` then raises `NoTrustedSource` naming the refusal
 and that reason, on one line, without cold-initialising, serving or rewriting anything — a
 server should then stop (an orchestrator restarts it) rather than wait for a fix that cannot
-come. A fallback whose verification fails raises `NoTrustedSource` the same way. The snapshot is
+come. A fallback from a recorded source whose init fails before that source was verified (its
+`source_trusted` still False) raises `NoTrustedSource` the same way. The snapshot is
 rewritten only from the trustworthy source (`rewrite_on_fallback`).
 """
 
@@ -195,11 +196,19 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:
 
 
 def _cold_init_instead(fn: SnapshotFunction, refused: str, log: Log | None) -> StartupManifest:
+    """The fallback's cold init. A function whose `source_trusted` is False (a recorded source
+    it verifies during its init) that fails before it verified is no trustworthy source:
+    NoTrustedSource, whatever stopped it."""
     try:
         return cold_init(fn, log)
-    except NoTrustedSource as exc:  # a recorded source failed its verification
+    except Exception as exc:
         fn.release()
-        message = f"{refused}, and its recorded source cannot be trusted: {exc}"
+        if getattr(fn, "source_trusted", True) is not False:
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+        message = (
+            f"{refused}, and its recorded source {_source(fn)} could not be verified: {reason}"
+        )
         raise NoTrustedSource(one_line(message)) from None
     except BaseException:
         fn.release()

@@ -86,6 +86,7 @@ class LLMFunction:
         self.device = config.device
         self.source = Path(model_dir) if model_dir is not None else None
         self.expected_content_hash = expected_content_hash
+        self.source_trusted = expected_content_hash is None  # the runtime reads it (fallback)
         self._checked: CheckedSection | None = None
         self._recorded_source: dict[str, Any] = {}
         self.engine = None
@@ -158,10 +159,11 @@ class LLMFunction:
         figures.update(content_hash=got, expected=self.expected_content_hash)
         if got != self.expected_content_hash:
             raise NoTrustedSource(
-                f"the snapshot's recorded source {self.source} holds another model (content "
-                f"hash {got[:16]}.., the snapshot recorded {self.expected_content_hash[:16]}..; "
-                "or this configuration loads it with another dtype)"
+                f"it holds another model (content hash {got[:16]}.., the snapshot recorded "
+                f"{self.expected_content_hash[:16]}..; or this configuration loads it with "
+                "another dtype)"
             )
+        self.source_trusted = True
 
     def stage_memory_profile(self, figures: Figures) -> None:
         from snapfn.handler.llm.engine.memory import profile_memory

@@ -191,6 +191,9 @@ def _check_fixed_plan(plan: dict[str, Any], config: Any) -> None:
             f"memory_plan has {plan['num_pages']} pages, this configuration's KV budget of "
             f"{config.kv_cache_bytes_cpu} bytes gives {pages}"
         )
+    profiled = [plan["peak_activation_bytes"], plan["total_bytes"], plan["mem_fraction_static"]]
+    if profiled != [0, 0, 0.0]:
+        raise _refuse(f"memory_plan records a profile {profiled} on a CPU fixed budget")
 
 
 def _check_profiled_plan(plan: dict[str, Any], config: Any) -> None:
