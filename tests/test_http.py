@@ -129,7 +129,12 @@ def test_models_and_openapi(client, runtime):
     spec = client.get("/openapi.json").json
     assert spec["openapi"].startswith("3.")
     assert {"/v1/completions", "/v1/chat/completions", "/invoke", "/health"} <= set(spec["paths"])
-    assert "chosen token" in spec["info"]["description"]
+    assert "alternatives" in spec["info"]["description"]
+    card = client.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json == models["data"][0]
+    r = client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json["error"]["code"] == "model_not_found"
+    assert client.get("/version").json["version"]
 
 
 def test_health_is_503_while_starting_then_200(chat_model_dir, tmp_path):
@@ -369,13 +374,16 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": ["a"] * 17}, "stop", 400),
     ({"prompt": "x", "stop": 5}, "stop", 400),
     ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids", 400),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
-    ({"prompt": "x", "echo": True}, "echo", 400),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", 400),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", 400),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
+    ({"prompt": "x", "echo": 1}, "echo", 400),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", 400),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", 400),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
+    ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", 400),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", 400),
+    ({"prompt": "x", "suffix": "end"}, "suffix", 400),
+    ({"prompt": "x", "best_of": 3}, "best_of", 400),
     ({"prompt": "x", "stream": "yes"}, "stream", 400),
-    ({"prompt": "x", "stream_options": {"bogus": 1}}, "stream_options", 400),
-    ({"prompt": "x", "max_tokenz": 5}, "max_tokenz", 400),
     ({"prompt": 5}, "prompt", 400),
     ({"prompt": []}, "prompt", 400),
     ({"prompt": [1, "a"]}, "prompt", 400),
@@ -383,7 +391,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ""}, "prompt", 400),
     ({}, "prompt", 400),
     ({"prompt": "x", "model": "gpt-4"}, "model", 404),
-    ({"prompt": "x", "model": None}, "model", 400),
+    ({"prompt": "x", "model": 5}, "model", 400),
 ]
 
 
@@ -404,6 +412,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     (
         {
@@ -426,18 +438,18 @@ def test_bad_chat_is_a_400_naming_the_field(client, body, param):
 
 USER = [{"role": "user", "content": "x"}]
 ERROR_CODES = [  # path, body, param, code, what the message says
-    ("completions", {"promt": "x"}, "promt", "unknown_field", "accepted fields: best_of, echo"),
-    (
-        "completions",
-        {"prompt": "x", "model": None},
-        "model",
-        "missing_field",
-        "'model' is required",
-    ),
+    ("completions", {"promt": "x"}, "prompt", "missing_field", "unknown fields, ignored: 'promt'"),
     ("completions", {"prompt": "x", "n": True}, "n", "invalid_type", "got True"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p", "out_of_range", "greater than 0"),
     ("completions", {"prompt": [[1], [2, -1]]}, "prompt", "out_of_range", "'prompt[1][1]'"),
-    ("completions", {"prompt": "x", "echo": True}, "echo", "unsupported", "not echoed"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix", "unsupported", "insertion"),
+    (
+        "chat/completions",
+        {"messages": USER, "top_logprobs": 1},
+        "top_logprobs",
+        "invalid_value",
+        "logprobs",
+    ),
     ("chat/completions", {"messages": USER, "tools": [{}]}, "tools", "unsupported", "tool"),
     (
         "chat/completions",
@@ -452,13 +464,6 @@ ERROR_CODES = [  # path, body, param, code, what the message says
         "messages[0].content",
         "missing_field",
         "only an assistant's",
-    ),
-    (
-        "chat/completions",
-        {"messages": USER, "stream_options": {"x": 1}},
-        "stream_options",
-        "unknown_field",
-        "'x'",
     ),
 ]
 
@@ -490,7 +495,7 @@ def test_null_is_a_field_left_out(client):
 def test_malformed_bodies_are_400(client, data):
     r = client.post("/v1/completions", data=data, content_type="application/json")
     assert r.status_code == 400
-    assert r.json["error"]["code"] in ("invalid_json", "invalid_body")
+    assert r.json["error"]["code"] in ("invalid_json", "invalid_body", "invalid_unicode")
 
 
 def test_prompt_longer_than_max_req_input_len_is_refused(client, runtime):
@@ -527,6 +532,153 @@ def test_a_crashing_handler_is_a_500_and_the_worker_keeps_serving(runtime, monke
     assert r.status_code == 500 and r.json["error"]["type"] == "server_error"
     monkeypatch.undo()
     assert c.post("/invoke", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+# ---- front-door conventions (vLLM's and SGLang's) -------------------------------------------
+def test_model_may_be_left_out(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json["model"] == MODEL
+    r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+    assert r.status_code == 200 and r.json["model"] == MODEL
+
+
+def test_unknown_fields_are_ignored_with_a_warning(client, caplog):
+    body = dict(prompt="hello", max_tokens=3, temperature=0, return_token_ids=True)
+    plain = completion(client, **body).json["choices"]
+    with caplog.at_level("WARNING", logger="snapfn.http"):
+        r = completion(client, **body, bogus=1, chat_template_kwargs={}, stream_options={"x": 1})
+    assert r.status_code == 200 and r.json["choices"] == plain
+    (record,) = [rec for rec in caplog.records if "unknown request fields" in rec.message]
+    assert all(name in record.message for name in ("'bogus'", "'chat_template_kwargs'"))
+    assert "'stream_options.x'" in record.message
+
+
+def test_penalties_and_biases_are_those_of_the_engine(client, engine, tokenizer):
+    body = dict(prompt="hello", max_tokens=12, temperature=0, return_token_ids=True)
+    shaped = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
+    r = completion(client, **body, **shaped, logit_bias={"7": 2.5})
+    assert r.status_code == 200, r.json
+    params = SamplingParams(max_new_tokens=12, **shaped, logit_bias=((7, 2.5),))
+    expected = engine.generate([tokenizer.encode("hello")], params)[0].token_ids
+    assert r.json["choices"][0]["token_ids"] == list(expected)
+    assert list(expected) != greedy_ids(engine, tokenizer.encode("hello"), 12)
+    r = completion(client, **body, logit_bias={"100000": 1})
+    assert r.status_code == 400 and "logit_bias" in r.json["error"]["message"]
+
+
+def test_completion_top_logprobs(client):
+    r = completion(client, prompt="hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.json["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 4
+    for token, value, top in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+    ):
+        # alternatives that read the same share one key (OpenAI's shape): at most 3 + the chosen
+        assert 1 <= len(top) <= 4 and top[token] == value == max(top.values())
+
+
+def test_chat_top_logprobs(client):
+    r = chat(client, messages=USER, max_tokens=3, temperature=0, logprobs=True, top_logprobs=20)
+    content = r.json["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        alternatives = entry["top_logprobs"]
+        assert len(alternatives) == 20
+        assert alternatives[0]["token"] == entry["token"]
+        assert [a["logprob"] for a in alternatives] == sorted(
+            (a["logprob"] for a in alternatives), reverse=True
+        )
+        assert all(a["bytes"] == list(a["token"].encode()) for a in alternatives)
+
+
+def test_echo_puts_the_prompt_first(client, tokenizer):
+    body = dict(prompt="hello world", max_tokens=3, temperature=0)
+    plain = completion(client, **body).json["choices"][0]["text"]
+    echoed = completion(client, **body, echo=True).json["choices"][0]
+    assert echoed["text"] == "hello world" + plain and echoed["logprobs"] is None
+    scored = completion(client, **body, echo=True, logprobs=2).json["choices"][0]["logprobs"]
+    prompt_ids = tokenizer.encode("hello world")
+    assert len(scored["tokens"]) == len(prompt_ids) + 3
+    assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+    assert all(v <= 0 for v in scored["token_logprobs"][1:])
+    assert all(top for top in scored["top_logprobs"][1:])
+    events = sse(completion(client, **body, echo=True, stream=True).data)
+    assert events[0]["choices"][0]["text"].startswith("hello world")
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "hello world" + plain
+    ids = completion(client, prompt=[5, 6], max_tokens=1, echo=True).json["choices"][0]
+    assert ids["text"].startswith(tokenizer.decode([5, 6], skip_special_tokens=False))
+
+
+def test_tokenize_and_detokenize(client, tokenizer, runtime):
+    r = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    ids = tokenizer.encode("hello world")
+    assert r.status_code == 200 and r.json["tokens"] == ids and r.json["count"] == len(ids)
+    assert r.json["max_model_len"] == runtime.llm.max_req_input_len + 1
+    assert "".join(r.json["token_strs"]) == tokenizer.decode(ids, skip_special_tokens=False)
+    r = client.post("/tokenize", json={"model": MODEL, "messages": USER})
+    assert r.json["tokens"] == chat_prompt_ids(tokenizer, USER)
+    assert r.json["token_strs"] is None
+    r = client.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json == {"prompt": "hello world"}
+    for path, body, param in [
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "hello"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
+        ("/tokenize", {"prompt": "x" * 10**6}, "prompt"),
+    ]:
+        r = client.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json["error"]["param"] == param, r.json
+
+
+# ---- bounded requests -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
+        ("/v1/completions", {"prompt": "x", "user": "\ud800"}, "user"),
+        ("/v1/completions", {"prompt": "x", "\ud800": 1}, None),
+        ("/invoke", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ],
+)
+def test_lone_surrogates_are_a_400(client, path, body, param):
+    data = json.dumps(body).encode()  # ensure_ascii: the surrogates go as \\uXXXX escapes
+    r = client.post(path, data=data, content_type="application/json")
+    assert r.status_code == 400, r.json
+    assert r.json["error"]["code"] == "invalid_unicode" and r.json["error"]["param"] == param
+
+
+def test_a_valid_surrogate_pair_is_text(client):
+    data = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}'
+    r = client.post("/v1/completions", data=data, content_type="application/json")
+    assert r.status_code == 200, r.json
+
+
+def test_oversized_prompts_are_refused_before_they_are_encoded(client, tokenizer, monkeypatch):
+    limit = tokenizer.max_prompt_chars(
+        client.application.extensions["snapfn"].runtime.llm.max_req_input_len
+    )
+    encoded = []
+    real_encode = tokenizer.encode
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or real_encode(text, **kw)
+    )
+    for path, body in [
+        ("/v1/completions", {"prompt": "x" * (limit + 1)}),
+        ("/v1/completions", {"prompt": ["hi", "x" * ((4 << 20) - 1000)]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * (limit + 1)}]}),
+        ("/tokenize", {"prompt": "x" * (limit + 1)}),
+    ]:
+        t0 = time.perf_counter()
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json["error"]["code"] == "context_length_exceeded"
+        assert str(limit) in r.json["error"]["message"] and time.perf_counter() - t0 < 2
+    assert all(n <= limit for n in encoded)
+    fits = completion(client, prompt="hello " * 3, max_tokens=1)
+    assert fits.status_code == 200
 
 
 # ---- cancellation ---------------------------------------------------------------------------
@@ -582,6 +734,17 @@ def test_invoke_function_result_and_error(function_client):
     assert health["ok"] is True and health["result"]["echo"] == {}
 
 
+def test_function_errors_as_lambda_answers_them(function_client):
+    runtime = function_client.application.extensions["snapfn"].runtime
+    c = create_app(runtime, ServeConfig(model_name="fn", function_errors="lambda")).test_client()
+    r = c.post("/invoke", json={"fail": True})
+    assert r.status_code == 200 and r.headers["X-Amz-Function-Error"] == "Unhandled"
+    assert r.headers["X-Snapfn-Function-Error"] == "Unhandled"
+    assert r.json["errorType"] == "ValueError"
+    r = c.post("/invoke", json={"a": 1})
+    assert r.status_code == 200 and "X-Amz-Function-Error" not in r.headers
+
+
 def test_a_function_worker_has_no_openai_endpoints(function_client):
     r = function_client.post("/v1/completions", json={"model": "fn", "prompt": "x"})
     assert r.status_code == 404 and r.json["error"]["code"] == "not_a_language_model"
@@ -632,6 +795,7 @@ def test_metrics_parse_and_count(client):
     assert samples[("snapfn_readiness", (("state", "up"),))] == 1.0
     stages = [s.labels["stage"] for s in families["snapfn_startup_stage_seconds"].samples]
     assert "load_weights" in stages
+    assert "_created" not in text
 
 
 def test_startup_metrics_label_stages_by_kind_and_tier_and_count_fallbacks():

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from snapfn.handler.http.openai import schema as request_schema
-from snapfn.handler.http.openai.schema import REQUEST_MODELS, StrictModel
+from snapfn.handler.http.openai.schema import GENERATION_MODELS, REQUEST_MODELS, StrictModel
 from snapfn.handler.http.openapi import REF_TEMPLATE, openapi_document
 
 MODEL = "tiny"
@@ -33,7 +33,7 @@ def test_every_request_model_is_published_as_pydantic_writes_it():
         published = json.loads(json.dumps(schemas[model.__name__]))
         assert published["properties"].pop("model") == {
             **model.model_json_schema()["properties"]["model"],
-            "enum": [MODEL],
+            "enum": [MODEL, None],  # null: left out, the served one
         }
         own = model.model_json_schema(ref_template=REF_TEMPLATE)
         own.pop("$defs", None)
@@ -48,7 +48,7 @@ def test_the_request_properties_are_the_models_fields():
         assert list(schema["properties"]) == list(model.model_fields)
         required = [name for name, field in model.model_fields.items() if field.is_required()]
         assert schema["required"] == required
-        assert schema["additionalProperties"] is False  # unknown fields are a 400
+        assert schema["additionalProperties"] is True  # unknown fields are ignored
 
 
 def test_every_model_a_request_uses_is_a_component_and_every_ref_resolves():
@@ -63,10 +63,24 @@ def test_every_model_a_request_uses_is_a_component_and_every_ref_resolves():
 def test_the_generation_paths_take_the_request_models():
     paths = openapi_document(MODEL)["paths"]
     for path, model in zip(
-        ("/v1/completions", "/v1/chat/completions"), REQUEST_MODELS, strict=True
+        ("/v1/completions", "/v1/chat/completions"), GENERATION_MODELS, strict=True
     ):
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": REF_TEMPLATE.format(model=model.__name__)}
+
+
+def test_tokenize_takes_either_shape_and_detokenize_its_model():
+    paths = openapi_document(MODEL)["paths"]
+    body = paths["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {
+        "anyOf": [
+            {"$ref": REF_TEMPLATE.format(model="TokenizeCompletionRequest")},
+            {"$ref": REF_TEMPLATE.format(model="TokenizeChatRequest")},
+        ]
+    }
+    body = paths["/detokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": REF_TEMPLATE.format(model="DetokenizeRequest")}
+    assert {"/version", "/v1/models/{model_id}"} <= set(paths)
 
 
 def test_the_document_is_openapi_3_1_and_strict_json():

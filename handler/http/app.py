@@ -4,12 +4,18 @@ Endpoints (the OpenAPI document in `openapi.py` is the reference):
     GET  /health             200 {"status": "up"} | 503 {"status": "starting"|"failed", "reason"}
     GET  /health/generate    a real 1-token generation through the whole path
     GET  /startup            the startup manifest (JSON)
-    GET  /v1/models          the one model served
+    GET  /version            {"version": snapfn's}
+    GET  /v1/models          the one model served; /v1/models/{id} its card (404 for another)
     POST /v1/completions     OpenAI completions   (stream: true → server-sent events)
     POST /v1/chat/completions OpenAI chat completions
+    POST /tokenize           text or chat messages → token ids (vLLM's shapes, `tokenization.py`)
+    POST /detokenize         token ids → text
     POST /invoke             JSON event → the function → JSON result; a function error is a
-                             500 {"errorType", "errorMessage"} with `X-Snapfn-Function-Error`
-    GET  /metrics            Prometheus text (`metrics.py`)
+                             500 {"errorType", "errorMessage"} with `X-Snapfn-Function-Error`,
+                             or with `function_errors="lambda"` (`--function-errors lambda`)
+                             a 200 with `X-Amz-Function-Error: Unhandled`, as Lambda's Invoke
+                             API answers (both headers are set either way)
+    GET  /metrics            Prometheus text (`metrics.py`), every gunicorn worker's together
     GET  /openapi.json       the OpenAPI 3 document
 
 Contracts:
@@ -53,14 +59,18 @@ from snapfn.handler.http.json_io import (
 )
 from snapfn.handler.http.metrics import HttpMetrics
 from snapfn.handler.http.openai import parse as openai_api
+from snapfn.handler.http.openai.params import check_model
 from snapfn.handler.http.openai.request import ApiError, Limits
+from snapfn.handler.http.openai.tokenization import detokenize_body, tokenize_body
 from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.handler.http.startup_gate import StartupGate
+from snapfn.handler.version import snapfn_version
 from snapfn.snapshot.stages import Readiness
 
 log = logging.getLogger("snapfn.http")
 REQUEST_ID_HEADER = "X-Request-Id"
 FUNCTION_ERROR_HEADER = "X-Snapfn-Function-Error"
+LAMBDA_FUNCTION_ERROR_HEADER = "X-Amz-Function-Error"
 
 
 @dataclass(frozen=True)
@@ -75,12 +85,13 @@ class AppState:
     started_at: int
 
 
-def create_app(runtime: Any, config: ServeConfig) -> Flask:
-    """The Flask app serving `runtime` (a `WorkerRuntime`, started or not) under `config`."""
+def create_app(runtime: Any, config: ServeConfig, metrics_dir: str | None = None) -> Flask:
+    """The Flask app serving `runtime` (a `WorkerRuntime`, started or not) under `config`;
+    `metrics_dir`: where every worker's metrics meet (`metrics.py`), None for this app's own."""
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
-    metrics = HttpMetrics(runtime)
+    metrics = HttpMetrics(runtime, metrics_dir)
     state = AppState(
         runtime=runtime,
         config=config,
@@ -164,17 +175,37 @@ def _install_health_routes(app: Flask, state: AppState) -> None:
     def openapi() -> Response:
         return json_response(openapi_document(state.limits.model_name))
 
+    @app.get("/version")
+    def version() -> Response:
+        return json_response({"version": snapfn_version()})
+
 
 # ---- OpenAI-compatible generation -----------------------------------------------------------
 def _install_llm_routes(app: Flask, state: AppState) -> None:
     @app.get("/v1/models")
     def models() -> Response:
-        card = {"id": state.limits.model_name, "object": "model", "created": state.started_at}
-        card["owned_by"] = "snapfn"
-        llm = state.runtime.llm
-        if llm is not None:
-            card["max_model_len"] = llm.max_req_input_len + 1
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/<path:model_id>")
+    def model(model_id: str) -> Response:
+        check_model(model_id, state.limits)
+        return json_response(_model_card(state))
+
+    @app.post("/tokenize")
+    def tokenize() -> Response:
+        body = read_json_body()
+        llm = _language_model(state)
+        return json_response(
+            tokenize_body(body, state.limits, llm.tokenizer, llm.max_req_input_len)
+        )
+
+    @app.post("/detokenize")
+    def detokenize() -> Response:
+        body = read_json_body()
+        llm = _language_model(state)
+        return json_response(
+            detokenize_body(body, state.limits, llm.tokenizer, llm.max_req_input_len)
+        )
 
     @app.post("/v1/completions")
     def completions() -> Response:
@@ -185,8 +216,17 @@ def _install_llm_routes(app: Flask, state: AppState) -> None:
         return _generate(state, "chat", openai_api.parse_chat)
 
 
-def _generate(state: AppState, endpoint: str, parse: Callable) -> Response:
-    parsed = parse(read_json_body(), state.limits)
+def _model_card(state: AppState) -> dict[str, Any]:
+    card = {"id": state.limits.model_name, "object": "model", "created": state.started_at}
+    card["owned_by"] = "snapfn"
+    llm = state.runtime.llm
+    if llm is not None:
+        card["max_model_len"] = llm.max_req_input_len + 1
+    return card
+
+
+def _language_model(state: AppState) -> Any:
+    """The runtime's `LLMService`, once started (404 on a function's worker)."""
     state.gate.admit()
     llm = state.runtime.llm
     if llm is None:
@@ -195,6 +235,12 @@ def _generate(state: AppState, endpoint: str, parse: Callable) -> Response:
             code="not_a_language_model",
             status=404,
         )
+    return llm
+
+
+def _generate(state: AppState, endpoint: str, parse: Callable) -> Response:
+    parsed = parse(read_json_body(), state.limits)
+    llm = _language_model(state)
     prompts = openai_api.tokenize(parsed, llm.tokenizer, llm.max_req_input_len)
     generation = Generation(
         parsed, llm, prompts, f"/v1/{endpoint}", metrics=state.metrics, arrived_at=g.arrived_at
@@ -227,9 +273,8 @@ def _install_invoke_route(app: Flask, state: AppState) -> None:
                 event, timeout_s=state.config.invoke_timeout_s, request_id=request_id
             )
         except FunctionError as exc:
-            headers[FUNCTION_ERROR_HEADER] = "Unhandled"
-            return json_response(json_safe(exc.error), 500, headers)
-        return _result_response(result, headers)
+            return _function_error(state.config, json_safe(exc.error), headers)
+        return _result_response(state.config, result, headers)
 
 
 def _request_id() -> str:
@@ -239,11 +284,16 @@ def _request_id() -> str:
     return uuid.uuid4().hex
 
 
-def _result_response(result: Any, headers: dict[str, str]) -> Response:
+def _function_error(config: ServeConfig, error: Any, headers: dict[str, str]) -> Response:
+    """A function's error: a 500, or as Lambda's Invoke API answers one (a 200)."""
+    headers[FUNCTION_ERROR_HEADER] = headers[LAMBDA_FUNCTION_ERROR_HEADER] = "Unhandled"
+    return json_response(error, 200 if config.function_errors == "lambda" else 500, headers)
+
+
+def _result_response(config: ServeConfig, result: Any, headers: dict[str, str]) -> Response:
     try:
-        body = json.dumps(result, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        headers[FUNCTION_ERROR_HEADER] = "Unhandled"
+        body = json.dumps(result, ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
         error = {"errorType": "Runtime.MarshalError", "errorMessage": f"result is not JSON: {exc}"}
-        return json_response(error, 500, headers)
+        return _function_error(config, error, headers)
     return Response(body, status=200, mimetype="application/json", headers=headers)

@@ -7,6 +7,8 @@ Contract:
 - `Generation.body()` runs every choice to the end and returns the full response object;
   `Generation.events()` yields server-sent events, one chunk per engine output, `[DONE]` last.
   A failure after the headers went out is sent as a last `error` event, never a dropped stream.
+- Completions' `echo`: each choice's prompt (its text as sent, or its token ids decoded) is
+  attached to the choice with its first output, which carries the prompt's logprobs.
 - `close()` cancels every unfinished choice, which frees its KV pages; it is idempotent.
   `EventStream` is the streamed response body: the WSGI server closes it when the client goes
   away (or the stream ends), so a disconnect cancels the generation.
@@ -57,7 +59,9 @@ class Generation:
         self.meta = shapes.ResponseMeta(
             f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request_.model
         )
+        self.prompts = prompts
         self.prompt_lens = [len(p) for p in prompts]
+        self._tokenizer = llm.tokenizer
         self.streams = self._submit(llm, prompts)
         self.choices = [shapes.Choice(i) for i in range(len(self.streams))]
         self._metrics.queue_seconds.labels(endpoint).observe(time.perf_counter() - self._arrived_at)
@@ -92,9 +96,28 @@ class Generation:
                     m.itl_seconds.labels(ep).observe(now - last)
                 last = now
                 m.generation_tokens.labels(ep).inc(len(out.new_token_ids))
-                self.choices[index].add(out)
+                choice = self.choices[index]
+                if self.request.echo and choice.echo is None:
+                    choice.echo = self._echo(index, out)
+                choice.add(out)
                 yield index, out
         m.e2e_seconds.labels(ep).observe(time.perf_counter() - self._arrived_at)
+
+    def _echo(self, index: int, first: Any) -> shapes.PromptEcho:
+        """Choice `index`'s prompt, to put before its completion (`first`: its first output)."""
+        k = index // self.request.n
+        given, ids = self.request.prompts[k], self.prompts[k]
+        if isinstance(given, str):
+            text = given
+        elif self._tokenizer is not None:
+            text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        else:
+            text = ""
+        if not self.request.logprobs:
+            return shapes.PromptEcho(text)
+        logprobs = first.prompt_logprobs or (None,) * len(ids)
+        tops = first.prompt_top_logprobs or (None,) + ((),) * (len(ids) - 1)
+        return shapes.PromptEcho(text, tuple(ids), tuple(logprobs), tuple(tops))
 
     def usage(self) -> dict[str, int]:
         return shapes.usage(self.prompt_lens, self.choices)
@@ -118,7 +141,9 @@ class Generation:
                 if req.endpoint == "chat" and index not in opened:
                     opened.add(index)
                     yield _sse(shapes.chunk_body(req, self.meta, index, None, self._token_text))
-                yield _sse(shapes.chunk_body(req, self.meta, index, out, self._token_text))
+                echo = self.choices[index].echo if index not in opened else None
+                opened.add(index)
+                yield _sse(shapes.chunk_body(req, self.meta, index, out, self._token_text, echo))
             if req.include_usage:
                 yield _sse(shapes.usage_chunk(req, self.meta, self.usage()))
             yield "data: [DONE]\n\n"

@@ -2,7 +2,11 @@
 
 Contract:
 - `read_json_body()` is the request's body as strict JSON (no `NaN`/`Infinity`); an empty or
-  malformed body is an `ApiError` 400 (`invalid_json`).
+  malformed body is an `ApiError` 400 (`invalid_json`), a string that is not valid Unicode (a
+  lone surrogate such as `"\\ud800"`, bytes that are not UTF-8) a 400 `invalid_unicode` naming
+  where it is. A body over the app's `MAX_CONTENT_LENGTH` is a 413, with a `Content-Length`
+  or sent chunked (read up to one byte past the limit, never cut and parsed), and the
+  connection is closed after it rather than the rest of the body read.
 - `json_response(body, status, headers)` sends a JSON response; `json_safe(value)` turns the
   non-finite floats of a value (a manifest, a function's result) into null first.
 - `install_error_handlers(app, retry_after_s)` makes every error a JSON response in OpenAI's
@@ -16,11 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from snapfn.handler.function.target import NotReady
 from snapfn.handler.http.openai.request import ApiError
@@ -29,6 +34,8 @@ from snapfn.handler.http.startup_gate import ServiceUnavailable
 from snapfn.snapshot.errors import BadRequest, InitFailed
 
 log = logging.getLogger("snapfn.http")
+SURROGATE = re.compile("[\ud800-\udfff]")  # what no valid Unicode string holds
+READ_CHUNK_BYTES = 1 << 16
 
 
 def install_error_handlers(app: Flask, retry_after_s: int) -> None:
@@ -61,8 +68,13 @@ def install_error_handlers(app: Flask, retry_after_s: int) -> None:
     def http_error(exc: HTTPException) -> Response:
         code = (exc.name or "error").lower().replace(" ", "_")
         body = error_body(exc.description or exc.name, "invalid_request_error", code=code)
+        headers = {}
         allow = exc.get_response().headers.get("Allow")  # a 405 must say what is allowed
-        return json_response(body, exc.code, {"Allow": allow} if allow else None)
+        if allow:
+            headers["Allow"] = allow
+        if isinstance(exc, RequestEntityTooLarge):  # the rest of the body is never read
+            headers["Connection"] = "close"
+        return json_response(body, exc.code, headers)
 
     @app.errorhandler(Exception)
     def internal_error(exc: Exception) -> Response:
@@ -81,18 +93,72 @@ def json_response(
 
 
 def read_json_body() -> Any:
-    """The request's body, parsed as strict JSON."""
-    data = request.get_data()
+    """The request's body, parsed as strict JSON, every string in it valid Unicode."""
+    data = _read_body()
     if not data.strip():
         raise ApiError("the request body is empty: send a JSON object", code="invalid_json")
     try:
-        return json.loads(data, parse_constant=_reject_constant)
+        value = json.loads(data, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise ApiError(
+            f"the body is not UTF-8 ({exc.reason} at byte {exc.start})", code="invalid_unicode"
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise ApiError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+    place = _invalid_unicode_place(value)
+    if place is not None:
+        where = place[:120] or "the body"
+        raise ApiError(
+            f"'{where}' holds a lone surrogate (such as \\ud800), which is not valid "
+            "Unicode: send text, or pair the surrogates",
+            param=re.split(r"[.\[]", place, maxsplit=1)[0] or None,
+            code="invalid_unicode",
+        )
+    return value
+
+
+def _read_body() -> bytes:
+    """The body's bytes. A declared length over the limit was refused by werkzeug (413); a
+    chunked body, whose end only the server knows, is read up to one byte past the limit."""
+    limit = request.max_content_length
+    if request.content_length is not None or limit is None:
+        return request.get_data()
+    if "wsgi.input_terminated" not in request.environ:
+        return request.get_data()  # werkzeug reads nothing it cannot bound
+    stream, chunks, size = request.environ["wsgi.input"], [], 0
+    while size <= limit:
+        chunk = stream.read(min(READ_CHUNK_BYTES, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > limit:
+        raise RequestEntityTooLarge()
+    return b"".join(chunks)
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _invalid_unicode_place(value: Any) -> str | None:
+    """Where in a decoded JSON value a string (a key or a value) holds a lone surrogate
+    (`messages[0].content`; "" for the body itself), or None. Iterative: a body may nest as
+    deep as the JSON decoder allows."""
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, place = pending.pop()
+        if isinstance(item, str):
+            if SURROGATE.search(item):
+                return place
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if SURROGATE.search(key):
+                    return place  # NOTE: the key itself never goes into a message
+                pending.append((inner, f"{place}.{key}" if place else key))
+        elif isinstance(item, list):
+            pending.extend((inner, f"{place}[{i}]") for i, inner in enumerate(item))
+    return None
 
 
 def json_safe(value: Any) -> Any:

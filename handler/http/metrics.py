@@ -1,6 +1,6 @@
-"""Prometheus metrics of one HTTP worker, in a registry of its own (no process-wide globals).
+"""Prometheus metrics of the HTTP front door, in a registry of each app's own (no globals).
 
-`HttpMetrics(runtime)` owns a `CollectorRegistry` holding:
+`HttpMetrics(runtime, multiprocess_dir)` owns a `CollectorRegistry` holding:
 - what the front door observes as requests pass (updated by `app.py`):
     snapfn_http_requests_total{endpoint,method,status}      responses sent
     snapfn_http_request_duration_seconds{endpoint}          arrival → response headers
@@ -14,21 +14,34 @@
     snapfn_generations_in_flight                            generation requests being served
     snapfn_startup_waiters                                  requests waiting for start-up now
     snapfn_startup_rejections_total{reason}                 503s: queue_full, timeout, failed
-- what the runtime knows, read at scrape time (`RuntimeCollector`):
-    snapfn_readiness{state}                                 1 for the current state, 0 otherwise
+- what the runtime knows, copied in from it (`RuntimeMetrics.refresh`) when `/metrics` is read
+  and, in a gunicorn worker, every `REFRESH_INTERVAL_S` (`refresh_until`, started by `serve.py`),
+  so that a worker no scrape reaches still reports:
+    snapfn_readiness{state}                                 workers in each state (1 or 0 for one)
     snapfn_startup_seconds{kind,tier}                       total init/restore time
     snapfn_startup_stage_seconds{kind,tier,stage}           each init/restore stage (a restore
                                                             that failed and fell back appears with
                                                             tier "<tier> (failed)")
     snapfn_snapshot_fallbacks_total{from,to,step}           fallbacks taken at start-up
-    snapfn_kv_cache_usage_ratio                             share of KV pages in use
+    snapfn_kv_cache_usage_ratio                             share of KV pages in use (the fullest
+                                                            worker's)
     snapfn_engine_requests_total{outcome}                   submitted / finished / cancelled
     snapfn_engine_steps_total
     snapfn_graph_replays_total / snapfn_graph_eager_fallbacks_total
+
+Several gunicorn workers (`snapfn serve --workers N`): each worker's values live in files under
+`multiprocess_dir` (prometheus_client's multiprocess mode, which `serve.py` switches on before
+prometheus_client is imported), and `/metrics`, whichever worker answers, is every worker's
+together: counters and histograms summed, gauges of live workers summed (in flight, waiters,
+readiness), their maximum (KV usage) or one series per worker with a `pid` label (start-up
+times). Without one (a single process, tests) the registry is read directly. Either way no
+`_created` series is sent (they are start times that every scrape would carry).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,13 +62,16 @@ LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
+log = logging.getLogger("snapfn.http")
+REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
 
 
 class HttpMetrics:
     """The front door's metrics; `render()` is the `/metrics` body and its content type."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Any, multiprocess_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
         r, ep = self.registry, ["endpoint"]
         self.requests = Counter(
             "snapfn_http_requests",
@@ -82,17 +98,35 @@ class HttpMetrics:
         self.generation_tokens = Counter(
             "snapfn_generation_tokens", "Generated tokens", ep, registry=r
         )
-        self.in_flight = Gauge("snapfn_generations_in_flight", "Generations now", registry=r)
+        self.in_flight = Gauge(
+            "snapfn_generations_in_flight",
+            "Generations now",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.startup_waiters = Gauge(
-            "snapfn_startup_waiters", "Requests waiting for start-up", registry=r
+            "snapfn_startup_waiters",
+            "Requests waiting for start-up",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.startup_rejections = Counter(
             "snapfn_startup_rejections", "Requests refused while starting", ["reason"], registry=r
         )
-        r.register(RuntimeCollector(runtime))
+        self.runtime = RuntimeMetrics(runtime, r)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition: every worker's (multiprocess) or this registry's, no `_created`."""
+        self.runtime.refresh()
+        source: Any = self.registry
+        if self.multiprocess_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            source = CollectorRegistry()
+            MultiProcessCollector(source, path=self.multiprocess_dir)
+        out = CollectorRegistry(auto_describe=False)
+        out.register(WithoutCreated(source))
+        return generate_latest(out), CONTENT_TYPE_LATEST
 
 
 def latency_histogram(
@@ -102,29 +136,108 @@ def latency_histogram(
     return Histogram(name, doc, list(labels), registry=registry, buckets=LATENCY_BUCKETS_S)
 
 
-class RuntimeCollector(Collector):
-    """Reads the runtime's readiness, startup manifest, KV pool and engine counters per scrape."""
+class WithoutCreated(Collector):
+    """`source`'s metrics less their `_created` samples."""
 
-    def __init__(self, runtime: Any) -> None:
-        self._runtime = runtime
+    def __init__(self, source: Any) -> None:
+        self._source = source
 
     def collect(self) -> Iterator[Metric]:
-        yield self._readiness()
-        startup = self._runtime.startup
-        if startup is not None:
-            yield from startup_metrics(startup.to_json())
-        llm = getattr(self._runtime, "llm", None)
-        if llm is not None:
-            yield from engine_metrics(llm)
+        for family in self._source.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
-    def _readiness(self) -> Metric:
-        family = GaugeMetricFamily(
-            "snapfn_readiness", "1 for the worker's current state", labels=["state"]
+
+class RuntimeMetrics:
+    """The runtime's readiness, startup manifest, KV pool and engine counters, copied into
+    metrics of the registry by `refresh()` (so that, in multiprocess mode, every worker's
+    values reach the files whichever worker is scraped). Counters grow by what the runtime's
+    totals grew since the last copy."""
+
+    def __init__(self, runtime: Any, registry: CollectorRegistry) -> None:
+        self._runtime = runtime
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, tuple[str, ...]], float] = {}
+        r = registry
+        self.readiness = Gauge(
+            "snapfn_readiness",
+            "Workers in each state",
+            ["state"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
-        current = self._runtime.readiness.state
-        for state in Readiness:
-            family.add_metric([state.value], 1.0 if state is current else 0.0)
-        return family
+        kinds = ["kind", "tier"]
+        self.gauges = {
+            "snapfn_startup_seconds": Gauge(
+                "snapfn_startup_seconds",
+                "Init or restore time",
+                kinds,
+                registry=r,
+                multiprocess_mode="liveall",
+            ),
+            "snapfn_startup_stage_seconds": Gauge(
+                "snapfn_startup_stage_seconds",
+                "Init or restore stage time",
+                [*kinds, "stage"],
+                registry=r,
+                multiprocess_mode="liveall",
+            ),
+            "snapfn_kv_cache_usage_ratio": Gauge(
+                "snapfn_kv_cache_usage_ratio",
+                "Share of KV cache pages in use",
+                registry=r,
+                multiprocess_mode="livemax",
+            ),
+        }
+        self.counters = {
+            name: Counter(name, doc, labels, registry=r)
+            for name, doc, labels in (
+                ("snapfn_snapshot_fallbacks", "Start-up fallbacks", ["from", "to", "step"]),
+                ("snapfn_engine_requests", "Engine requests by outcome", ["outcome"]),
+                ("snapfn_engine_steps", "Engine steps", []),
+                ("snapfn_graph_replays", "Decode CUDA graph replays", []),
+                ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
+            )
+        }
+
+    def refresh_until(self, stop: threading.Event, interval_s: float = REFRESH_INTERVAL_S) -> None:
+        """`refresh()` every `interval_s` until `stop` is set (a worker's side thread)."""
+        while not stop.wait(interval_s):
+            try:
+                self.refresh()
+            except Exception:  # a failed copy must not end the copying; the next one retries
+                log.exception("copying the runtime's metrics failed")
+
+    def refresh(self) -> None:
+        with self._lock:
+            current = self._runtime.readiness.state
+            for state in Readiness:
+                self.readiness.labels(state.value).set(1.0 if state is current else 0.0)
+            families = []
+            if self._runtime.startup is not None:
+                families += startup_metrics(self._runtime.startup.to_json())
+            llm = getattr(self._runtime, "llm", None)
+            if llm is not None:
+                families += engine_metrics(llm)
+            for family in families:
+                self._copy(family)
+
+    def _copy(self, family: Metric) -> None:
+        totals: dict[tuple[str, ...], float] = {}
+        for sample in family.samples:
+            labels = tuple(sample.labels.values())
+            totals[labels] = totals.get(labels, 0.0) + sample.value
+        for labels, value in totals.items():
+            if family.name in self.gauges:
+                gauge = self.gauges[family.name]
+                (gauge.labels(*labels) if labels else gauge).set(value)
+                continue
+            counter = self.counters[family.name]
+            child = counter.labels(*labels) if labels else counter  # shown at 0 too
+            grown = value - self._seen.get((family.name, labels), 0.0)
+            if grown > 0:
+                child.inc(grown)
+                self._seen[(family.name, labels)] = value
 
 
 def startup_metrics(manifest: dict[str, Any]) -> Iterator[Metric]:

@@ -17,6 +17,9 @@ from snapfn.handler.http.openai.schema import (
     REQUEST_MODELS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     json_schemas,
 )
 
@@ -68,10 +71,11 @@ ERROR_SCHEMA = {
 
 
 def _request_schemas(model_name: str) -> dict[str, Any]:
-    """The request models' JSON schemas, each body's `model` the one this server serves."""
+    """The request models' JSON schemas, each body's `model` the one this server serves (or
+    null, the same as leaving it out)."""
     schemas = json_schemas(REF_TEMPLATE)
     for model in REQUEST_MODELS:
-        schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
+        schemas[model.__name__]["properties"]["model"]["enum"] = [model_name, None]
     return schemas
 
 
@@ -198,6 +202,73 @@ def _health_paths() -> dict[str, Any]:
     return {"/health": open_health, "/health/generate": generate, "/startup": startup}
 
 
+MODEL_CARD = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string", "enum": ["model"]},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "max_model_len": {"type": "integer"},
+    },
+}
+
+TOKENIZE_RESPONSE = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+    "properties": {
+        "count": {"type": "integer", "minimum": 0},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": _nullable({"type": "array", "items": {"type": "string"}}),
+    },
+}
+
+DETOKENIZE_RESPONSE = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+
+
+def _post_op(summary: str, request_schema: dict, response_schema: dict) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json_content(request_schema)},
+            "responses": {
+                "200": {"description": summary, "content": _json_content(response_schema)},
+                **ERRORS,
+            },
+        }
+    }
+
+
+def _tokenizer_paths() -> dict[str, Any]:
+    tokenize_body = {
+        "anyOf": [_ref(TokenizeCompletionRequest.__name__), _ref(TokenizeChatRequest.__name__)]
+    }
+    return {
+        "/tokenize": _post_op(
+            "Text or chat messages to token ids (vLLM's shapes)", tokenize_body, TOKENIZE_RESPONSE
+        ),
+        "/detokenize": _post_op(
+            "Token ids to text (vLLM's shapes)",
+            _ref(DetokenizeRequest.__name__),
+            DETOKENIZE_RESPONSE,
+        ),
+    }
+
+
+def _model_path() -> dict[str, Any]:
+    card = _get_op("The model's card; 404 for any other model", MODEL_CARD)
+    card["get"]["parameters"] = [
+        {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return {"/v1/models/{model_id}": card}
+
+
 def _other_paths() -> dict[str, Any]:
     metrics = {
         "get": {
@@ -213,13 +284,34 @@ def _other_paths() -> dict[str, Any]:
     }
     spec = _get_op("This document", {"type": "object"}, {})
     spec["get"]["security"] = []
-    models = _get_op("The model served", {"type": "object", "required": ["object", "data"]})
-    return {"/metrics": metrics, "/openapi.json": spec, "/v1/models": models}
+    models = _get_op(
+        "The model served",
+        {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"data": {"type": "array", "items": MODEL_CARD}},
+        },
+    )
+    version = _get_op(
+        "snapfn's version",
+        {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    )
+    return {
+        "/metrics": metrics,
+        "/openapi.json": spec,
+        "/version": version,
+        "/v1/models": models,
+        **_model_path(),
+    }
 
 
 def _invoke_path() -> dict[str, Any]:
     responses = {
-        "200": {"description": "The function's result", "content": _json_content({})},
+        "200": {
+            "description": "The function's result; with `--function-errors lambda`, also its "
+            "error (header X-Amz-Function-Error), as Lambda's Invoke API answers",
+            "content": _json_content({}),
+        },
         "500": {
             "description": "The function raised: its error (header X-Snapfn-Function-Error)",
             "content": _json_content(FUNCTION_ERROR),
@@ -255,6 +347,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         "/v1/chat/completions": _generation_op(
             "OpenAI chat completions", ChatCompletionRequest.__name__, "ChatCompletionResponse"
         ),
+        **_tokenizer_paths(),
         **_invoke_path(),
     }
     return {

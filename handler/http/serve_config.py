@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 from snapfn.snapshot.errors import BadRequest
 
+FUNCTION_ERRORS = ("http", "lambda")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -34,6 +36,13 @@ class ServeConfig:
     startup_wait_s: float = 300.0
     retry_after_s: int = 5
     invoke_timeout_s: float | None = None  # /invoke deadline; None = the target's own
+    # a function's error on /invoke: "http" a 500, "lambda" a 200 with X-Amz-Function-Error
+    # (as Lambda's Invoke API answers); both carry X-Snapfn-Function-Error
+    function_errors: str = "http"
+    access_log: str | None = None  # gunicorn's access log: a file, or "-" for stdout; None: off
+    # a worker whose start failed answers /health (503, the reason) this long, then exits with
+    # gunicorn's boot-error code: the server stops, non-zero, for an orchestrator to restart
+    failed_start_exit_s: float = 5.0
     # the scale-to-zero activator (`activator/app.py`): on when idle_timeout_s is set
     idle_timeout_s: float | None = None  # stop an instance idle this long (down to zero)
     max_instances: int | None = None  # None: one per GPU (1 on a machine without GPUs)
@@ -52,6 +61,13 @@ class ServeConfig:
             raise BadRequest(f"port must be in [0, 65535], got {self.port}")
         if self.startup_queue_size < 0 or self.startup_wait_s < 0:
             raise BadRequest("startup_queue_size and startup_wait_s must be >= 0")
+        if self.function_errors not in FUNCTION_ERRORS:
+            raise BadRequest(
+                f"function_errors must be one of {', '.join(FUNCTION_ERRORS)}, "
+                f"got {self.function_errors!r}"
+            )
+        if not self.failed_start_exit_s >= 0:
+            raise BadRequest(f"failed_start_exit_s must be >= 0, got {self.failed_start_exit_s}")
         self._check_activator_fields()
 
     def _check_activator_fields(self) -> None:

@@ -15,13 +15,21 @@
 - eos ids merged from `tokenizer_config.json`, `generation_config.json` and `config.json`.
 
 `decode` never applies `clean_up_tokenization_spaces`: streamed and full text must agree.
+`encode` refuses text that is not valid Unicode (a lone surrogate) with `BadRequest`.
+`max_token_chars` is the most characters of text one token can stand for (the longest
+vocabulary entry, added tokens included), so a text longer than `n × max_token_chars` surely
+encodes to more than `n` tokens: the front door refuses such a prompt before encoding it
+(`max_prompt_chars`), whatever its size. Normalizers that delete characters would make the
+bound loose; none of the LLM tokenizers served has one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,7 @@ SPECIAL_TOKEN_KEYS = (
     "mask_token",
 )
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
+SURROGATE = re.compile("[\ud800-\udfff]")  # in no valid Unicode text
 
 
 class Tokenizer:
@@ -99,8 +108,20 @@ class Tokenizer:
         """The id of a token string, or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (see the module docstring)."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1) or 1
+
+    def max_prompt_chars(self, max_tokens: int) -> int:
+        """The longest text that may encode to `max_tokens` tokens or fewer."""
+        return max_tokens * self.max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, as the post-processor (and bos) dictate."""
+        if SURROGATE.search(text):
+            raise BadRequest("the text holds a lone surrogate, which is not valid Unicode")
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]

@@ -1,22 +1,22 @@
-"""The fields completions and chat share: model, sampling, stop conditions, streaming, `n`.
+"""The fields completions and chat share: model, sampling, penalties, stop conditions, streaming.
 
 Contract:
 - `common_fields(body, limits, max_tokens)` turns a validated body (`schema.SharedFields`) into
   the keyword arguments of a `GenerationRequest` (its `params` is the engine's
   `SamplingParams`), or raises `ApiError`: a model other than `limits.model_name` is a 404
-  (`model_not_found`); penalties other than 0 and a non-empty `logit_bias` are refused
-  (`unsupported`), not ignored.
+  (`model_not_found`; `model` left out is the served one); a `logit_bias` key that is not a
+  token id is a 400 naming `logit_bias`.
 - `check_choices(request, limits)` refuses a request asking for more than `limits.max_choices`
   choices (`n` × prompts), or whose `seed` + choices would pass 2**63.
 - A temperature below `MIN_TEMPERATURE` (1e-5) means greedy decoding; `top_k` -1 (vLLM's "off")
-  means 0.
+  means 0. Penalties and biases mean what the engine's `SamplingParams` says (vLLM's meaning).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from snapfn.handler.http.openai.request import ApiError, GenerationRequest, Limits, unsupported
+from snapfn.handler.http.openai.request import ApiError, GenerationRequest, Limits
 from snapfn.handler.llm.engine.request import SamplingParams
 
 if TYPE_CHECKING:  # the models are pydantic's, which `parse` imports only when first used
@@ -27,10 +27,9 @@ MIN_TEMPERATURE = 1e-5  # below this, greedy (vLLM's rule)
 
 def common_fields(body: SharedFields, limits: Limits, max_tokens: int) -> dict[str, Any]:
     """The `GenerationRequest` keyword arguments both endpoints read the same way."""
-    _refuse_unsupported(body)
     options = body.stream_options
     return dict(
-        model=_check_model(body.model, limits),
+        model=check_model(body.model, limits),
         params=_sampling(body, max_tokens),
         n=body.n,
         stream=body.stream,
@@ -55,7 +54,9 @@ def check_choices(request: GenerationRequest, limits: Limits) -> GenerationReque
     return request
 
 
-def _check_model(model: str, limits: Limits) -> str:
+def check_model(model: str | None, limits: Limits) -> str:
+    if model is None:
+        return limits.model_name
     if model != limits.model_name:
         raise ApiError(
             f"model {model!r} does not exist here; this server serves {limits.model_name!r} "
@@ -67,12 +68,18 @@ def _check_model(model: str, limits: Limits) -> str:
     return model
 
 
-def _refuse_unsupported(body: SharedFields) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0.0:
-            raise unsupported(name, "penalties are not implemented; leave it 0")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "leave it out or send {}")
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (id, bias) pairs, in id order."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise ApiError(
+                f"'logit_bias' keys are token ids (decimal strings), got {key[:40]!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        pairs.append((int(key), value))
+    return tuple(sorted(pairs))
 
 
 def _sampling(body: SharedFields, max_tokens: int) -> SamplingParams:
@@ -87,4 +94,8 @@ def _sampling(body: SharedFields, max_tokens: int) -> SamplingParams:
         stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
     )

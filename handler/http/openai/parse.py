@@ -3,12 +3,15 @@
 Contract:
 - `parse_completion(body, limits)` / `parse_chat(body, limits)` take a decoded JSON body and
   return a `GenerationRequest`, or raise `ApiError` naming the field to fix (`param`) and how.
-  The body is validated against its model in `schema` (strict types, OpenAI's ranges, no
-  unknown fields); what validates but is not served (`echo`, `suffix`, `best_of` other than
-  `n`, logprob alternatives, and the shared fields `params` refuses) is refused here rather
-  than silently ignored. The response shapes are `shapes`'.
+  The body is validated against its model in `schema` (strict types, OpenAI's ranges); unknown
+  fields are ignored, each request that sent some logged once as a warning naming them. What
+  validates but is not served (`suffix`, `best_of` other than `n`) is refused here rather than
+  silently ignored. The response shapes are `shapes`'.
 - `tokenize(request, tokenizer, max_input_len)` turns the prompts into token ids, rendering chat
-  messages through the model's chat template, and refuses prompts longer than `max_input_len`.
+  messages through the model's chat template, and refuses prompts longer than `max_input_len`
+  tokens (400 `context_length_exceeded`): first by their characters, before any encoding (a text
+  longer than `tokenizer.max_prompt_chars(max_input_len)` cannot fit, so a 4 MB prompt costs a
+  length check, not an encoding), then by their tokens.
 - `choice_params(request, index, prompt_len, max_input_len)` is the engine's `SamplingParams` for
   one choice; with a `seed`, choice `i` samples with `seed + i`.
 
@@ -16,16 +19,18 @@ NOTE: `schema` (pydantic: ~80 ms to import and build) is imported by the parse f
 at the top: `snapfn --help` and the activator import this module (serve.py → app.py →
 generation.py) and never parse a request; a worker loads it as it builds its app (app.py).
 
-Logprobs: the engine records only the chosen token's logprob, so completions accept
-`logprobs: 0` and chat accepts `logprobs: true` with `top_logprobs` 0 or absent; asking for
-alternatives (`logprobs` > 0, `top_logprobs` > 0) is a 400. A temperature below 1e-5 means
-greedy decoding. Extensions (vLLM's names):
-`top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids` (adds `token_ids` to every choice
-and chunk).
+Logprobs: completions' `logprobs: k` and chat's `logprobs: true` with `top_logprobs: k` report
+each generated token's logprob and its `k` (at most 20) most likely alternatives; chat's
+`top_logprobs` without `logprobs: true` is a 400, as in vLLM. Completions' `echo` puts the prompt
+before the completion; with `logprobs`, the prompt's tokens come with their logprobs (the first
+one's null) and alternatives. A temperature below 1e-5 means greedy decoding. Extensions
+(vLLM's names): `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids` (adds `token_ids` to every choice and chunk).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,27 +41,40 @@ from snapfn.handler.llm.engine.request import SamplingParams
 if TYPE_CHECKING:
     from snapfn.handler.http.openai.schema import ChatMessage
 
+log = logging.getLogger("snapfn.http")
+
+
+def warn_unknown(endpoint: str, unknown: list[str]) -> None:
+    """Log, once per request, the fields it sent that are ignored."""
+    if unknown:
+        names = ", ".join(repr(name[:60]) for name in unknown[:16])
+        more = f" and {len(unknown) - 16} more" if len(unknown) > 16 else ""
+        log.warning("%s: ignoring unknown request fields %s%s", endpoint, names, more)
+
 
 # ---- completions ----------------------------------------------------------------------------
 def parse_completion(body: Any, limits: Limits) -> GenerationRequest:
     from snapfn.handler.http.openai.schema import CompletionRequest, validate_body  # NOTE: lazy
 
-    fields = validate_body(CompletionRequest, body)
+    fields, unknown = validate_body(CompletionRequest, body)
+    warn_unknown("/v1/completions", unknown)
     common = common_fields(fields, limits, fields.max_tokens)
-    if fields.logprobs:
-        raise unsupported(
-            "logprobs", "only the chosen token's logprob exists; send 'logprobs': 0 for it"
-        )
-    if fields.echo:
-        raise unsupported("echo", "the prompt is not echoed back")
     if fields.suffix:
         raise unsupported("suffix", "insertion is not implemented")
     if fields.best_of is not None and fields.best_of != fields.n:
         raise unsupported("best_of", "it must equal n (or be left out)")
+    k = fields.logprobs or 0
+    common["params"] = replace(
+        common["params"],
+        top_logprobs=k,
+        prompt_logprobs=k if fields.echo and fields.logprobs is not None else None,
+    )
     request = GenerationRequest(
         endpoint="completions",
         prompts=_prompts(fields.prompt),
         logprobs=fields.logprobs is not None,
+        top_logprobs=k,
+        echo=fields.echo,
         **common,
     )
     return check_choices(request, limits)
@@ -77,21 +95,26 @@ def _prompts(
 def parse_chat(body: Any, limits: Limits) -> GenerationRequest:
     from snapfn.handler.http.openai.schema import ChatCompletionRequest, validate_body  # NOTE: lazy
 
-    fields = validate_body(ChatCompletionRequest, body)
+    fields, unknown = validate_body(ChatCompletionRequest, body)
+    warn_unknown("/v1/chat/completions", unknown)
     max_tokens = fields.max_tokens or fields.max_completion_tokens or 0  # 0: fill the context
     common = common_fields(fields, limits, max_tokens)
-    if fields.top_logprobs > 0:
-        raise unsupported(
-            "top_logprobs", "only the chosen token's logprob exists; send 0 or leave it out"
+    if fields.top_logprobs > 0 and not fields.logprobs:
+        raise ApiError(
+            "'top_logprobs' needs 'logprobs': true",
+            param="top_logprobs",
+            code="invalid_value",
         )
-    messages = tuple(_message(m, i) for i, m in enumerate(fields.messages))
+    k = fields.top_logprobs if fields.logprobs else 0
+    common["params"] = replace(common["params"], top_logprobs=k)
+    messages = tuple(chat_message(m, i) for i, m in enumerate(fields.messages))
     request = GenerationRequest(
-        endpoint="chat", messages=messages, logprobs=fields.logprobs, **common
+        endpoint="chat", messages=messages, logprobs=fields.logprobs, top_logprobs=k, **common
     )
     return check_choices(request, limits)
 
 
-def _message(message: ChatMessage, i: int) -> dict[str, Any]:
+def chat_message(message: ChatMessage, i: int) -> dict[str, Any]:
     """The message as the chat template reads it: its content's text parts joined."""
     if message.content is None and message.role != "assistant":
         raise ApiError(
@@ -109,7 +132,8 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
 
 # ---- prompts → token ids → engine parameters ------------------------------------------------
 def tokenize(request: GenerationRequest, tokenizer: Any, max_input_len: int) -> list[list[int]]:
-    """Token ids of each prompt, each at most `max_input_len` long (else 400)."""
+    """Token ids of each prompt, each at most `max_input_len` long (else 400), texts bounded by
+    their length before they are encoded."""
     param = "messages" if request.endpoint == "chat" else "prompt"
     texts_needed = request.endpoint == "chat" or any(isinstance(p, str) for p in request.prompts)
     if texts_needed and tokenizer is None:
@@ -119,21 +143,50 @@ def tokenize(request: GenerationRequest, tokenizer: Any, max_input_len: int) -> 
             code="no_tokenizer",
         )
     if request.endpoint == "chat":
+        chars = sum(len(m["content"]) for m in request.messages)
+        check_text_length(chars, tokenizer, max_input_len, param)
         text = tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True)
-        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+        prompts = [encode_bounded(tokenizer, text, max_input_len, param, special=False)]
     else:
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts]
+        prompts = [
+            encode_bounded(tokenizer, p, max_input_len, param) if isinstance(p, str) else list(p)
+            for p in request.prompts
+        ]
     for ids in prompts:
         if not ids:
             raise ApiError("the prompt is empty", param=param, code="invalid_value")
-        if len(ids) > max_input_len:
-            raise ApiError(
-                f"the prompt has {len(ids)} tokens; this model accepts at most {max_input_len}: "
-                "shorten it",
-                param=param,
-                code="context_length_exceeded",
-            )
+        check_token_count(len(ids), max_input_len, param)
     return prompts
+
+
+def encode_bounded(
+    tokenizer: Any, text: str, max_tokens: int, param: str, special: bool = True
+) -> list[int]:
+    """`tokenizer.encode(text)`, refused unencoded (400) where `text` is too long to fit."""
+    check_text_length(len(text), tokenizer, max_tokens, param)
+    return tokenizer.encode(text, add_special_tokens=special)
+
+
+def check_text_length(chars: int, tokenizer: Any, max_tokens: int, param: str) -> None:
+    """Refuse `chars` characters of text that cannot encode to `max_tokens` tokens or fewer."""
+    bound = tokenizer.max_prompt_chars(max_tokens)
+    if chars > bound:
+        raise ApiError(
+            f"the prompt has {chars} characters, more than the {bound} that can fit the "
+            f"{max_tokens} tokens this model accepts: shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_token_count(num_tokens: int, max_tokens: int, param: str) -> None:
+    if num_tokens > max_tokens:
+        raise ApiError(
+            f"the prompt has {num_tokens} tokens; this model accepts at most {max_tokens}: "
+            "shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def choice_params(

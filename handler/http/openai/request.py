@@ -51,6 +51,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token, with logprobs
+    echo: bool = False  # completions: the prompt before the completion
     return_token_ids: bool = False
 
     @property

@@ -2,20 +2,24 @@
 
 Contract:
 - `CompletionRequest` and `ChatCompletionRequest` (sharing `SharedFields`) are what
-  `/v1/completions` and `/v1/chat/completions` accept; `json_schemas` is their JSON schema,
+  `/v1/completions` and `/v1/chat/completions` accept, `TokenizeCompletionRequest` or
+  `TokenizeChatRequest` what `/tokenize` does and `DetokenizeRequest` what `/detokenize` does
+  (vLLM's shapes); `json_schemas` is their JSON schema,
   which `openapi.py` publishes as is. Types are strict (`true` is not an integer, `"5"` is not
-  a number, non-finite numbers are refused); unknown fields are refused (inside a chat message
-  or a content part they are ignored); a JSON `null` is the field left out: it takes the
-  default, or is missing.
-- `validate_body(model, body)` is `body` as `model`, or the `ApiError` (400) for its first
-  problem, unknown fields first. `param` is the top-level field (inside `messages`, the message
-  or its field: `messages[2].content`); `code` is `missing_field`, `unknown_field`,
-  `invalid_type`, `invalid_value` or `out_of_range` by pydantic's error type, or `unsupported`
-  for a field of `SERVED_SUBSET`; the message names the exact place
-  (`messages[0].content[1].type`) and what pydantic found wrong there.
-- Values the models accept that this server does not serve (penalties other than 0, logprob
-  alternatives, `echo` …) are refused by `params.py` and `parse.py` after validation; the
-  models' descriptions say so in the document.
+  a number, non-finite numbers are refused); unknown fields are accepted and ignored, as vLLM
+  and SGLang do (clients and SDKs send fields of their own), and `validate_body` names them so
+  the caller can log a warning; a JSON `null` is the field left out: it takes the default, or is
+  missing. `model` may be left out: a server serves one model.
+- `validate_body(model, body)` is `(body as model, the unknown fields' places)`, or the
+  `ApiError` (400) for its first problem. `param` is the top-level field (inside `messages`,
+  the message or its field: `messages[2].content`); `code` is `missing_field`, `invalid_type`,
+  `invalid_value` or `out_of_range` by pydantic's error type, or `unsupported` for a field of
+  `SERVED_SUBSET`; the message names the exact place (`messages[0].content[1].type`) and what
+  pydantic found wrong there (a missing field's message also names the unknown fields sent,
+  which are most often its misspelling).
+- Values the models accept that this server does not serve (`suffix`, `best_of` other than
+  `n`) are refused by `params.py` and `parse.py` after validation; the models' descriptions
+  say so in the document.
 """
 
 from __future__ import annotations
@@ -35,14 +39,20 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 
 from snapfn.handler.http.openai.request import ApiError, unsupported
+from snapfn.handler.llm.engine.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 128
 LOGPROBS_NOTE = (
-    "Only the chosen token's logprob is recorded by the engine: alternatives "
-    "(top logprobs) are not available, and asking for them is a 400."
+    f"Logprobs are of the model's raw distribution (before penalties, biases and temperature); "
+    f"up to {MAX_LOGPROBS} alternatives per token."
 )
 NO_TOOLS = "tool calling is not implemented: only an empty list is accepted"
 # the fields whose schema is narrower than OpenAI's → why a value outside it is refused
@@ -60,9 +70,10 @@ PROMPT_SHAPES = (
 
 
 class StrictModel(BaseModel):
-    """Strict types, no unknown fields, and `null` the same as leaving a field out."""
+    """Strict types, unknown fields kept apart (`model_extra`) to be ignored, and `null` the
+    same as leaving a field out."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -154,17 +165,32 @@ class ResponseFormat(StrictModel):
 class SharedFields(StrictModel):
     """The fields completions and chat share (their meaning: `params.py`)."""
 
-    model: str
+    model: str | None = Field(None, description="the served model (GET /v1/models); optional")
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(1.0, ge=0, le=2, description="below 1e-5: greedy")
+    temperature: float | None = Field(
+        1.0, ge=0, le=MAX_TEMPERATURE, description="below 1e-5: greedy"
+    )
     top_p: float | None = Field(1.0, gt=0, le=1, description="for greedy, send temperature 0")
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="only 0 is served")
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="only 0 is served")
-    logit_bias: dict[str, Any] | None = Field(None, description="only {} is served")
+    presence_penalty: float | None = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description="for each token already generated"
+    )
+    frequency_penalty: float | None = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description="times each token's count so far"
+    )
+    repetition_penalty: float | None = Field(
+        1.0,
+        gt=0,
+        le=MAX_PENALTY,
+        description="extension: over prompt and output tokens (a logit > 0 divided by it, "
+        "one < 0 multiplied); 1 is off",
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        Field(None, description="token id (a decimal string) → bias added to its logit")
+    )
     user: str | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="choice i samples with seed + i")
     top_k: int | None = Field(0, ge=-1, description="extension; 0/-1 off")
@@ -182,8 +208,10 @@ class CompletionRequest(SharedFields):
 
     prompt: Prompt
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5, description=LOGPROBS_NOTE)
-    echo: bool | None = Field(False, description="only false is served")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_NOTE)
+    echo: bool | None = Field(
+        False, description="the prompt before the completion (with logprobs: its tokens')"
+    )
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only n is served")
     suffix: str | None = Field("", description="only empty is served")
 
@@ -194,7 +222,9 @@ class ChatCompletionRequest(SharedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(False, description=LOGPROBS_NOTE)
-    top_logprobs: int | None = Field(0, ge=0, le=20, description=LOGPROBS_NOTE)
+    top_logprobs: int | None = Field(
+        0, ge=0, le=MAX_LOGPROBS, description=f"{LOGPROBS_NOTE} Needs logprobs: true."
+    )
     tools: list[Any] | None = Field(None, max_length=0, description=NO_TOOLS)
     functions: list[Any] | None = Field(None, max_length=0, description=NO_TOOLS)
     tool_choice: Literal["none", "auto"] | None = None
@@ -205,7 +235,35 @@ class ChatCompletionRequest(SharedFields):
     metadata: dict[str, str] | None = Field(None, description="ignored")
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+class TokenizeCompletionRequest(StrictModel):
+    """A `POST /tokenize` body with a prompt (vLLM's shape)."""
+
+    model: str | None = Field(None, description="the served model; optional")
+    prompt: str
+    add_special_tokens: bool | None = Field(True, description="bos and the like, as generation")
+    return_token_strs: bool | None = Field(False, description="each token's text too")
+
+
+class TokenizeChatRequest(StrictModel):
+    """A `POST /tokenize` body with chat messages, rendered by the chat template (vLLM's)."""
+
+    model: str | None = Field(None, description="the served model; optional")
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = Field(True, description="end with the assistant's turn")
+    add_special_tokens: bool | None = Field(False, description="the template writes bos")
+    return_token_strs: bool | None = Field(False, description="each token's text too")
+
+
+class DetokenizeRequest(StrictModel):
+    """The body of `POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = Field(None, description="the served model; optional")
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+GENERATION_MODELS = (CompletionRequest, ChatCompletionRequest)
+TOKENIZER_MODELS = (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+REQUEST_MODELS = GENERATION_MODELS + TOKENIZER_MODELS
 
 
 def json_schemas(ref_template: str) -> dict[str, Any]:
@@ -219,7 +277,6 @@ def json_schemas(ref_template: str) -> dict[str, Any]:
 Body = TypeVar("Body", bound=BaseModel)
 CODES = {
     "missing": "missing_field",
-    "extra_forbidden": "unknown_field",
     "literal_error": "invalid_value",
     "too_short": "invalid_value",
     "too_long": "invalid_value",
@@ -231,17 +288,27 @@ CODES = {
 }  # any other error type is "invalid_type"
 
 
-def validate_body(model: type[Body], body: Any) -> Body:
-    """`body` (decoded JSON) as a `model`, or the `ApiError` naming the first thing to fix."""
+def validate_body(model: type[Body], body: Any) -> tuple[Body, list[str]]:
+    """`body` (decoded JSON) as a `model` and the places of the unknown fields it carried
+    (ignored), or the `ApiError` naming the first thing to fix."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_body")
     try:
-        return model.model_validate(body)
+        fields = model.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        # unknown fields first: a misspelt name explains the missing field too
-        first = min(errors, key=lambda error: error["type"] != "extra_forbidden")
+        first = exc.errors(include_url=False)[0]
         raise _api_error(model, body, first) from None
+    return fields, unknown_fields(fields)
+
+
+def unknown_fields(fields: BaseModel, prefix: str = "") -> list[str]:
+    """The places of the fields `fields` (and the models inside it) accepted without knowing."""
+    found = [f"{prefix}{name}" for name in (fields.model_extra or {})]
+    for name in type(fields).model_fields:
+        value = getattr(fields, name)
+        if isinstance(value, BaseModel):
+            found += unknown_fields(value, f"{prefix}{name}.")
+    return found
 
 
 def _api_error(model: type[BaseModel], body: dict[str, Any], error: dict[str, Any]) -> ApiError:
@@ -252,12 +319,9 @@ def _api_error(model: type[BaseModel], body: dict[str, Any], error: dict[str, An
         return unsupported(param, SERVED_SUBSET[param])
     if kind == "missing":
         message = f"'{where}' is required"
-    elif kind == "extra_forbidden" and len(place) == 1:
-        message = (
-            f"unknown field {where!r}; accepted fields: {', '.join(sorted(model.model_fields))}"
-        )
-    elif kind == "extra_forbidden":
-        message = f"unknown field {place[-1]!r} in '{param}'"
+        unknown = sorted(set(body) - set(model.model_fields))
+        if len(place) == 1 and unknown:
+            message += f" (unknown fields, ignored: {', '.join(map(_brief, unknown[:8]))})"
     elif isinstance(error["input"], list | dict):  # the message says what is wrong with it
         message = f"'{where}': {error['msg']}"
     else:
