@@ -1,9 +1,12 @@
 """End to end: `snapfn serve` under gunicorn in a subprocess, on a free localhost port, over HTTP.
 
-Two servers: the tiny llama (token parity with `Engine.generate`, streamed and not, metrics,
-disconnect cancellation, requests sent while it starts) and a user function whose init hook
-takes 2 s (health 503 → 200 deterministically, requests held through start-up, function
-errors). Each server is stopped with SIGTERM and must exit 0 leaving no process behind.
+Servers: the tiny llama (token parity with `Engine.generate`, streamed and not, metrics,
+disconnect cancellation, requests sent while it starts); the same with two workers set through
+`GUNICORN_CMD_ARGS` (metrics summed across workers, an access log, a chunked body over the limit
+refused with 413); a user function whose init hook takes 2 s (health 503 → 200
+deterministically, requests held through start-up, function errors). Each server is stopped
+with SIGTERM and must exit 0 leaving no process behind. A server whose start fails says why on
+`/health`, then exits with gunicorn's boot-error code (3).
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ SERVE = [sys.executable, "-m", "snapfn.handler.cli", "serve"]
 class Server:
     """A `snapfn serve` subprocess in its own session; `url` once it printed where it listens."""
 
-    def __init__(self, args: list[str], workdir: Path) -> None:
+    def __init__(self, args: list[str], workdir: Path, **env_vars: str) -> None:
         env = {**os.environ, "XDG_CACHE_HOME": str(workdir / "cache"), "OMP_NUM_THREADS": "1"}
         env.pop("SNAPFN_API_KEY", None)
+        env.update(env_vars)
         self.log_path = workdir / "server.log"
         self.proc = subprocess.Popen(
             [*SERVE, "--host", "127.0.0.1", "--port", "0", "--threads", "16", *args],
@@ -250,6 +254,98 @@ def test_metrics_parse_with_the_prometheus_parser(llm_server):
     ok = (("endpoint", "/v1/completions"), ("method", "POST"), ("status", "200"))
     assert samples[("snapfn_http_requests_total", ok)] >= NUM_EARLY_REQUESTS
     assert any(name == "snapfn_startup_stage_seconds" for name, _ in samples)
+
+
+# ---- two workers, set through GUNICORN_CMD_ARGS ---------------------------------------------
+@pytest.fixture(scope="module")
+def two_workers(model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("two-workers")
+    args = ["--model", str(model_dir), "--model-name", MODEL, "--kv-cache-mb", "4"]
+    server = Server(
+        [*args, "--max-body-bytes", "100000"],
+        workdir,
+        GUNICORN_CMD_ARGS=f"--workers 2 --access-logfile {workdir / 'access.log'}",
+    )
+    server.access_log = workdir / "access.log"
+    assert health_statuses(server.url)[-1] == 200
+    yield server
+    server.stop()
+
+
+def test_gunicorn_cmd_args_are_honoured(two_workers):
+    assert len(two_workers.workers()) == 2
+    requests.get(f"{two_workers.url}/v1/models", timeout=30)
+    deadline = time.monotonic() + 10
+    while (
+        not two_workers.access_log.exists()
+        or "GET /v1/models" not in two_workers.access_log.read_text()
+    ):
+        assert time.monotonic() < deadline, "no access log line"
+        time.sleep(0.1)
+
+
+def test_metrics_sum_every_worker(two_workers):
+    url, n = two_workers.url, 24
+    ok = (
+        "snapfn_http_requests_total",
+        (("endpoint", "/v1/models"), ("method", "GET"), ("status", "200")),
+    )
+    before = metric_samples(url).get(ok, 0.0)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: requests.get(f"{url}/v1/models", timeout=30), range(n)))
+    up = ("snapfn_readiness", (("state", "up"),))
+    deadline = time.monotonic() + 10  # each worker copies its readiness in once a second
+    while metric_samples(url).get(up) != 2.0:
+        assert time.monotonic() < deadline, "the two workers' readiness never summed to 2"
+        time.sleep(0.2)
+    for _ in range(6):  # whichever worker answers the scrape, every worker's counts
+        samples = metric_samples(url)
+        assert samples[ok] == before + n
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    assert "_created" not in text
+    pids = {dict(labels).get("pid") for name, labels in samples if name == "snapfn_startup_seconds"}
+    assert len(pids) == 2  # one start-up per worker
+
+
+def test_a_chunked_body_over_the_limit_is_413(two_workers):
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(200):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = requests.post(
+        f"{two_workers.url}/v1/completions",
+        data=body(),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_entity_too_large"
+    small = requests.post(
+        f"{two_workers.url}/v1/completions",
+        data=iter([b'{"prompt": "hello", ', b'"max_tokens": 2}']),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert small.status_code == 200, small.text
+
+
+# ---- a start that fails ---------------------------------------------------------------------
+def test_a_failed_start_says_why_then_exits_non_zero(tmp_path):
+    server = Server(
+        ["--model", str(tmp_path / "no-such-model")], tmp_path, SNAPFN_FAILED_START_EXIT_S="3"
+    )
+    deadline, body = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        r = requests.get(f"{server.url}/health", timeout=10)
+        if r.json()["status"] == "failed":
+            body = r.json()
+            break
+        time.sleep(0.05)
+    assert body is not None and r.status_code == 503 and body["reason"]
+    code = server.proc.wait(timeout=60)
+    assert code == 3, server.log_path.read_text()[-3000:]
+    assert "start failed" in server.log_path.read_text()
 
 
 # ---- the function server --------------------------------------------------------------------

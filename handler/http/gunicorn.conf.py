@@ -9,6 +9,7 @@ Hooks, each run with `server` = the arbiter, whose `.app` is the `SnapfnServer`:
   so the worker answers `/health` (503 "starting") at once and serves once the init or restore
   is done. NOTE: CUDA is first touched here, after fork, never in the master.
 - `worker_exit`: close the runtime (stop the engine loop, release the model).
+- `child_exit`: in the master, mark the worker's live metrics dead (multiprocess mode).
 - `when_ready`: print the listening URL (the real port when `--port 0`).
 """
 
@@ -33,6 +34,10 @@ def post_fork(server, worker):
 
 def worker_exit(server, worker):
     server.app.close_runtime()
+
+
+def child_exit(server, worker):
+    server.app.worker_gone(worker.pid)
 
 
 def when_ready(server):

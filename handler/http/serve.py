@@ -8,7 +8,21 @@ Each gunicorn worker builds its own `WorkerRuntime` after fork (`gunicorn.conf.p
 `post_fork`) and starts it in the background; the Flask app (`http.create_app`) answers at once
 and holds requests until the runtime is up. Settings: `ServeConfig` defaults, then
 `SNAPFN_<FIELD>` environment variables (`SNAPFN_API_KEY` keeps the key out of `ps`), then flags.
+gunicorn's own settings: `gunicorn.conf.py`, then those `ServeConfig` sets (bind, workers,
+threads, timeouts, `--access-log`), then `GUNICORN_CMD_ARGS` (gunicorn's command-line syntax),
+then the snapfn flags given on the command line (as gunicorn ranks its command line above
+`GUNICORN_CMD_ARGS`). `--preload` cannot work (workers build their runtimes after fork): refused.
 The master prints `snapfn serve: listening on http://HOST:PORT` once it is bound.
+
+A worker whose start fails answers `/health` with 503 and the reason for
+`failed_start_exit_s`, logs the reason in one line, then exits with gunicorn's boot-error code:
+the arbiter stops every worker and `snapfn serve` exits with that code (3), for an orchestrator
+to restart it, rather than serving 503 for good.
+
+Metrics: the master makes a folder for prometheus_client's multiprocess mode (or takes
+`PROMETHEUS_MULTIPROC_DIR`), before anything imports prometheus_client, so that `/metrics`
+sums every worker's (`metrics.py`); a worker that exits is marked dead (`child_exit`), and a
+folder the master made is removed when it exits.
 
 With `--idle-timeout`, `run` hands over to the scale-to-zero activator (`activator/app.py`) before
 anything imports torch: it owns the port and starts instances of this same command (without
@@ -21,7 +35,12 @@ import argparse
 import logging
 import os
 import runpy
+import shlex
+import shutil
 import sys
+import tempfile
+import threading
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,11 +53,21 @@ from snapfn.handler.function.target_flags import (
     add_target_arguments,
     serve_target,
 )
-from snapfn.handler.http.app import create_app
-from snapfn.handler.http.serve_config import ServeConfig
+from snapfn.handler.http.serve_config import FUNCTION_ERRORS, ServeConfig
+from snapfn.snapshot.errors import BadRequest
 
 CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
 EMBEDDED_MODEL_NAME = "snapfn-embedded"
+MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts on it
+# ServeConfig field → the gunicorn setting it sets (`SnapfnServer.load_config`)
+FLAG_SETTINGS = {
+    "host": "bind",
+    "port": "bind",
+    "workers": "workers",
+    "threads": "threads",
+    "access_log": "accesslog",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +83,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-body-bytes", type=int, help=f"default {d.max_body_bytes}")
     net.add_argument("--startup-queue-size", type=int, help=f"default {d.startup_queue_size}")
     net.add_argument("--startup-wait-s", type=float, help=f"default {d.startup_wait_s}")
+    net.add_argument(
+        "--failed-start-exit-s",
+        type=float,
+        help="how long a worker whose start failed answers /health (503, the reason) before "
+        f"the server exits non-zero (default {d.failed_start_exit_s})",
+    )
+    net.add_argument(
+        "--function-errors",
+        choices=FUNCTION_ERRORS,
+        help="a function's error on /invoke: http = a 500, lambda = a 200 with "
+        f"X-Amz-Function-Error, as Lambda's Invoke API (default {d.function_errors})",
+    )
+    net.add_argument(
+        "--access-log",
+        metavar="FILE|-",
+        help="write gunicorn's access log to FILE ('-': stdout; default off; also "
+        "GUNICORN_CMD_ARGS='--access-logfile FILE')",
+    )
     add_engine_arguments(p)
     scale = p.add_argument_group("scale to zero (an activator starts instances on demand)")
     scale.add_argument(
@@ -146,11 +193,23 @@ def run(args: argparse.Namespace) -> int:
     if not exit_with_parent(os.environ):
         print("snapfn serve: the activator that started this instance is gone", file=sys.stderr)
         return 1
-    target = serve_target(args)
-    if config.model_name is None:
-        config = replace(config, model_name=default_model_name(target))
-    preload_for_fork(target)
-    server, master_pid = SnapfnServer(target, config), os.getpid()
+    # NOTE: before anything imports prometheus_client (the target's modules may): it picks
+    # its multiprocess mode from the environment once, at import
+    metrics_dir, made = multiprocess_metrics_dir(os.environ)
+    try:
+        target = serve_target(args)
+        if config.model_name is None:
+            config = replace(config, model_name=default_model_name(target))
+        preload_for_fork(target)
+        given = frozenset(FLAG_SETTINGS[n] for n in FLAG_SETTINGS if getattr(args, n) is not None)
+        return _serve(SnapfnServer(target, config, metrics_dir, os.environ, given))
+    finally:
+        if made:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(server: SnapfnServer) -> int:
+    master_pid = os.getpid()
     try:
         server.run()
     except SystemExit as exc:  # the arbiter leaves through sys.exit(), 0 on a clean stop
@@ -160,12 +219,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def multiprocess_metrics_dir(environ: Any) -> tuple[str | None, bool]:
+    """(the folder every worker's metrics meet in, whether it was made here), put in
+    `environ` for prometheus_client; (None, False) where prometheus_client was imported
+    already in single-process mode (metrics are then each worker's own)."""
+    given = environ.get(MULTIPROC_VARIABLE)
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None and given is None:
+        logging.getLogger("snapfn").warning(
+            "prometheus_client was imported before snapfn serve could switch on its "
+            "multiprocess mode: /metrics shows the answering worker's metrics only"
+        )
+        return None, False
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        for stale in Path(given).glob("*.db"):  # a previous server's, as prometheus advises
+            stale.unlink()
+        return given, False
+    made = tempfile.mkdtemp(prefix="snapfn-metrics-")
+    environ[MULTIPROC_VARIABLE] = made
+    return made, True
+
+
 def serve_config(args: argparse.Namespace, environ) -> ServeConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("host", "port", "workers", "threads", "api_key", "model_name")
         + ("max_body_bytes", "startup_queue_size", "startup_wait_s")
         + ("max_instances", "target_concurrency", "keeper")
+        + ("function_errors", "access_log", "failed_start_exit_s")
     }
     overrides["idle_timeout_s"] = args.idle_timeout
     return ServeConfig.from_env(environ, **overrides)
@@ -186,13 +268,25 @@ def bind_address(host: str, port: int) -> str:
 
 
 class SnapfnServer(BaseApplication):
-    """A gunicorn application: settings from `gunicorn.conf.py` + `ServeConfig`; one runtime
-    and one Flask app per worker, built after fork."""
+    """A gunicorn application: settings from `gunicorn.conf.py`, `ServeConfig`,
+    `GUNICORN_CMD_ARGS` and the flags given (`given`: the gunicorn settings they set); one
+    runtime and one Flask app per worker, built after fork."""
 
-    def __init__(self, target: Any, config: ServeConfig) -> None:
+    def __init__(
+        self,
+        target: Any,
+        config: ServeConfig,
+        metrics_dir: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        given: frozenset[str] = frozenset(),
+    ) -> None:
         self.target = target
         self.config = config
+        self.metrics_dir = metrics_dir
+        self.environ = {} if environ is None else environ
+        self.given = given
         self.runtime = None
+        self._closing = threading.Event()  # set in a worker as it stops (`close_runtime`)
         super().__init__(prog="snapfn serve")
 
     def load_config(self) -> None:
@@ -206,10 +300,45 @@ class SnapfnServer(BaseApplication):
         self.cfg.set("threads", c.threads)
         self.cfg.set("timeout", c.worker_timeout_s)
         self.cfg.set("graceful_timeout", c.graceful_timeout_s)
+        if c.access_log is not None:
+            self.cfg.set("accesslog", c.access_log)
+        for name, value in self._env_settings().items():
+            if name not in self.given:
+                self.cfg.set(name, value)
+
+    def _env_settings(self) -> dict[str, Any]:
+        """The gunicorn settings `GUNICORN_CMD_ARGS` gives, parsed by gunicorn's own parser."""
+        raw = self.environ.get("GUNICORN_CMD_ARGS", "")
+        if not raw.strip():
+            return {}
+        try:
+            parsed = self.cfg.parser().parse_args(shlex.split(raw))
+        except (SystemExit, ValueError) as exc:
+            raise BadRequest(f"GUNICORN_CMD_ARGS={raw!r} is not valid ({exc})") from None
+        settings = {k.lower(): v for k, v in vars(parsed).items() if v is not None and k != "args"}
+        if settings.get("preload_app"):
+            raise BadRequest(
+                "GUNICORN_CMD_ARGS: --preload cannot work with snapfn serve (each worker "
+                "builds its runtime after fork); drop it"
+            )
+        return settings
 
     def load(self):
+        # NOTE: imported in the worker: the app's modules import prometheus_client, which
+        # must see the multiprocess folder the master set first (`run`)
+        from snapfn.handler.http.app import create_app
+
         assert self.runtime is not None, "post_fork builds the runtime before the app is loaded"
-        return create_app(self.runtime, self.config)
+        app = create_app(self.runtime, self.config, self.metrics_dir)
+        if self.metrics_dir is not None:  # every worker's values reach the files, scraped or not
+            copier = app.extensions["snapfn"].metrics.runtime
+            threading.Thread(
+                target=copier.refresh_until,
+                args=(self._closing,),
+                name="snapfn-metrics",
+                daemon=True,
+            ).start()
+        return app
 
     def start_runtime(self, worker: Any) -> None:
         from snapfn.handler.function.runtime import WorkerRuntime
@@ -222,18 +351,56 @@ class SnapfnServer(BaseApplication):
             self.target, log=lambda line: logger.info("[%d] %s", pid, line)
         )
         self.runtime.start(background=True)
+        watch = threading.Thread(
+            target=self._exit_if_start_fails,
+            args=(logger,),
+            name="snapfn-failed-start",
+            daemon=True,
+        )
+        watch.start()
+
+    def _exit_if_start_fails(self, logger: logging.Logger) -> None:
+        """In a worker: once its start failed, answer /health with the reason a while, then
+        exit with gunicorn's boot-error code, which stops the server (see the module doc)."""
+        from snapfn.snapshot.stages import Readiness
+
+        if self.runtime.wait_ready() is not Readiness.FAILED or self._closing.is_set():
+            return  # up, or closed as the worker stops: not a failed start
+        delay = self.config.failed_start_exit_s
+        logger.error(
+            "[%d] start failed: %s; exiting in %g s (code %d) so that the server stops and "
+            "an orchestrator restarts it",
+            os.getpid(),
+            self.runtime.readiness.reason,
+            delay,
+            WORKER_BOOT_ERROR,
+        )
+        if self._closing.wait(delay):
+            return  # stopped meanwhile (SIGTERM): leave as gunicorn does
+        for handler in logger.handlers:
+            handler.flush()
+        # NOTE: from a side thread, sys.exit would end only this thread; the runtime holds
+        # nothing a failed start did not already release
+        os._exit(WORKER_BOOT_ERROR)
 
     def close_runtime(self) -> None:
+        self._closing.set()
         if self.runtime is not None:
             self.runtime.close()
+
+    def worker_gone(self, pid: int) -> None:
+        """In the master: a worker exited; its live gauges leave `/metrics`."""
+        if self.metrics_dir is not None:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, self.metrics_dir)
 
     def announce(self, server: Any) -> None:
         for listener in server.LISTENERS:
             host, port = listener.sock.getsockname()[:2]
             url = f"http://{bind_address(host, port)}"
-            c = self.config
             print(
-                f"snapfn serve: listening on {url} ({c.workers} worker(s) x {c.threads} "
-                f"threads, model {c.model_name!r})",
+                f"snapfn serve: listening on {url} ({self.cfg.workers} worker(s) x "
+                f"{self.cfg.threads} threads, model {self.config.model_name!r})",
                 flush=True,
             )
