@@ -211,10 +211,16 @@ DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")  # what a snapshot's recorded dev
 
 
 def recorded_device(section: Any, default: str) -> str:
-    """The device a function's snapshot records (its section's "device"), when it is one a
-    function runs on (`DEVICE`), else `default`."""
+    """The device a function's snapshot records (its section's "device"), when it is a device
+    name (`DEVICE`) this machine has, else `default` (the target's)."""
     device = section.get("device") if isinstance(section, dict) else None
-    return device if isinstance(device, str) and DEVICE.fullmatch(device) else default
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        return default
+    try:
+        check_device(device)
+    except BadRequest:
+        return default
+    return device
 
 
 def put_on_import_path(function_dir: Path | None) -> None:
