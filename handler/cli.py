@@ -2,18 +2,26 @@
 
 Heavy modules (torch, transformers) are imported inside the run functions, never here, so
 `snapfn --help` is instant and nothing touches CUDA before a subcommand asks for it.
+
+Conventions every subcommand gets here: `snapfn --version`; each option's help ends with its
+default (`DefaultsShown`: the value, on/off for a switch, "not set" where the option has none
+and something else decides); a user's error is one line on stderr, never a traceback: a
+`SnapfnError` (exit 2, its code named) or an `OSError` on a path the user gave (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import sys
 from collections.abc import Callable
 
+from snapfn.handler.version import snapfn_version
 from snapfn.snapshot.errors import SnapfnError
 
 EXIT_USAGE = 2
+EXIT_OS_ERROR = 1
 
 
 # name → (help, module, add_arguments attribute, run attribute); modules import lazily
@@ -111,14 +119,50 @@ def _load(name: str, module: str, add: str, run: str) -> tuple[Callable, Callabl
     return getattr(mod, add), getattr(mod, run)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless the text says it already."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.option_strings and not action.help and action.help is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = self._default_note(action).lstrip()
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text.lower():
+            return text
+        return text + self._default_note(action)
+
+    @staticmethod
+    def _default_note(action: argparse.Action) -> str:
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            return ""
+        default = action.default
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "on" if default else "off"
+        elif isinstance(action, argparse._StoreFalseAction):
+            shown = "off" if default is False else "on"
+        elif default is None or default == [] or default is argparse.SUPPRESS:
+            shown = "not set"
+        else:
+            shown = str(default)
+        return f" (default: {shown.replace('%', '%%')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="snapfn", description="Serverless GPU functions with snapshot-restore."
+        prog="snapfn",
+        description="Serverless GPU functions with snapshot-restore.",
+        formatter_class=DefaultsShown,
     )
+    parser.add_argument("--version", action="version", version=f"snapfn {snapfn_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, module, add, run_name) in SUBCOMMANDS.items():
         add_arguments, run = _load(name, module, add, run_name)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=DefaultsShown
+        )
         add_arguments(p)
         p.set_defaults(run=run)
     return parser
@@ -135,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except SnapfnError as exc:
         print(f"snapfn {args.command}: error [{exc.code}]: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a path the user gave: missing, unreadable, full
+        print(f"snapfn {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_OS_ERROR
     except KeyboardInterrupt:
         return 130
 

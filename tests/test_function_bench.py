@@ -42,3 +42,54 @@ def test_function_bench_reports_each_mode_against_the_cold_start(tmp_path):
     assert report["event"] == {"seed": 4} and report["snapshot"]["tier"] == "process"
     assert "restore_process_speedup_vs_cold" in report["ratios"]
     assert "restore_process" in done.stdout and "answers_equal: True" in done.stdout
+
+
+def child(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (
+            "raise ValueError('the snapshot holds no image')",
+            "ValueError: the snapshot holds no image",
+        ),
+        (
+            'import sys; print(\'BENCH_ERROR {"error": "tier 1 refused: no criu"}\'); sys.exit(1)',
+            "tier 1 refused: no criu",
+        ),
+        ("import sys; sys.exit('cold: no model here')", "cold: no model here"),
+        ("import os; os._exit(9)", "no output"),
+        ("print('BENCH_RESULT {not json')", "not JSON"),
+    ],
+)
+def test_a_failed_mode_has_a_one_line_reason(code, says):
+    from snapfn.handler.function.bench import run_mode_process
+
+    result = run_mode_process("cold", child(code), timeout_s=60)
+    assert says in result["error"] and "\n" not in result["error"]
+    assert "?" not in result["error"]
+
+
+def test_a_mode_past_its_timeout_says_so():
+    from snapfn.handler.function.bench import run_mode_process
+
+    result = run_mode_process("restore", child("import time; time.sleep(30)"), timeout_s=0.5)
+    assert result == {"mode": "restore", "error": "no result within --timeout-s 0.5 s"}
+
+
+def test_the_report_shows_the_reason():
+    from snapfn.handler.llm.bench.cli import _brief, format_report
+
+    failed = {"mode": "restore", "error": "BadSnapshot: chunk 3 (exit 1)"}
+    report = {
+        "model": "m",
+        "device": "cpu",
+        "machine": "x",
+        "floors": {},
+        "modes": {"restore": failed, "steady": {"mode": "steady"}},
+        "ratios": {},
+    }
+    assert "BadSnapshot: chunk 3 (exit 1)" in format_report(report)
+    assert "?" not in _brief({"mode": "steady"}) and _brief(failed) == failed["error"]

@@ -30,8 +30,27 @@ def test_generate_from_snapshot_equals_cold(capsys, tmp_path, monkeypatch):
     assert main(["init", "--snapshot", snap, "--max-num-batched-tokens", "64"]) == 0
     capsys.readouterr()
     cold = run_json(capsys, "--prompt", "ROMEO:", "--max-new-tokens", "8")
-    restored = run_json(capsys, "--snapshot", snap, "--prompt", "ROMEO:", "--max-new-tokens", "8")
+    assert (
+        main(
+            [
+                "generate",
+                "--json",
+                "--snapshot",
+                snap,
+                "--prompt",
+                "ROMEO:",
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    restored = json.loads(out.strip().splitlines()[-1])
     assert restored == cold
+    stage_lines = [line for line in err.splitlines() if "stream_weights" in line]
+    assert len(stage_lines) == 1, err  # each stage printed once, as it ran
+    assert "restore (portable) ok in" in err
     assert any(c.isalpha() for c in cold["text"])
 
 

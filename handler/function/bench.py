@@ -15,6 +15,10 @@ event), and the report says whether they all answered the same bits.
 
     python -m snapfn.handler.function.bench MODE --function F --snapshot DIR --device D
         --event JSON --t0 WALLCLOCK [--function-dir DIR]      (one mode, run by the above)
+
+A mode prints `BENCH_RESULT <json>`, or on failure `BENCH_ERROR <json>` with its one-line
+reason; `run_mode_process` (the LLM bench's too) turns a child that printed neither, or ran past
+`--timeout-s`, into a one-line reason as well (`mode_failure`): a table never shows "?".
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 FUNCTION_MODES = ("cold", "restore_portable", "restore_process")
+RESULT_PREFIX, ERROR_PREFIX = "BENCH_RESULT ", "BENCH_ERROR "
+MAX_REASON_CHARS = 300
+# the last line of a Python traceback: `ValueError: …`, `snapfn.snapshot.errors.BadRequest: …`
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failed|Refused)\b")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,12 +102,43 @@ def run_mode(
     argv += ["--t0", repr(time.time())]
     if args.function_dir is not None:
         argv += ["--function-dir", str(args.function_dir)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
+    return run_mode_process(mode, argv, args.timeout_s)
+
+
+def run_mode_process(mode: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run one mode's child and read its result line, else its one-line failure."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"no result within --timeout-s {timeout_s:g} s"}
     for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "mode": mode}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+        if line.startswith(RESULT_PREFIX):
+            try:
+                return {**json.loads(line.removeprefix(RESULT_PREFIX)), "mode": mode}
+            except ValueError:
+                return {"mode": mode, "error": f"its result line is not JSON: {line[:80]!r}"}
+    return {"mode": mode, "error": mode_failure(proc.returncode, proc.stdout, proc.stderr)}
+
+
+def mode_failure(code: int, stdout: str, stderr: str) -> str:
+    """One line: why a mode's child gave no result (its error line, its exception, or its last
+    line of output) and how it exited."""
+    reason = None
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(ERROR_PREFIX):
+            try:
+                reason = str(json.loads(line.removeprefix(ERROR_PREFIX))["error"])
+            except (ValueError, KeyError, TypeError):
+                reason = line.removeprefix(ERROR_PREFIX)
+            break
+    lines = [line.strip() for line in f"{stdout}\n{stderr}".splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith((RESULT_PREFIX, ERROR_PREFIX))]
+    if reason is None:
+        exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
+        reason = (exceptions or lines or ["no output"])[-1]
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[: MAX_REASON_CHARS - 1] + "…"
+    return f"{reason} (exit {code})"
 
 
 def snapshot_figures(manifest: dict[str, Any], device: str) -> dict[str, Any]:
@@ -200,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--function-dir", type=Path, default=None)
     p.add_argument("--cache-root", type=Path, required=True)
     a = p.parse_args(argv)
-    answer, startup, ready_at = _start_and_answer(a, json.loads(a.event))
+    try:
+        answer, startup, ready_at = _start_and_answer(a, json.loads(a.event))
+    except Exception as exc:  # the parent reports this one line for the mode
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(ERROR_PREFIX + json.dumps({"error": reason}), flush=True)
+        os._exit(1)
+    except SystemExit as exc:
+        print(ERROR_PREFIX + json.dumps({"error": str(exc.code)}), flush=True)
+        os._exit(1)
     done_at = time.time()
     result = {
         "ready_s": round(ready_at - a.t0, 4),
@@ -208,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "answer": answer,
         "startup": startup.to_json(),
     }
-    print("BENCH_RESULT " + json.dumps(result), flush=True)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     # NOTE: no interpreter teardown: a restored worker's channel is closed by exiting
     os._exit(0)
 

@@ -14,10 +14,11 @@ then the snapfn flags given on the command line (as gunicorn ranks its command l
 `GUNICORN_CMD_ARGS`). `--preload` cannot work (workers build their runtimes after fork): refused.
 The master prints `snapfn serve: listening on http://HOST:PORT` once it is bound.
 
-A worker whose start fails answers `/health` with 503 and the reason for
-`failed_start_exit_s`, logs the reason in one line, then exits with gunicorn's boot-error code:
-the arbiter stops every worker and `snapfn serve` exits with that code (3), for an orchestrator
-to restart it, rather than serving 503 for good.
+A worker whose start fails (`runtime.fatal` set: no trustworthy source left to start from;
+or any other failure, which a worker never retries either) answers `/health` with 503 and the
+reason for `failed_start_exit_s`, logs the reason in one line, then exits with gunicorn's
+boot-error code: the arbiter stops every worker and `snapfn serve` exits with that code (3), for
+an orchestrator to restart it, rather than serving 503 for good.
 
 Metrics: the master makes a folder for prometheus_client's multiprocess mode (or takes
 `PROMETHEUS_MULTIPROC_DIR`), before anything imports prometheus_client, so that `/metrics`
@@ -198,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     metrics_dir, made = multiprocess_metrics_dir(os.environ)
     try:
         target = serve_target(args)
+        # NOTE: checked here, in the master, without touching CUDA (workers fork from it)
+        from snapfn.handler.llm.generate import check_device
+
+        check_device(target.init_config.device, os.environ)
         if config.model_name is None:
             config = replace(config, model_name=default_model_name(target))
         preload_for_fork(target)
@@ -367,10 +372,12 @@ class SnapfnServer(BaseApplication):
         if self.runtime.wait_ready() is not Readiness.FAILED or self._closing.is_set():
             return  # up, or closed as the worker stops: not a failed start
         delay = self.config.failed_start_exit_s
+        fatal = getattr(self.runtime, "fatal", None)  # nothing trustworthy to start from
         logger.error(
-            "[%d] start failed: %s; exiting in %g s (code %d) so that the server stops and "
+            "[%d] start failed%s: %s; exiting in %g s (code %d) so that the server stops and "
             "an orchestrator restarts it",
             os.getpid(),
+            " (no trustworthy source)" if fatal is not None else "",
             self.runtime.readiness.reason,
             delay,
             WORKER_BOOT_ERROR,

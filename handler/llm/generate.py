@@ -1,6 +1,10 @@
 """`snapfn generate`: load a model (default: the embedded one), generate, print text or JSON.
 
 Timing figures (load, prefill, decode ms/token) go to stderr so `--json` output stays clean.
+The sampling flags take the API's ranges (`SamplingParams.validate`: temperature in [0, 2]),
+checked before anything loads; `--device cuda[:N]` is checked against the GPUs this machine
+shows (without touching CUDA) and the torch installed; a restore's stages are printed once, as
+they run, then its outcome.
 `--batch-size N` runs N copies of the prompt together, which is how decode speed at batch N
 is measured.
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapfn.handler.function.target_flags import add_snapshot_arguments, snapshot_path
+from snapfn.handler.llm.engine.request import MAX_PENALTY, MAX_TEMPERATURE
 from snapfn.handler.llm.parallel import EP_DISPATCHES, ParallelConfig
 from snapfn.snapshot.errors import BadRequest
 
@@ -40,6 +45,7 @@ class GenerateDefaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
     device: str = "cpu"
     dtype: str = "auto"
     batch_size: int = 1
@@ -60,11 +66,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=">= 1")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help=f"in [0, {MAX_TEMPERATURE:g}], as the API; below 1e-5: greedy",
+    )
+    p.add_argument("--top-p", type=float, default=d.top_p, help="in (0, 1]")
     p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="not set: a fresh draw each run")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=d.repetition_penalty,
+        help=f"in (0, {MAX_PENALTY:g}], over prompt and output tokens; 1 = off",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
         "--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens"
@@ -90,6 +107,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=ParallelConfig.ep_dispatch,
         help="how tokens meet other ranks' experts (with --ep-size > 1)",
     )
+
+
+def check_device(device: str, environ) -> None:
+    """BadRequest, one line, for a `--device` this machine cannot run on; CUDA untouched."""
+    from snapfn.handler.activator.plan import visible_gpu_ids  # torch-free, CUDA-free
+
+    kind, _, index = device.partition(":")
+    if device == "cpu":
+        return
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise BadRequest(f"--device must be cpu or cuda[:N], not {device!r}")
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        raise BadRequest(f"--device {device}: this torch ({torch.__version__}) has no CUDA")
+    gpus = visible_gpu_ids(environ)
+    if int(index or 0) >= len(gpus):
+        raise BadRequest(f"--device {device}: this machine shows {len(gpus)} CUDA GPU(s)")
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -125,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
-    )
+        repetition_penalty=args.repetition_penalty,
+    ).validate()
+    check_device(args.device, os.environ)
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
     if args.ep_size != 1 and snapshot is not None:
         raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
@@ -312,13 +349,22 @@ def _restore(args: argparse.Namespace, snapshot: Path):
     from snapfn.handler.llm.init_config import InitConfig
     from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.handler.llm.recipes.sources import llm_fallback
-    from snapfn.snapshot.runtime import restore, summary
+    from snapfn.snapshot.runtime import restore
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
     fallback = llm_fallback(config, args.model)
     fn, startup = restore(lambda: LLMFunction(config, args.model), snapshot, fallback=fallback)
-    print(summary(startup), file=sys.stderr)
+    _print_outcome(startup)  # NOTE: its stages were printed as they ran
     return fn.engine, fn.engine.model.config.model_type
+
+
+def _print_outcome(startup) -> None:
+    """A restore's outcome and fallbacks, once its stages are printed."""
+    verdict = "ok" if startup.ok else "FAILED"
+    print(f"{startup.kind} ({startup.tier}) {verdict} in {startup.total_s:.3f} s", file=sys.stderr)
+    for fb in startup.fallbacks:
+        line = f"  fallback {fb['from']} → {fb['to']} at {fb['step']}: {fb['reason']}"
+        print(line, file=sys.stderr)
 
 
 def _report(args, source, model_type: str, engine, load_s: float, timing: dict) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from snapfn.handler.function.bench import run_mode_process
 
 ALL_MODES = (
     "hf",
@@ -125,12 +126,7 @@ def run_mode(
         return run_zygote_mode(args, workdir, extra)
     argv = child_argv(mode, args, workdir, extra)
     cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            return {**json.loads(line.removeprefix("BENCH_RESULT ")), "mode": mode}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return run_mode_process(mode, cmd, args.timeout_s)
 
 
 def measure_floors(args: argparse.Namespace, weights: Path) -> dict[str, Any]:
@@ -217,8 +213,9 @@ def _brief(result: dict[str, Any]) -> str:
     if "first_token_s" in result:
         return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
     if "prefill" in result:
-        return f"batch-1 decode {result['decode'].get('batch1', {}).get('x', '?')}x its roofline"
-    return result.get("error") or result.get("skipped") or "?"
+        x = result["decode"].get("batch1", {}).get("x")
+        return f"batch-1 decode {x}x its roofline" if x is not None else "no batch-1 decode figure"
+    return result.get("error") or result.get("skipped") or "done (no timing in its result)"
 
 
 def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
@@ -300,7 +297,8 @@ def _notes(r: dict[str, Any]) -> str:
     stream = _stage_seconds(r, "stream_weights")
     if stream is not None:
         st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")
-        parts.append(f"stream {stream:.3f} s ({st['figures'].get('gbps', '?')} GB/s)")
+        gbps = st["figures"].get("gbps")
+        parts.append(f"stream {stream:.3f} s" + (f" ({gbps} GB/s)" if gbps is not None else ""))
     if r.get("mode") == "steady" and r.get("prefill"):
         p = r["prefill"]
         parts.append(
