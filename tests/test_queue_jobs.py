@@ -59,8 +59,36 @@ def test_parse_job_forms_and_derived_keys():
             "wrong type",
         ),
         ('{"id": "a", "prompt_ids": [1, "2"], "result": {"s3": "s3://b/k"}}', "prompt_ids"),
+        (
+            '{"id": "a", "prompt": "x", "params": {"temperature": 2.5}, "result": {"s3": "s3://b/k"}}',
+            "temperature must be in",
+        ),
+        (
+            '{"id": "a", "prompt": "x", "params": {"repetition_penalty": 0}, '
+            '"result": {"s3": "s3://b/k"}}',
+            "repetition_penalty",
+        ),
+        (
+            '{"id": "a", "prompt": "x", "params": {"stop_token_ids": ["2"]}, '
+            '"result": {"s3": "s3://b/k"}}',
+            "stop_token_ids",
+        ),
     ],
 )
 def test_parse_job_refuses_bad_jobs_saying_what_to_fix(body, says):
     with pytest.raises(BadRequest, match=says):
         parse_job(body)
+
+
+def test_params_take_what_the_api_takes():
+    params = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "stop_token_ids": [2, 7],
+        "temperature": 2,
+    }
+    body = {"id": "p", "prompt": "hi", "params": params, "result": {"s3": "s3://b/k"}}
+    p = parse_job(json.dumps(body)).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert p.stop_token_ids == (2, 7) and p.temperature == 2.0

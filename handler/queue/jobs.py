@@ -9,7 +9,9 @@ A job is one SQS message whose body is JSON:
        | "messages": [{"role": "user", "content": "..."}]  # one chat, through the chat template
        | "event": {...},                                   # --function targets: handler(event, ctx)
      "params": {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": null,
-                "stop": "..." | ["...", ...], "ignore_eos": false, "logprobs": false},
+                "stop": "..." | ["...", ...], "stop_token_ids": [2], "ignore_eos": false,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "logprobs": false},     # the API's ranges (SamplingParams.validate)
      "result": {"s3": "s3://bucket/key.json"}     # that exact key
              | {"s3": "s3://bucket/prefix/"}      # a prefix: key = prefix + id + ".json"
              | {"queue_url": "https://…/replies"}}  # one reply message (FIFO: deduplicated by id)
@@ -52,7 +54,11 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "top_k": (int,),
     "seed": (int, type(None)),
     "stop": (str, list),
+    "stop_token_ids": (list,),
     "ignore_eos": (bool,),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
     "logprobs": (bool,),
 }
 JOB_FIELDS = frozenset({"id", *PROMPT_FIELDS, "params", "result", "metadata"})  # metadata: ignored
@@ -186,6 +192,8 @@ def _parse_params(raw: dict[str, Any]) -> SamplingParams:
     stop = raw.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     _check(all(isinstance(s, str) for s in stop), "params.stop must be a string or strings")
+    stop_ids = raw.get("stop_token_ids", [])
+    _check(_is_ids(stop_ids), "params.stop_token_ids must be a list of token ids")
     defaults = SamplingParams()
     return SamplingParams(
         max_new_tokens=raw.get("max_tokens", raw.get("max_new_tokens", defaults.max_new_tokens)),
@@ -194,7 +202,11 @@ def _parse_params(raw: dict[str, Any]) -> SamplingParams:
         top_p=float(raw.get("top_p", defaults.top_p)),
         seed=raw.get("seed"),
         stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
         ignore_eos=raw.get("ignore_eos", defaults.ignore_eos),
+        presence_penalty=float(raw.get("presence_penalty", defaults.presence_penalty)),
+        frequency_penalty=float(raw.get("frequency_penalty", defaults.frequency_penalty)),
+        repetition_penalty=float(raw.get("repetition_penalty", defaults.repetition_penalty)),
     ).validate()
 
 
