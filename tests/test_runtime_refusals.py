@@ -770,3 +770,120 @@ def test_the_embedded_model_is_trusted_when_recorded_and_its_hash_matches(
         assert startup.stage("verify_source").ok
     finally:
         fn.release()
+
+
+# ---------------------------------------------------------------- the front doors' end
+
+
+@pytest.fixture
+def same_config(made, monkeypatch):
+    """The environment a `snapfn generate` / serve worker needs to build `made`'s config."""
+    config = made.config()
+    for name in ("page_size", "max_num_batched_tokens", "kv_cache_bytes_cpu", "cache_dir"):
+        monkeypatch.setenv(f"SNAPFN_{name.upper()}", str(getattr(config, name)))
+    return config
+
+
+def _generate(made: Made, snap: Path, *extra: str) -> int:
+    from snapfn.handler.cli import main
+
+    ids = ",".join(map(str, PROMPT))
+    argv = ["generate", "--snapshot", str(snap), "--prompt-ids", ids, "--max-new-tokens", "8"]
+    return main([*argv, "--ignore-eos", "--json", *extra])
+
+
+def test_generate_without_a_trustworthy_source_says_so_and_exits_at_once(
+    made, same_config, tmp_path, capsys
+):
+    snap = clone(made, tmp_path / "snap")
+    (snap / "manifest.json").write_bytes(made.manifest[:100])  # truncated
+    assert _generate(made, snap) != 0
+    captured = capsys.readouterr()
+    (error,) = [line for line in captured.err.splitlines() if "error" in line]
+    assert "[no_trusted_source]" in error and "--model" in error
+    assert "falling back" not in captured.err and not captured.out
+    assert _generate(made, snap, "--model", str(made.model)) == 0
+    answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tuple(answer["token_ids"]) == made.tokens
+
+
+def test_a_server_without_a_trustworthy_source_is_fatal_with_the_reason(
+    made, same_config, tmp_path
+):
+    from snapfn.handler.function.runtime import WorkerRuntime
+    from snapfn.handler.function.target import ServeTarget
+    from snapfn.snapshot.stages import Readiness
+
+    snap = clone(made, tmp_path / "snap")
+    doc = made.doc()
+    doc["llm"]["source_model_dir"] = str(made.tmp / "nowhere")
+    doc["llm"]["memory_plan"]["num_pages"] *= 1000
+    (snap / "manifest.json").write_text(json.dumps(doc))
+    runtime = WorkerRuntime(ServeTarget(snapshot_dir=snap, init_config=same_config))
+    runtime.start(background=False)
+    assert runtime.readiness.state is Readiness.FAILED
+    assert isinstance(runtime.fatal, NoTrustedSource) and runtime.fatal.code == "no_trusted_source"
+    assert runtime.readiness.reason == f"NoTrustedSource: {runtime.fatal}"
+    runtime.close()
+    named = WorkerRuntime(
+        ServeTarget(model_dir=made.model, snapshot_dir=snap, init_config=same_config)
+    )
+    named.start(background=False)
+    try:
+        assert named.readiness.state is Readiness.UP and named.fatal is None
+        assert named.startup.tier == "cold (fallback)"
+        assert "memory_plan kv_bytes" in named.startup.fallbacks[0]["reason"]
+        result = named.llm.generate(PROMPT, GREEDY)
+        assert tuple(result.token_ids) == made.tokens
+    finally:
+        named.close()
+    rewritten = json.loads((snap / "manifest.json").read_text())  # from the named model
+    assert rewritten["llm"]["memory_plan"] == made.doc()["llm"]["memory_plan"]
+    assert rewritten["llm"]["source_model_dir"] == str(made.model.absolute())
+
+
+# ---------------------------------------------------------------- a profiled (CUDA) plan
+
+
+def _profiled(made: Made, config: InitConfig, **changes) -> dict:
+    """`made`'s section with a plan as a CUDA profile of an 80 GiB GPU would record it."""
+    section = made.doc()["llm"]
+    plan = section["memory_plan"]
+    total, peak = 80 << 30, 3 << 20
+    pages = (int(total * config.mem_fraction_static) - plan["weights_bytes"] - peak) // plan[
+        "bytes_per_page"
+    ]
+    plan.update(
+        source="profiled",
+        total_bytes=total,
+        peak_activation_bytes=peak,
+        mem_fraction_static=config.mem_fraction_static,
+        num_pages=pages,
+        kv_bytes=pages * plan["bytes_per_page"],
+    )
+    plan.update(changes)
+    return section
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"num_pages": 10**9, "kv_bytes": 10**9 * 2048}, "do not fit"),
+        ({"peak_activation_bytes": 70 << 30}, "do not fit"),
+        ({"mem_fraction_static": 0.95}, "mem_fraction_static"),
+        ({"page_size": 16}, "page_size"),
+        ({"source": "fixed budget"}, "needs a profiled one"),
+        ({"num_pages": 1, "kv_bytes": 2048}, "do not fit"),
+    ],
+)
+def test_a_profiled_plan_must_fit_its_gpu_and_this_configuration(made, changes, reason):
+    from dataclasses import replace
+
+    from snapfn.handler.llm.recipes.section import check_section
+    from snapfn.snapshot.errors import BadSnapshot
+
+    config = replace(made.config(), device="cuda")
+    files = made.doc()["files"]
+    check_section(_profiled(made, config), files, config)  # as profiled: accepted
+    with pytest.raises(BadSnapshot, match=reason):
+        check_section(_profiled(made, config, **changes), files, config)
