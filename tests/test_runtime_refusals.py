@@ -269,6 +269,25 @@ def field_edits() -> dict:
             "llm.memory_plan", lambda v, value=value: value
         )
 
+    made_with = {
+        "kv_cache_bytes_cpu x2": lambda c: c.update(kv_cache_bytes_cpu=c["kv_cache_bytes_cpu"] * 2),
+        "kv_cache_bytes_cpu half": lambda c: c.update(
+            kv_cache_bytes_cpu=c["kv_cache_bytes_cpu"] // 2
+        ),
+        "kv_cache_bytes_cpu -1": lambda c: c.update(kv_cache_bytes_cpu=-1),
+        "kv_cache_bytes_cpu text": lambda c: c.update(kv_cache_bytes_cpu="1M"),
+        "kv_cache_bytes_cpu dropped": lambda c: c.pop("kv_cache_bytes_cpu"),
+        "page_size 16": lambda c: c.update(page_size=16),
+        "page_size dropped": lambda c: c.pop("page_size"),
+        "mem_fraction_static 2": lambda c: c.update(mem_fraction_static=2),
+        "mem_fraction_static text": lambda c: c.update(mem_fraction_static="0.85"),
+    }
+    for label, change in made_with.items():
+        cases[f"init_config {label}"] = lambda d, change=change: change(d["llm"]["init_config"])
+    for value in ([], "config", None):
+        cases[f"init_config {value!r}"] = section_edit(
+            "llm.init_config", lambda v, value=value: value
+        )
     table = {
         "file_bytes +1": lambda d: d.update(file_bytes=d["file_bytes"] + 1),
         "file_bytes -1": lambda d: d.update(file_bytes=d["file_bytes"] - 1),
@@ -887,3 +906,28 @@ def test_a_profiled_plan_must_fit_its_gpu_and_this_configuration(made, changes, 
     check_section(_profiled(made, config), files, config)  # as profiled: accepted
     with pytest.raises(BadSnapshot, match=reason):
         check_section(_profiled(made, config, **changes), files, config)
+
+
+def test_a_plan_made_with_a_smaller_budget_restores_and_a_larger_one_is_refused(made, tmp_path):
+    from dataclasses import replace
+
+    config = made.config()
+    for budget, served in (
+        (config.kv_cache_bytes_cpu * 4, True),
+        (config.kv_cache_bytes_cpu // 2, False),
+    ):
+        here = replace(config, kv_cache_bytes_cpu=budget)
+        fn, startup = restore(
+            lambda here=here: LLMFunction(here, made.model),
+            made.snapshot,
+            fallback=llm_fallback(here, made.model),
+            rewrite_on_fallback=False,
+            log=None,
+        )
+        try:
+            assert (startup.tier == "portable") is served, startup.fallbacks
+            if not served:
+                assert "more than this configuration's budget" in startup.fallbacks[0]["reason"]
+            assert tuple(fn.engine.generate([PROMPT], GREEDY)[0].token_ids) == made.tokens
+        finally:
+            fn.release()

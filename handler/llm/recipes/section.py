@@ -7,7 +7,7 @@ it before any stage uses a value from it.
       "source_embedded": false,                # candidate, verified by the content hash);
                                                # true: the embedded default model
       "model_type": "llama",                   # model/config.json's
-      "init_config": {...},                    # the InitConfig of the init (for `inspect`)
+      "init_config": {...},                    # the InitConfig the plan was made with
       "memory_plan": {"num_pages", "page_size", "bytes_per_page", "kv_bytes", "weights_bytes",
                       "peak_activation_bytes", "total_bytes", "mem_fraction_static", "source"},
       "graph_buckets": [1, 2, 4, ...],         # captured at init (for `inspect`)
@@ -19,10 +19,13 @@ it before any stage uses a value from it.
 `check_section` (the validate stage, before the model is built): the types and ranges of every
 field a restore reads; the layout's table against the weights file the manifest lists (the
 same size, chunking and digests, and a valid table); the memory plan against that table (its
-weights bytes), against itself (`kv_bytes = num_pages × bytes_per_page`) and against the
-configuration this restore runs with (the page size; on CPU the page count the KV budget gives,
-on CUDA the memory fraction, the GPU's memory and pages that fit in it) — a plan from another
-configuration, or a page count that would not fit, is refused instead of served or OOM-killed.
+weights bytes), against itself (`kv_bytes = num_pages × bytes_per_page`), against the
+`init_config` it was made with (on CPU the page count its KV budget gives; on CUDA its memory
+fraction, and pages that fit the GPU memory it records beside the weights and the activations'
+peak) and against the configuration this restore runs with (the same page size, which the
+scheduler uses; a pool no larger than its KV budget on CPU; a memory fraction no larger than its
+own on CUDA) — an edited plan, or one that would not fit, is refused instead of served or
+OOM-killed.
 `check_against_model` (once the model is built from the snapshot's config): the model type,
 the plan's bytes per page and weights bytes, on CUDA this GPU's memory (the plan's total), and
 the health record's token ids inside the vocabulary. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
@@ -72,7 +75,7 @@ def check_section(section: dict[str, Any], files: dict[str, Any], config: Any) -
     if not isinstance(model_type, str) or not 0 < len(model_type) <= 64:
         raise _refuse(f"model_type {model_type!r:.80} is not a model type")
     layout = _checked_layout(section.get("layout"), files)
-    plan = _checked_plan(section.get("memory_plan"), layout, config)
+    plan = _checked_plan(section.get("memory_plan"), layout, section.get("init_config"), config)
     health = _checked_health(section.get("health"))
     return CheckedSection(layout, plan, health, model_type, content_hash)
 
@@ -136,7 +139,7 @@ def _checked_layout(text: Any, files: dict[str, Any]) -> Any:
     return layout
 
 
-def _checked_plan(plan: Any, layout: Any, config: Any) -> dict[str, Any]:
+def _checked_plan(plan: Any, layout: Any, made_with: Any, config: Any) -> dict[str, Any]:
     if not isinstance(plan, dict):
         raise _refuse("memory_plan is not a JSON object")
     expected = {*_INT_FIELDS, "mem_fraction_static", "source"}
@@ -153,11 +156,34 @@ def _checked_plan(plan: Any, layout: Any, config: Any) -> dict[str, Any]:
     if plan["source"] not in PLAN_SOURCES:
         raise _refuse(f"memory_plan source {plan['source']!r:.40} is not one of {PLAN_SOURCES}")
     _check_plan_sums(plan, layout)
+    made_with = _checked_init_config(made_with, plan)
+    if plan["page_size"] != config.page_size:
+        raise _refuse(
+            f"memory_plan page_size is {plan['page_size']}, this configuration's is "
+            f"{config.page_size}"
+        )
     if config.device.startswith("cuda"):
-        _check_profiled_plan(plan, config)
+        _check_profiled_plan(plan, made_with, config)
     else:
-        _check_fixed_plan(plan, config)
+        _check_fixed_plan(plan, made_with, config)
     return dict(plan)
+
+
+def _checked_init_config(made_with: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """The init_config the plan was made with: the fields a plan follows from, as the plan."""
+    if not isinstance(made_with, dict):
+        raise _refuse("init_config is not a JSON object")
+    budget, fraction = made_with.get("kv_cache_bytes_cpu"), made_with.get("mem_fraction_static")
+    if type(budget) is not int or not 0 <= budget < 1 << 62:
+        raise _refuse(f"init_config kv_cache_bytes_cpu {budget!r:.40} is not a byte count")
+    if type(fraction) not in (int, float) or not 0.0 <= fraction <= 1.0:
+        raise _refuse(f"init_config mem_fraction_static {fraction!r:.40} is not in [0, 1]")
+    if made_with.get("page_size") != plan["page_size"]:
+        raise _refuse(
+            f"memory_plan page_size is {plan['page_size']}, its init_config's is "
+            f"{made_with.get('page_size')!r:.40}"
+        )
+    return made_with
 
 
 def _check_plan_sums(plan: dict[str, Any], layout: Any) -> None:
@@ -176,43 +202,47 @@ def _check_plan_sums(plan: dict[str, Any], layout: Any) -> None:
         )
 
 
-def _check_fixed_plan(plan: dict[str, Any], config: Any) -> None:
-    """On CPU the pool is a fixed byte budget: the plan must be what this configuration gives."""
-    pages = max(1, config.kv_cache_bytes_cpu // plan["bytes_per_page"])
+def _check_fixed_plan(plan: dict[str, Any], made_with: dict[str, Any], config: Any) -> None:
+    """On CPU the pool is a fixed byte budget: the plan is what the budget it was made with
+    gives, and no larger than this configuration's."""
     if plan["source"] != "fixed budget":
         raise _refuse(f"memory_plan is {plan['source']!r}, a CPU restore needs a fixed budget")
-    if plan["page_size"] != config.page_size:
-        raise _refuse(
-            f"memory_plan page_size is {plan['page_size']}, this configuration's is "
-            f"{config.page_size}"
-        )
-    if plan["num_pages"] != pages:
-        raise _refuse(
-            f"memory_plan has {plan['num_pages']} pages, this configuration's KV budget of "
-            f"{config.kv_cache_bytes_cpu} bytes gives {pages}"
-        )
     profiled = [plan["peak_activation_bytes"], plan["total_bytes"], plan["mem_fraction_static"]]
     if profiled != [0, 0, 0.0]:
         raise _refuse(f"memory_plan records a profile {profiled} on a CPU fixed budget")
+    budget = made_with["kv_cache_bytes_cpu"]
+    pages = max(1, budget // plan["bytes_per_page"])
+    if plan["num_pages"] != pages:
+        raise _refuse(
+            f"memory_plan has {plan['num_pages']} pages, the KV budget of {budget} bytes it "
+            f"was made with gives {pages}"
+        )
+    allowed = max(config.kv_cache_bytes_cpu, plan["bytes_per_page"])
+    if plan["kv_bytes"] > allowed:
+        raise _refuse(
+            f"memory_plan's KV pool of {plan['kv_bytes']} bytes is more than this "
+            f"configuration's budget of {config.kv_cache_bytes_cpu}"
+        )
 
 
-def _check_profiled_plan(plan: dict[str, Any], config: Any) -> None:
-    """On CUDA the plan was profiled: for this configuration's page size and memory fraction,
-    its pages must fit beside the weights and the activations' peak in the GPU memory it
-    records (`check_against_model` checks that this GPU has that much)."""
+def _check_profiled_plan(plan: dict[str, Any], made_with: dict[str, Any], config: Any) -> None:
+    """On CUDA the plan was profiled: for the memory fraction it was made with, at most this
+    configuration's, its pages must fit beside the weights and the activations' peak in the
+    GPU memory it records (`check_against_model` checks that this GPU has that much)."""
     if plan["source"] != "profiled":
         raise _refuse(f"memory_plan is {plan['source']!r}, a CUDA restore needs a profiled one")
-    if plan["page_size"] != config.page_size:
+    fraction = plan["mem_fraction_static"]
+    if not math.isclose(fraction, made_with["mem_fraction_static"]):
         raise _refuse(
-            f"memory_plan page_size is {plan['page_size']}, this configuration's is "
-            f"{config.page_size}"
+            f"memory_plan mem_fraction_static is {fraction}, its init_config's is "
+            f"{made_with['mem_fraction_static']}"
         )
-    if not math.isclose(plan["mem_fraction_static"], config.mem_fraction_static):
+    if fraction > config.mem_fraction_static + 1e-9:
         raise _refuse(
-            f"memory_plan was made for mem_fraction_static {plan['mem_fraction_static']}, this "
-            f"configuration's is {config.mem_fraction_static}"
+            f"memory_plan was made for mem_fraction_static {fraction}, more than this "
+            f"configuration's {config.mem_fraction_static}"
         )
-    room = int(plan["total_bytes"] * plan["mem_fraction_static"]) - plan["weights_bytes"]
+    room = int(plan["total_bytes"] * fraction) - plan["weights_bytes"]
     if plan["num_pages"] < 2 or plan["kv_bytes"] + plan["peak_activation_bytes"] > room:
         raise _refuse(
             f"memory_plan's {plan['num_pages']} pages ({plan['kv_bytes']} bytes) and "
