@@ -5,8 +5,10 @@ Contract:
   malformed body is an `ApiError` 400 (`invalid_json`), a string that is not valid Unicode (a
   lone surrogate such as `"\\ud800"`, bytes that are not UTF-8) a 400 `invalid_unicode` naming
   where it is. A body over the app's `MAX_CONTENT_LENGTH` is a 413, with a `Content-Length`
-  or sent chunked (read up to one byte past the limit, never cut and parsed), and the
-  connection is closed after it rather than the rest of the body read.
+  or sent chunked (read up to one byte past the limit, never cut and parsed). Before the 413
+  goes out, the rest of the body is read and dropped, up to `LINGER_FACTOR` × the limit, so
+  that a client still sending it reads the answer instead of a reset; a body longer still has
+  its connection closed after the 413.
 - `json_response(body, status, headers)` sends a JSON response; `json_safe(value)` turns the
   non-finite floats of a value (a manifest, a function's result) into null first.
 - `install_error_handlers(app, retry_after_s)` makes every error a JSON response in OpenAI's
@@ -36,6 +38,7 @@ from snapfn.snapshot.errors import BadRequest, InitFailed
 log = logging.getLogger("snapfn.http")
 SURROGATE = re.compile("[\ud800-\udfff]")  # what no valid Unicode string holds
 READ_CHUNK_BYTES = 1 << 16
+LINGER_FACTOR = 4  # a refused body's rest is read and dropped up to this many limits
 
 
 def install_error_handlers(app: Flask, retry_after_s: int) -> None:
@@ -72,7 +75,7 @@ def install_error_handlers(app: Flask, retry_after_s: int) -> None:
         allow = exc.get_response().headers.get("Allow")  # a 405 must say what is allowed
         if allow:
             headers["Allow"] = allow
-        if isinstance(exc, RequestEntityTooLarge):  # the rest of the body is never read
+        if isinstance(exc, RequestEntityTooLarge) and not _drop_the_rest():
             headers["Connection"] = "close"
         return json_response(body, exc.code, headers)
 
@@ -135,6 +138,26 @@ def _read_body() -> bytes:
     if size > limit:
         raise RequestEntityTooLarge()
     return b"".join(chunks)
+
+
+def _drop_the_rest() -> bool:
+    """Read and drop what is left of a refused body, up to `LINGER_FACTOR` limits; whether it
+    ended there (else the connection must close: its rest is still unread)."""
+    stream = request.environ.get("wsgi.input")
+    declared = request.content_length
+    if stream is None or ("wsgi.input_terminated" not in request.environ and declared is None):
+        return declared is None  # nothing a server lets us read
+    budget = LINGER_FACTOR * (request.max_content_length or 0)
+    if declared is not None:
+        if declared > budget:
+            return False
+        budget = declared
+    while budget > 0:
+        chunk = stream.read(min(READ_CHUNK_BYTES, budget))
+        if not chunk:
+            return True
+        budget -= len(chunk)
+    return declared is not None  # a declared length read whole; a chunked one may go on
 
 
 def _reject_constant(name: str) -> None:
