@@ -2,6 +2,8 @@
 
 function.py         `LLMFunction`: the init recipe, its portable snapshot, its restore
 snapshot_files.py   the model files, config and content hash a snapshot records
+section.py          the manifest's "llm" section: its wire format, checked before a restore uses it
+sources.py          where a cold init after a refused snapshot reads from (never unverified)
 releasable.py       weights and KV pool in releasable regions (tier 1)
 process_host.py     what the checkpointed worker runs (tier 1)
 process_service.py  an `LLMService` whose engine runs in a restored worker
