@@ -130,6 +130,18 @@ def test_sampled_requests_and_prefills_run_the_plain_way(tiny_llama_dir):
     assert engine.overlapped_steps == 0
 
 
+def test_penalised_and_top_logprob_requests_run_the_plain_way(tiny_llama_dir):
+    """Greedy requests that shape their logits or ask for alternatives take the sampler's
+    reference path, never the backend's picks or a speculated step: overlap on or off, the
+    same tokens, and nothing overlapped while one of them runs."""
+    prompts = random_prompts(256, [5, 7], seed=31)
+    for extra in (dict(repetition_penalty=1.4), dict(top_logprobs=3), dict(logit_bias=((3, 1.0),))):
+        shaped = dataclasses.replace(greedy(6), **extra)
+        plain, overlapped, steps = _run_both(tiny_llama_dir, prompts, [greedy(6), shaped])
+        _same(plain, overlapped)
+        assert steps == 0, extra
+
+
 def test_a_full_pool_keeps_overlapping_while_the_queue_waits(tiny_llama_dir):
     # 6 pages of 4 tokens, each request needs 3: two run, the third waits for pages; overlap
     # goes on while it cannot be admitted, and stops for the step that admits it

@@ -143,3 +143,37 @@ def test_plain_requests_beside_penalised_ones_are_unchanged(engine):
 def test_out_of_range_values_are_refused(bad, says):
     with pytest.raises(BadRequest, match=says):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_on_cuda_plain_rows_keep_the_kernel_and_graphs_beside_the_reference_path(tiny_llama_dir):
+    """The triton backend's greedy picks, decode graphs and overlapped decode for plain greedy
+    rows, the reference path for penalised and top-logprob rows in the same batches."""
+    from snapfn.handler.llm.build import EngineOptions, build_engine
+    from snapfn.handler.llm.engine.engine import SchedulerConfig
+
+    def cuda_engine(backend: str, graphs: bool):
+        opts = EngineOptions(
+            device="cuda",
+            dtype="float32",
+            backend=backend,
+            num_pages=256,
+            scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
+        )
+        engine = build_engine(tiny_llama_dir, opts).engine
+        if graphs:
+            engine.capture_graphs([1, 2, 4], max_seq_len=128)
+        return engine
+
+    prompts = random_prompts(256, [6, 9, 5], seed=27)
+    shaped = params(12, repetition_penalty=1.5, frequency_penalty=0.5, top_logprobs=4)
+    fast = cuda_engine("triton", graphs=True)
+    solo = [fast.generate([p], greedy(12))[0] for p in prompts]
+    assert fast.overlapped_steps > 0 and fast.graphs.stats.replays > 0
+    mixed = fast.generate(prompts, [greedy(12), shaped, greedy(12)])
+    assert mixed[0].token_ids == solo[0].token_ids and mixed[2].token_ids == solo[2].token_ids
+    eager = cuda_engine("torch", graphs=False).generate([prompts[1]], shaped)[0]
+    assert mixed[1].token_ids == eager.token_ids
+    assert mixed[1].token_ids != solo[1].token_ids
+    assert fast.graphs.stats.eager_fallbacks == 0
