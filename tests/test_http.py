@@ -679,6 +679,13 @@ def test_oversized_prompts_are_refused_before_they_are_encoded(client, tokenizer
     assert all(n <= limit for n in encoded)
     fits = completion(client, prompt="hello " * 3, max_tokens=1)
     assert fits.status_code == 200
+    for event in (
+        {"prompt": "x" * (limit + 1)},
+        {"messages": [{"role": "user", "content": "y" * (limit + 1)}]},
+    ):
+        r = client.post("/invoke", json=event)
+        assert r.status_code == 400 and "characters" in r.json["error"]["message"]
+    assert all(n <= limit for n in encoded)
 
 
 # ---- cancellation ---------------------------------------------------------------------------

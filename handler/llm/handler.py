@@ -13,7 +13,8 @@ Result:
     {"text": str, "token_ids": [int], "logprobs": [float], "finish_reason": "stop" | "length" | …,
      "usage": {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int}}
 
-A bad event raises `BadRequest` with a message that says what to fix; the generation waits at
+A bad event raises `BadRequest` with a message that says what to fix, a text too long to fit the
+engine's context before it is encoded (`Tokenizer.max_prompt_chars`); the generation waits at
 most the context's remaining time (then it is cancelled, its KV pages freed, TimeoutError).
 
 State: an `LLMHandler` instance owns the `LLMService` it generates with; it has no module-level
@@ -56,7 +57,7 @@ class LLMHandler:
         self.service = service
 
     def __call__(self, event: dict[str, Any], context: Context) -> dict[str, Any]:
-        request = parse_event(event, self.service.tokenizer)
+        request = parse_event(event, self.service.tokenizer, self.service.max_req_input_len)
         timeout_s = context.get_remaining_time_in_millis() / 1000
         result = self.service.generate(request.prompt_ids, request.params, timeout_s=timeout_s)
         return result_json(result)
@@ -77,12 +78,34 @@ class LLMHandler:
         }
 
 
-def parse_event(event: Mapping[str, Any], tokenizer: Any) -> LLMInput:
-    """Validate an event into prompt ids and sampling parameters (BadRequest if anything's off)."""
+def parse_event(
+    event: Mapping[str, Any], tokenizer: Any, max_input_len: int | None = None
+) -> LLMInput:
+    """Validate an event into prompt ids and sampling parameters (BadRequest if anything's off);
+    with `max_input_len`, a text that cannot fit it is refused before it is encoded."""
     unknown = sorted(set(event) - EVENT_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}; the LLM event takes {sorted(EVENT_FIELDS)}")
+    _check_text_length(event, tokenizer, max_input_len)
     return LLMInput(prompt_ids(event, tokenizer), sampling_params(event))
+
+
+def _check_text_length(event: Mapping[str, Any], tokenizer: Any, max_input_len: int | None) -> None:
+    if max_input_len is None or tokenizer is None:
+        return
+    messages = event.get("messages")
+    texts = [event.get("prompt")] + [
+        m.get("content")
+        for m in (messages if isinstance(messages, list) else ())
+        if isinstance(m, dict)
+    ]
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    bound = tokenizer.max_prompt_chars(max_input_len)
+    if chars > bound:
+        raise BadRequest(
+            f"the prompt has {chars} characters, more than the {bound} that can fit the "
+            f"{max_input_len} tokens this model accepts: shorten it"
+        )
 
 
 def prompt_ids(event: Mapping[str, Any], tokenizer: Any) -> list[int]:
