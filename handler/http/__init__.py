@@ -3,12 +3,12 @@
 serve.py          `snapfn serve`: gunicorn (gthread workers), each worker inits or restores
 serve_config.py   how it listens and what the app accepts (`ServeConfig`)
 gunicorn.conf.py  gunicorn's settings and hooks
-app.py            the Flask app (`create_app`): /invoke, OpenAI routes, health, metrics
-openai/           OpenAI-compatible requests (models, validation) and responses
+app.py            the Flask app (`create_app`): /invoke, OpenAI routes, /tokenize, health, metrics
+openai/           OpenAI-compatible requests (models, validation) and responses, vLLM's tokenize
 generation.py     one OpenAI request's engine streams, read out whole or as SSE
 openapi.py        the published OpenAPI document (`GET /openapi.json`)
-json_io.py        JSON in and out, errors included
+json_io.py        JSON in and out (bounded, valid Unicode), errors included
 startup_gate.py   requests that need the runtime wait for it, boundedly, or get a 503
 api_key.py        the bearer API key (shared with the activator)
-metrics.py        one worker's Prometheus registry
+metrics.py        the Prometheus metrics, every gunicorn worker's together
 """
