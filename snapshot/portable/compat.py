@@ -150,7 +150,10 @@ def check_compat(
         was, now = recorded.get(name, missing), current.get(name, missing)
         if was != now:
             raise IncompatibleSnapshot(
-                _one_line(f"snapshot was made for {name}={was!r}, this machine has {now!r}")
+                _one_line(
+                    f"snapshot was made for {name[:100]}={repr(was)[:200]}, this machine has "
+                    f"{repr(now)[:200]}"
+                )
             )
 
 

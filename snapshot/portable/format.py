@@ -307,7 +307,7 @@ def _check_manifest_shape(root: object, manifest: Any) -> None:
     if isinstance(version, bool) or version != FORMAT_VERSION:
         raise IncompatibleSnapshot(
             one_line(
-                f"snapshot {root}: format_version is {version!r}, this build reads {FORMAT_VERSION}"
+                f"snapshot {root}: format_version is {_r(version)}, this build reads {FORMAT_VERSION}"
             )
         )
     for key, kind in _REQUIRED_KEYS.items():
@@ -319,11 +319,11 @@ def _check_manifest_shape(root: object, manifest: Any) -> None:
         if key in manifest and not isinstance(manifest[key], kind):
             raise bad_snapshot(root, f"{MANIFEST} key {key!r} is not a JSON {kind.__name__}")
     if manifest.get("tier", "portable") not in TIERS:
-        raise bad_snapshot(root, f"{MANIFEST} tier {manifest['tier']!r} is not one of {TIERS}")
+        raise bad_snapshot(root, f"{MANIFEST} tier {_r(manifest['tier'])} is not one of {TIERS}")
     for relpath, entry in manifest["files"].items():
         problem = relpath_problem(relpath) or entry_problem(entry)
         if problem:
-            raise bad_snapshot(root, f"{MANIFEST} lists {relpath!r}: {problem}")
+            raise bad_snapshot(root, f"{MANIFEST} lists {_r(relpath)}: {problem}")
 
 
 def relpath_problem(relpath: str) -> str | None:
@@ -347,9 +347,9 @@ def entry_problem(entry: Any) -> str | None:
         return "entry is not a JSON object"
     size, sha256, chunks = entry.get("size"), entry.get("sha256"), entry.get("chunks")
     if not _is_count(size):
-        return f"size {size!r} is not a byte count"
+        return f"size {_r(size)} is not a byte count"
     if chunks is None:
-        return None if _is_hex64(sha256) else f"sha256 {sha256!r} is not 64 lowercase hex digits"
+        return None if _is_hex64(sha256) else f"sha256 {_r(sha256)} is not 64 lowercase hex digits"
     chunk_bytes = entry.get("chunk_bytes")
     problem = digests_problem(chunk_bytes, chunks, sha256)
     if problem is None and len(chunks) != num_chunks(size, chunk_bytes):
@@ -360,11 +360,11 @@ def entry_problem(entry: Any) -> str | None:
 def digests_problem(chunk_bytes: Any, chunks: Any, file_sha256: Any) -> str | None:
     """Why chunk digests (and an optional whole-file sha256) are malformed, or None."""
     if not _is_count(chunk_bytes) or chunk_bytes == 0:
-        return f"chunk_bytes {chunk_bytes!r} is not a positive byte count"
+        return f"chunk_bytes {_r(chunk_bytes)} is not a positive byte count"
     if not isinstance(chunks, list) or not all(_is_hex64(c) for c in chunks):
         return "chunks is not a list of sha256 digests (64 lowercase hex digits)"
     if file_sha256 is not None and not _is_hex64(file_sha256):
-        return f"sha256 {file_sha256!r} is not 64 lowercase hex digits"
+        return f"sha256 {_r(file_sha256)} is not 64 lowercase hex digits"
     return None
 
 
@@ -374,11 +374,11 @@ def check_listing(root: Path, files: dict[str, Any]) -> None:
     on_disk.pop(MANIFEST, None)
     for relpath in sorted(files):
         if relpath not in on_disk:
-            raise bad_snapshot(root, f"{relpath!r} is listed in {MANIFEST} but missing")
+            raise bad_snapshot(root, f"{_r(relpath)} is listed in {MANIFEST} but missing")
         if on_disk[relpath] != files[relpath]["size"]:
             raise bad_snapshot(
                 root,
-                f"{relpath!r} has {on_disk[relpath]} bytes, {MANIFEST} says "
+                f"{_r(relpath)} has {on_disk[relpath]} bytes, {MANIFEST} says "
                 f"{files[relpath]['size']} (truncated or overwritten)",
             )
     extra = sorted(set(on_disk) - set(files))
@@ -410,6 +410,12 @@ def list_files(root: Path) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- small helpers
+
+
+def _r(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters: a refusal quotes a manifest's values, not pages."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}.."
 
 
 def _mismatch(expected: DigestRange, got: str) -> str:
