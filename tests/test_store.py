@@ -280,3 +280,80 @@ def test_uri_parsing():
     for bad in ("s3://", "s3:///x", "http://b/x", "s3://b/a//c", "s3://b/../c"):
         with pytest.raises(SnapfnError):
             S3Location.parse(bad)
+
+
+# ---- signed snapshots ----------------------------------------------------------------------------
+def ed25519_keys():
+    """(a private key that signs, its public key that only verifies), as SnapshotKeys."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from snapfn.snapshot.portable.signature import SnapshotKey
+
+    private = ed25519.Ed25519PrivateKey.generate()
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return SnapshotKey.from_bytes(pem), SnapshotKey.from_bytes(public)
+
+
+def test_push_signs_and_pull_checks_the_signature_before_fetching_a_file(aws, tmp_path):
+    signer, verifier = ed25519_keys()
+    snapshot, uri = write_snapshot(tmp_path / "plain"), fresh_uri()
+    push(snapshot, uri, endpoint_url=aws.endpoint_url, key=signer, log=None)
+    dest = pull(uri, tmp_path / "pulled", endpoint_url=aws.endpoint_url, key=verifier, log=None)
+    assert (dest / "manifest.sig").is_file()
+    validate_snapshot(dest, key=verifier)  # the signature travels with the pulled snapshot
+    stranger, _ = ed25519_keys()
+    client = RecordingClient(aws.client("s3"))
+    with pytest.raises(BadSnapshot, match="not by the configured ed25519 key"):
+        pull(uri, tmp_path / "refused", client=client, key=stranger, log=None)
+    assert client.ranged_gets == [] and not (tmp_path / "refused").exists()
+    with pytest.raises(BadSnapshot, match="not by the configured ed25519 key"):
+        validate_snapshot(dest, key=stranger)
+
+
+def test_an_unsigned_snapshot_is_refused_wherever_a_key_is_configured(aws, sample, tmp_path):
+    snapshot, uri = sample
+    _, verifier = ed25519_keys()
+    with pytest.raises(BadSnapshot, match="it is not signed, and a snapshot key is configured"):
+        pull(uri, tmp_path / "p", endpoint_url=aws.endpoint_url, key=verifier, log=None)
+    with pytest.raises(BadSnapshot, match="it is not signed"):
+        validate_snapshot(snapshot, key=verifier)
+    with pytest.raises(SnapfnError, match="public key"):  # a public key cannot sign it on push
+        push(snapshot, fresh_uri(), endpoint_url=aws.endpoint_url, key=verifier, log=None)
+
+
+def test_a_signed_manifest_edited_and_rehashed_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SNAPFN_SNAPSHOT_KEY_VALUE", "x" * 40)  # what a writer signs with
+    signed = write_snapshot(tmp_path / "signed")  # SnapshotWriter signs with the configured key
+    assert (signed / "manifest.sig").is_file()
+    validate_snapshot(signed)  # the configured key checks its own signature
+    manifest = json.loads((signed / "manifest.json").read_text())
+    manifest["marker"] = "changed"  # a consistent edit: every digest still right
+    (signed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BadSnapshot, match="not what the key signed"):
+        validate_snapshot(signed)
+
+
+def test_a_restore_refuses_an_unsigned_snapshot_and_falls_back_to_the_named_model(
+    embedded_snapshot, init_config, monkeypatch
+):
+    from snapfn.handler.llm.embedded import embedded_model_dir
+
+    monkeypatch.setenv("SNAPFN_SNAPSHOT_KEY_VALUE", "y" * 40)
+    fn, startup = restore(
+        lambda: LLMFunction(init_config, embedded_model_dir()),
+        embedded_snapshot,
+        rewrite_on_fallback=False,
+        log=None,
+    )
+    try:
+        assert startup.tier == "cold (fallback)"
+        (fallback,) = startup.fallbacks
+        assert fallback["step"] == "validate" and "not signed" in fallback["reason"]
+    finally:
+        fn.release()

@@ -61,6 +61,7 @@ from snapfn.snapshot.portable.digests import (
     run_parallel,
     sha256_range,
 )
+from snapfn.snapshot.portable.signature import CONFIGURED, SIGNATURE, check_signature, configured
 
 __all__ = [
     "MANIFEST",
@@ -219,16 +220,21 @@ def validate_snapshot(
     current_compat: dict[str, Any] | None = None,
     verify: str = "sizes",
     num_threads: int | None = None,
+    key: Any = CONFIGURED,
 ) -> dict[str, Any]:
     """Return the manifest of a snapshot that passes every check; raise (one line) otherwise.
 
     `verify="sizes"`: listing, sizes, and sha256 of every file without chunk digests.
     `verify="full"`: also every chunk digest and whole-file sha256, hashed in parallel threads.
+    With a snapshot key (`key`, by default the configured one: signature.py) the manifest's
+    signature is checked first, before anything in it is trusted.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     root = Path(snapshot_dir)
-    manifest = read_manifest(root)
+    raw = read_manifest_bytes(root)
+    check_signature(root, configured(key), raw)
+    manifest = parse_manifest(root, raw)
     if current_compat is not None:
         try:
             check_compat(manifest["compat"], current_compat)
@@ -372,6 +378,7 @@ def check_listing(root: Path, files: dict[str, Any]) -> None:
     """Every listed file exists with its recorded size; nothing unlisted is there."""
     on_disk = list_files(root)
     on_disk.pop(MANIFEST, None)
+    on_disk.pop(SIGNATURE, None)  # the manifest's signature, which it cannot list
     for relpath in sorted(files):
         if relpath not in on_disk:
             raise bad_snapshot(root, f"{_r(relpath)} is listed in {MANIFEST} but missing")

@@ -39,7 +39,12 @@ from snapfn.snapshot.portable.format import (
     list_files,
     relpath_problem,
 )
-from snapfn.snapshot.portable.signature import SIGNATURE, signature_bytes
+from snapfn.snapshot.portable.signature import (
+    CONFIGURED,
+    SIGNATURE,
+    configured,
+    signature_bytes,
+)
 from snapfn.snapshot.portable.staging import (
     make_locked_temp_dir,
     remove_stale_temp_dirs,
@@ -51,7 +56,6 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "SnapshotWriter", "install_snapshot"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _RESERVED_KEYS = ("format_version", "created_at", "files")
-_FROM_ENVIRONMENT = object()  # SnapshotWriter's default key: SNAPFN_SNAPSHOT_KEY's, at publish
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -74,7 +78,7 @@ class SnapshotWriter:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_threads: int | None = None,
-        signing_key: Any = _FROM_ENVIRONMENT,
+        signing_key: Any = CONFIGURED,
     ) -> None:
         """`signing_key`: a SnapshotKey, None (no signature), or by default the configured one
         (portable/signature.py), which signs the manifest when it can."""
@@ -145,7 +149,7 @@ class SnapshotWriter:
         run_parallel(lambda p: _fsync_path(root / p), sorted(on_disk), self.num_threads)
         raw = (json.dumps(header, indent=1) + "\n").encode()
         write_durably(root / MANIFEST, raw)
-        key = self._signing_key()
+        key = configured(self.signing_key)
         if key is not None and key.can_sign:  # NOTE: inside the staging dir: never unsigned
             write_durably(root / SIGNATURE, signature_bytes(key, raw))  # once published
         _fsync_tree_dirs(root)
@@ -155,15 +159,6 @@ class SnapshotWriter:
         if replaced is not None:
             remove_tree(replaced)
         return self.dest
-
-    def _signing_key(self):
-        """The key to sign with: the writer's own, else the configured one (SNAPFN_SNAPSHOT_KEY,
-        read now), else None."""
-        from snapfn.snapshot.portable.signature import SnapshotKey
-
-        if self.signing_key is _FROM_ENVIRONMENT:
-            return SnapshotKey.from_env(os.environ)
-        return self.signing_key
 
     def _describe_files(self, root: Path, on_disk: dict[str, int]) -> dict[str, dict[str, Any]]:
         """The manifest's `files`: registered digests checked, every other file hashed here."""

@@ -2,6 +2,7 @@
 and by every restore while a key is configured.
 
     key = SnapshotKey.from_env(os.environ)        None: nothing signed, nothing required
+    configured(key_or_CONFIGURED)                 what a `key=CONFIGURED` argument means
     signature_bytes(key, manifest_bytes)          manifest.sig's content (publish writes it
                                                   beside manifest.json, inside the staging dir)
     check_signature(snapshot_dir, key)            BadSnapshot, one line: unsigned, another key,
@@ -43,6 +44,7 @@ from typing import Any
 from snapfn.snapshot.errors import BadRequest, BadSnapshot
 
 SIGNATURE = "manifest.sig"
+CONFIGURED = object()  # a key argument's default: the configured key, read when it is needed
 SIGNATURE_FORMAT = "snapfn-signature"
 SCHEMES = ("ed25519", "hmac-sha256")
 MAX_SIGNATURE_BYTES = 4096
@@ -146,6 +148,11 @@ class SnapshotKey:
 
 
 _MISMATCH = "its manifest is not what the key signed (edited, or signed by another key)"
+
+
+def configured(key: Any = CONFIGURED) -> SnapshotKey | None:
+    """`key` itself, or for CONFIGURED the key the environment configures (read now)."""
+    return SnapshotKey.from_env(os.environ) if key is CONFIGURED else key
 
 
 def signature_bytes(key: SnapshotKey, manifest_bytes: bytes) -> bytes:

@@ -38,11 +38,12 @@ from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, SnapfnEr
 from snapfn.snapshot.portable.compat import check_compat, compat_key
 from snapfn.snapshot.portable.format import (
     load_json,
-    read_manifest,
+    parse_manifest,
     read_manifest_bytes,
     relpath_problem,
     validate_snapshot,
 )
+from snapfn.snapshot.portable.signature import check_signature, configured
 from snapfn.snapshot.process import criu
 from snapfn.snapshot.process import worker_process as process
 from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
@@ -251,10 +252,13 @@ def restore_process_snapshot(
 
 
 def _read_manifest(snapshot_dir: Path) -> dict[str, Any]:
-    """manifest.json shape-checked (format.read_manifest), its files not yet verified ({} when
-    unreadable: validate says why)."""
+    """manifest.json shape-checked (format.parse_manifest) and, with a snapshot key configured,
+    its signature checked, its files not yet verified ({} when any of that fails: criu and the
+    helper then wait for validate, which says why)."""
     try:
-        return read_manifest(snapshot_dir)
+        raw = read_manifest_bytes(snapshot_dir)
+        check_signature(snapshot_dir, configured(), raw)
+        return parse_manifest(snapshot_dir, raw)
     except SnapfnError:
         return {}
 

@@ -39,7 +39,12 @@ from snapfn.snapshot.portable.format import (
     verify_ranges,
 )
 from snapfn.snapshot.portable.publish import check_replaceable, install_snapshot, write_durably
-from snapfn.snapshot.portable.signature import SIGNATURE, signature_bytes
+from snapfn.snapshot.portable.signature import (
+    CONFIGURED,
+    SIGNATURE,
+    configured,
+    signature_bytes,
+)
 from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.store.pull_staging import PullStaging
 from snapfn.snapshot.store.s3 import (
@@ -55,7 +60,6 @@ __all__ = ["DEFAULT_MULTIPART_BYTES", "DEFAULT_NUM_THREADS", "fetch_manifest", "
 
 DEFAULT_NUM_THREADS = 16
 DEFAULT_MULTIPART_BYTES = 64 << 20  # files above this go up in parts of this size
-FROM_ENVIRONMENT = object()  # a key argument's default: SNAPFN_SNAPSHOT_KEY's, read at the call
 
 
 def push(
@@ -67,7 +71,7 @@ def push(
     num_threads: int = DEFAULT_NUM_THREADS,
     multipart_bytes: int = DEFAULT_MULTIPART_BYTES,
     log: Log | None = stderr_log,
-    key: Any = FROM_ENVIRONMENT,
+    key: Any = CONFIGURED,
 ) -> dict[str, Any]:
     """Upload the snapshot at `snapshot_dir` to `uri`, its signature then its manifest last;
     return its manifest. With a snapshot key (`key`, by default the configured one:
@@ -80,7 +84,7 @@ def push(
     raw = (root / MANIFEST).read_bytes()
     if parse_manifest(root, raw) != manifest:
         raise bad_snapshot(root, f"{MANIFEST} changed while it was verified (republished?)")
-    signature = _signature_to_push(root, raw, _key(key))
+    signature = _signature_to_push(root, raw, configured(key))
     client = client or make_s3_client(endpoint_url, num_threads)
     files = manifest["files"]
     progress = TransferProgress(f"push {where}", sum(e["size"] for e in files.values()), log)
@@ -135,7 +139,7 @@ def pull(
     num_threads: int = DEFAULT_NUM_THREADS,
     manifest_bytes: bytes | None = None,
     log: Log | None = stderr_log,
-    key: Any = FROM_ENVIRONMENT,
+    key: Any = CONFIGURED,
 ) -> Path:
     """Fetch the snapshot at `uri` into `dest`, verified, resumable, published atomically.
 
@@ -146,7 +150,7 @@ def pull(
     where, dest = S3Location.parse(uri), Path(dest).absolute()
     client = client or make_s3_client(endpoint_url, num_threads)
     raw = manifest_bytes if manifest_bytes is not None else fetch_manifest(client, where)
-    signature = _fetch_signature(client, where, raw, _key(key))
+    signature = _fetch_signature(client, where, raw, configured(key))
     manifest = parse_manifest(where, raw)
     if _already_there(dest, raw) and _same_signature(dest, signature):
         if log is not None:
@@ -178,12 +182,6 @@ def pull(
             f"({progress.rate()}){resumed}"
         )
     return dest
-
-
-def _key(key: Any):
-    from snapfn.snapshot.portable.signature import SnapshotKey
-
-    return SnapshotKey.from_env(os.environ) if key is FROM_ENVIRONMENT else key
 
 
 def _signature_to_push(root: Path, raw: bytes, key: Any) -> bytes | None:
