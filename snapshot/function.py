@@ -9,7 +9,11 @@ The runtime knows nothing about what a function does. A function hands it:
 - `restore_stages(snapshot_dir, manifest)`: the recipe that rebuilds the warmed state from a
   snapshot; any stage may raise to refuse it (the runtime then falls back);
 - `release()`: drop everything it holds (called on a half-restored function before fallback);
-- `source`: where a cold init reads from (recorded in the snapshot for fallback).
+- `source`: where a cold init reads from (recorded in the snapshot for fallback);
+- optionally `check_manifest(snapshot_dir, manifest)`: run in the validate stage, refusing (one
+  line) any field of its section the restore would use that is not what it must be;
+- optionally `source_trusted`: False until a fallback from a source the snapshot recorded has
+  verified it (the runtime's `fallback(recorded)` makes such a function, runtime.py).
 """
 
 from __future__ import annotations

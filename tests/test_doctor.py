@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from test_unix_socket import NOBODY, foreign_listener, needs_root
-
 from snapfn.snapshot.process.criu import CriuConfig
 
 from criu_fakes import fake_criu
+from test_unix_socket import NOBODY, foreign_listener, needs_root
 
 
 def test_doctor_without_criu_says_tier1_is_impossible(tmp_path):

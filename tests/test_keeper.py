@@ -18,14 +18,6 @@ import threading
 import time
 
 import pytest
-from test_unix_socket import (
-    NOBODY,
-    foreign_client,
-    foreign_listener,
-    needs_root,
-    open_up,
-    reachable_dir,
-)
 
 from snapfn.snapshot.cuda import checkpoint as cuda_checkpoint
 from snapfn.snapshot.errors import RestoreFailed
@@ -39,6 +31,14 @@ from snapfn.snapshot.process import worker_process as process
 from snapfn.snapshot.process.snapshot import _current_compat
 
 from test_region_prefetch import MemfdPrefetch, spec
+from test_unix_socket import (
+    NOBODY,
+    foreign_client,
+    foreign_listener,
+    needs_root,
+    open_up,
+    reachable_dir,
+)
 
 
 class FakeGpuKeeper(Keeper):

@@ -12,6 +12,11 @@ import socket
 import threading
 
 import pytest
+
+from snapfn.snapshot.keeper import region_prefetch
+from snapfn.snapshot.keeper.region_fill import RegionPrefetch, _Made
+from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
+
 from test_unix_socket import (
     NOBODY,
     foreign_client,
@@ -20,10 +25,6 @@ from test_unix_socket import (
     open_up,
     reachable_dir,
 )
-
-from snapfn.snapshot.keeper import region_prefetch
-from snapfn.snapshot.keeper.region_fill import RegionPrefetch, _Made
-from snapfn.snapshot.keeper.region_prefetch import PrefetchHelper, RegionSpec, prefetch_doc
 
 MiB = 1 << 20
 

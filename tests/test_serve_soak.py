@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from test_serve_e2e import Server, health_statuses
 
 pytestmark = pytest.mark.slow

@@ -11,12 +11,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_runtime_refusals import UNREADABLE, _run_bounded
 
 from snapfn.handler.api import Context
 from snapfn.handler.function.user_function import UserFunction, restore_image_caches
 from snapfn.snapshot.errors import BadSnapshot
 from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+from test_runtime_refusals import UNREADABLE, _run_bounded
 
 FUNCTION = """
 from snapfn.handler.api import init

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from snapfn.snapshot.errors import BadRequest, InitFailed
+from snapfn.snapshot.zygote.owner import Zygote, run_worker_inline
+
 from test_unix_socket import (
     NOBODY,
     foreign_client,
@@ -22,9 +26,6 @@ from test_unix_socket import (
     open_up,
     reachable_dir,
 )
-
-from snapfn.snapshot.errors import BadRequest, InitFailed
-from snapfn.snapshot.zygote.owner import Zygote, run_worker_inline
 
 TESTS_DIR = Path(__file__).resolve().parent
 
