@@ -5,8 +5,11 @@ Heavy modules (torch, transformers) are imported inside the run functions, never
 
 Conventions every subcommand gets here: `snapfn --version`; each option's help ends with its
 default (`DefaultsShown`: the value, on/off for a switch, "not set" where the option has none
-and something else decides); a user's error is one line on stderr, never a traceback: a
-`SnapfnError` (exit 2, its code named) or an `OSError` on a path the user gave (exit 1).
+and something else decides); a `--device` this machine cannot run (`cuda` without a GPU, or with
+a torch built without CUDA, `cuda:N` past its GPUs) is refused before the command runs, without
+importing torch or touching CUDA (`check_device`); a user's error is one line on stderr, never a
+traceback: a `SnapfnError` (exit 2, its code named) or an `OSError` on a path the user gave
+(exit 1).
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
+import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from snapfn.handler.version import snapfn_version
-from snapfn.snapshot.errors import SnapfnError
+from snapfn.snapshot.errors import BadRequest, SnapfnError
 
 EXIT_USAGE = 2
 EXIT_OS_ERROR = 1
+TORCH_CUDA_LINE = re.compile(r"^cuda\s*(?::[^=]+)?=\s*(.+)$", re.M)  # in torch/version.py
 
 
 # name → (help, module, add_arguments attribute, run attribute); modules import lazily
@@ -168,6 +176,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_device(device: str, environ: Mapping[str, str], torch_runs_it: bool = True) -> None:
+    """BadRequest, one line, for a `--device` this machine cannot run on; neither torch nor
+    CUDA is touched (the GPUs counted as the activator counts them; with `torch_runs_it`, the
+    LLM's case, torch's build read from its version.py)."""
+    kind, _, index = device.partition(":")
+    if device == "cpu":
+        return
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise BadRequest(f"--device must be cpu or cuda[:N], not {device!r}")
+    from snapfn.handler.activator.plan import visible_gpu_ids  # torch-free
+
+    gpus = visible_gpu_ids(environ)
+    if not gpus:
+        raise BadRequest(f"--device {device}: this machine has no usable CUDA GPU (none shown)")
+    if torch_runs_it and not _torch_has_cuda():
+        raise BadRequest(
+            f"--device {device}: this machine has no usable CUDA GPU (the torch installed here "
+            "is built without CUDA)"
+        )
+    if int(index or 0) >= len(gpus):
+        raise BadRequest(f"--device {device}: this machine has {len(gpus)} CUDA GPU(s)")
+
+
+def _torch_has_cuda() -> bool:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return True  # unknown: let torch say
+    found = TORCH_CUDA_LINE.search(text)
+    return found is None or found.group(1).strip() != "None"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -175,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        if isinstance(getattr(args, "device", None), str):  # a function may not need torch's
+            check_device(args.device, os.environ, getattr(args, "function", None) is None)
         return args.run(args)
     except SnapfnError as exc:
         print(f"snapfn {args.command}: error [{exc.code}]: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@ its help, one line and no traceback for a user's error."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -65,3 +66,24 @@ def test_an_os_error_on_a_users_path_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("snapfn inspect: error:") and "/no/such/file" in err
     assert "Traceback" not in err
+
+
+def test_device_check_counts_the_gpus_shown_and_the_torch_build(monkeypatch):
+    from snapfn.handler import cli
+    from snapfn.snapshot.errors import BadRequest
+
+    monkeypatch.setattr(cli, "_torch_has_cuda", lambda: True)
+    cli.check_device("cpu", {})
+    cli.check_device("cuda", {"CUDA_VISIBLE_DEVICES": "3"})
+    cli.check_device("cuda:1", {"CUDA_VISIBLE_DEVICES": "0,1"})
+    for device, environ, says in [
+        ("cuda:2", {"CUDA_VISIBLE_DEVICES": "0,1"}, "this machine has 2 CUDA GPU(s)"),
+        ("cuda", {"CUDA_VISIBLE_DEVICES": ""}, "no usable CUDA GPU (none shown)"),
+        ("gpu", {}, "cpu or cuda[:N]"),
+    ]:
+        with pytest.raises(BadRequest, match=re.escape(says)):
+            cli.check_device(device, environ)
+    monkeypatch.setattr(cli, "_torch_has_cuda", lambda: False)
+    with pytest.raises(BadRequest, match="built without CUDA"):
+        cli.check_device("cuda", {"CUDA_VISIBLE_DEVICES": "0"})
+    cli.check_device("cuda", {"CUDA_VISIBLE_DEVICES": "0"}, torch_runs_it=False)  # a function

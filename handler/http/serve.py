@@ -199,10 +199,6 @@ def run(args: argparse.Namespace) -> int:
     metrics_dir, made = multiprocess_metrics_dir(os.environ)
     try:
         target = serve_target(args)
-        # NOTE: checked here, in the master, without touching CUDA (workers fork from it)
-        from snapfn.handler.llm.generate import check_device
-
-        check_device(target.init_config.device, os.environ)
         if config.model_name is None:
             config = replace(config, model_name=default_model_name(target))
         preload_for_fork(target)

@@ -2,9 +2,8 @@
 
 Timing figures (load, prefill, decode ms/token) go to stderr so `--json` output stays clean.
 The sampling flags take the API's ranges (`SamplingParams.validate`: temperature in [0, 2]),
-checked before anything loads; `--device cuda[:N]` is checked against the GPUs this machine
-shows (without touching CUDA) and the torch installed; a restore's stages are printed once, as
-they run, then its outcome.
+checked before anything loads (`--device`: by the CLI, `cli.check_device`); a restore's stages
+are printed once, as they run, then its outcome.
 `--batch-size N` runs N copies of the prompt together, which is how decode speed at batch N
 is measured.
 
@@ -109,24 +108,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_device(device: str, environ) -> None:
-    """BadRequest, one line, for a `--device` this machine cannot run on; CUDA untouched."""
-    from snapfn.handler.activator.plan import visible_gpu_ids  # torch-free, CUDA-free
-
-    kind, _, index = device.partition(":")
-    if device == "cpu":
-        return
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise BadRequest(f"--device must be cpu or cuda[:N], not {device!r}")
-    import torch
-
-    if not torch.backends.cuda.is_built():
-        raise BadRequest(f"--device {device}: this torch ({torch.__version__}) has no CUDA")
-    gpus = visible_gpu_ids(environ)
-    if int(index or 0) >= len(gpus):
-        raise BadRequest(f"--device {device}: this machine shows {len(gpus)} CUDA GPU(s)")
-
-
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
@@ -162,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         repetition_penalty=args.repetition_penalty,
     ).validate()
-    check_device(args.device, os.environ)
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
     if args.ep_size != 1 and snapshot is not None:
         raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
