@@ -182,8 +182,14 @@ def _versions() -> dict[str, str]:
 
 
 def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:
-    manifest = validate_snapshot(snapshot_dir, compat_key(fn.device, fn.world_size), verify="sizes")
+    from snapfn.snapshot.portable.signature import configured
+
+    key = configured()
+    compat = compat_key(fn.device, fn.world_size)
+    manifest = validate_snapshot(snapshot_dir, compat, verify="sizes", key=key)
     figures["files"] = len(manifest["files"])
+    # NOTE: said in the manifest, since a snapshot's compile caches run as code
+    figures["signature"] = f"{key.scheme} key {key.key_id}" if key else "not checked (no key)"
     recorded = manifest.get("function", fn.name)
     if recorded != fn.name:
         raise bad_snapshot(snapshot_dir, f"holds function {recorded!r:.80}, not {fn.name!r}")

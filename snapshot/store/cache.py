@@ -37,6 +37,7 @@ from typing import Any
 
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.portable.format import MANIFEST, parse_manifest
+from snapfn.snapshot.portable.signature import configured
 from snapfn.snapshot.portable.staging import remove_tree
 from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.store.s3 import S3Location, format_bytes, make_s3_client
@@ -107,6 +108,11 @@ def cached_snapshot(
             _evict(config, keep=entry, room_bytes=need, log=log)
             entry.mkdir(exist_ok=True)
             pull(uri, dest, client=client, manifest_bytes=raw, log=log)
+            if log is not None and configured() is None:
+                log(
+                    f"snapshot cache: {where} is trusted on its own digests only (its compile "
+                    "caches run as code): set SNAPFN_SNAPSHOT_KEY to require signed snapshots"
+                )
         elif log is not None:
             log(f"snapshot cache hit: {where} is at {dest}")
         _mark_used(config.root, entry)
