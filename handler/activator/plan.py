@@ -36,7 +36,8 @@ FORWARDED_FLAGS = (
     ("model", "snapshot", "cache_max_bytes", "function", "function_dir")  # what to serve
     + ("device", "dtype", "max_model_len", "max_running_requests", "kv_cache_mb")  # engine
     + ("workers", "threads", "model_name", "max_body_bytes")  # each instance's server
-    + ("startup_queue_size", "startup_wait_s")
+    + ("startup_queue_size", "startup_wait_s", "failed_start_exit_s")
+    + ("function_errors", "access_log")  # how each instance answers and logs
 )
 ACTIVATOR_FLAGS = ("host", "port", "api_key", "idle_timeout", "max_instances", "target_concurrency")
 ACTIVATOR_FLAGS += ("keeper",)
