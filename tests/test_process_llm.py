@@ -222,3 +222,39 @@ def test_inspect_names_the_regions_a_restorer_makes():
     lines = _process_memory_lines(process)
     assert lines[0] == "  private memory after_cuda_checkpoint: 1500.0 MB ([anon] 900 MB)"
     assert "weights 17.18 GB file, kv 107.37 GB zero, graphs.0 0.00 GB none, +2 more" in lines[1]
+
+
+def _streamed(service, params):
+    outs = list(service.submit(PROMPTS[1], params))
+    return (
+        [t for o in outs for t in o.new_top_logprobs],
+        [lp for o in outs for lp in o.prompt_logprobs],
+        [t for o in outs for t in o.prompt_top_logprobs],
+    )
+
+
+def test_tier1_streams_alternatives_and_prompt_logprobs_as_a_cold_init_does(tier1):
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+    from snapfn.handler.llm.service import LLMService
+    from snapfn.snapshot.runtime import cold_init
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, top_logprobs=3, prompt_logprobs=2)
+    fn = LLMFunction(config(tier1), embedded_model_dir(), releasable=True)
+    cold_init(fn, log=None)
+    local = LLMService(fn.engine)
+    try:
+        want = _streamed(local, params)
+    finally:
+        local.close()
+        fn.release()
+    service, startup, _ = restore_llm(tier1 / "snap", config(tier1), None, log=None)
+    try:
+        assert startup.tier == "process"
+        got = _streamed(service, params)
+    finally:
+        service.close()
+    assert got == want
+    tops, prompt, prompt_top = got
+    assert len(tops) == 4 and all(len(t) == 3 for t in tops)
+    assert prompt[0] is None and len(prompt) == len(PROMPTS[1])

@@ -298,6 +298,7 @@ class LLMProcessHost:
         raw = dict(message["params"])
         for key in ("stop", "stop_token_ids"):
             raw[key] = tuple(raw.get(key, ()))
+        raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ()))
         stream = self.service.submit(list(message["prompt_ids"]), SamplingParams(**raw))
         rid = message["id"]
         send({"id": rid, "event": "accepted", "request_id": stream.request_id})
@@ -311,6 +312,12 @@ class LLMProcessHost:
                     "text": out.text_delta,
                     "finished": out.finished,
                     "reason": out.finish_reason,
+                    "top": [list(map(list, top)) for top in out.new_top_logprobs],
+                    "prompt_logprobs": list(out.prompt_logprobs),
+                    "prompt_top": [
+                        None if top is None else list(map(list, top))
+                        for top in out.prompt_top_logprobs
+                    ],
                 }
             )
 

@@ -53,6 +53,11 @@ class RemoteStream(Stream):
             message["text"],
             message["finished"],
             message["reason"],
+            new_top_logprobs=tuple(_top(t) for t in message.get("top", ())),
+            prompt_logprobs=tuple(message.get("prompt_logprobs", ())),
+            prompt_top_logprobs=tuple(
+                None if t is None else _top(t) for t in message.get("prompt_top", ())
+            ),
         )
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -119,3 +124,8 @@ class ProcessLLMService:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.client.close()
+
+
+def _top(pairs) -> tuple[tuple[int, float], ...]:
+    """One token's (token id, logprob) alternatives as the engine gives them."""
+    return tuple((int(token), float(logprob)) for token, logprob in pairs)
