@@ -231,11 +231,13 @@ def _rewrite(fn: SnapshotFunction, snapshot_dir: Path, startup: StartupManifest,
         )
 
 
-def summary(manifest: StartupManifest) -> str:
+def summary(manifest: StartupManifest, stages: bool = True) -> str:
+    """The manifest's headline, its stages (unless they were logged as they ran) and its
+    fallbacks."""
     lines = [
         f"{manifest.kind} ({manifest.tier}) {'ok' if manifest.ok else 'FAILED'} in {manifest.total_s:.3f} s"
     ]
-    lines += ["  " + format_stage(s) for s in manifest.stages]
+    lines += ["  " + format_stage(s) for s in manifest.stages] if stages else []
     lines += [
         f"  fallback {f['from']} → {f['to']} at {f['step']}: {f['reason']}"
         for f in manifest.fallbacks

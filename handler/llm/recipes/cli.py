@@ -97,7 +97,7 @@ def run_init(args: argparse.Namespace) -> int:
         startup = init_and_snapshot(LLMFunction(config, model_dir), args.snapshot)
     else:
         raise BadRequest(f"tier must be portable or process, not {config.tier!r}")
-    print(summary(startup), file=sys.stderr)
+    print(summary(startup, stages=False), file=sys.stderr)  # its stages were logged as they ran
     written = "portable" if startup.tier == "cold" else startup.tier  # a tier-0 init's own tier
     print(f"snapshot ({written}) written to {args.snapshot}")
     return 0
