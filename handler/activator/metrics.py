@@ -37,7 +37,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from snapfn.handler.activator.instance import InstanceState
-from snapfn.handler.http.metrics import latency_histogram, startup_metrics
+from snapfn.handler.http.metrics import WithoutCreated, latency_histogram, startup_metrics
 
 # every state a live instance can be in (an exited one is no longer in the pool)
 INSTANCE_STATES = tuple(s.value for s in InstanceState if s is not InstanceState.EXITED)
@@ -87,7 +87,10 @@ class ActivatorMetrics:
         self.registry.register(PoolCollector(pool))
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The text exposition, less the `_created` series (as the front door's)."""
+        out = CollectorRegistry(auto_describe=True)
+        out.register(WithoutCreated(self.registry))
+        return generate_latest(out), CONTENT_TYPE_LATEST
 
 
 class PoolCollector(Collector):
