@@ -24,7 +24,7 @@ into that `LoadedFunction`, so two loads of one module never share run-time regi
 
 Device memory (GPU functions): `device()` is the device snapfn runs the function for ("cpu",
 "cuda", from `--device` / SNAPFN_DEVICE); read it in an init hook. While the init hooks run on
-CUDA, every allocation they make on the current stream lands in a releasable pool that a
+CUDA, every allocation they make (on the thread that runs them) lands in a releasable pool that a
 process snapshot keeps out of its image and streams back, verified, after each restore (tensors,
 modules and captured graphs work unchanged). `unsaved(tensor)` marks memory the snapshot need
 not keep: it comes back as zeros (a cache or a workspace re-created by every use). Memory

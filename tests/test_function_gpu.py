@@ -143,7 +143,9 @@ def test_each_example_restores_bit_for_bit_from_both_tiers(spec, tmp_path, monke
         stages = manifest["startup"]["stages"]
         ck = next(s for s in stages if s["name"] == "checkpoint")["figures"]
         grown = ck["private_bytes_after_cuda_checkpoint"] - ck["private_bytes_host"]
-        assert grown < worker["pool_bytes"] / 4, (grown, worker)
+        assert grown < worker["pool_bytes"], (grown, worker)  # the pool is not in it
+        # only what is outside it (and the checkpoint's own few MB of host state)
+        assert grown <= worker["image_device_bytes"] + (64 << 20), (grown, worker)
     got, startup = _answer(spec, process, cache)
     assert startup.tier == "process" and not startup.fallbacks
     assert startup.stage("worker.device_memory").figures["by"] in ("restorer", "worker")

@@ -2,7 +2,7 @@
 
     memory = DeviceMemory(device)                 a SpanPool on the device (snapshot/cuda/span.py)
     with memory.routing():                        the init hooks run here: what they allocate on
-        run the init hooks                        the current stream lands in the pool
+        run the init hooks                        this thread lands in the pool
     section, registered = memory.checkpoint(root, unsaved)
                                                   before the dump, after the function's own
                                                   before-snapshot hooks: the pool's live blocks

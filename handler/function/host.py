@@ -212,7 +212,7 @@ def tier1_problem(figures: dict[str, int] | None, max_image_device_bytes: int | 
             return (
                 f"{outside / 1e9:.2f} GB of device memory outside the releasable pool would go "
                 f"into the image (limit {limit / 1e9:.2f} GB): allocate it in an init hook, on "
-                "the current stream"
+                "the thread that runs it"
             )
     return None
 

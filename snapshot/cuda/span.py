@@ -13,7 +13,7 @@ function's releasable pool (`SpanPool`, a torch MemPool over a span).
     span.adopt_runs(fds)                         or the memory a restorer made, one fd per run
     span.view(address, nbytes)                   a uint8 tensor over mapped bytes
     pool = SpanPool(device)                      a torch MemPool over a CUDA span: what
-    with pool.routing(): ...                     the current stream allocates inside lands in it
+    with pool.routing(): ...                     what this thread allocates inside lands in it
 
 CUDA (`cuMemAddressReserve` once; `cuMemCreate` + `cuMemMap` per piece or run): the reservation
 survives the CUDA driver checkpoint, so the addresses stay valid across a restore, and tensors,
@@ -325,10 +325,11 @@ class SpanPool:
     is released with the span before a checkpoint and mapped again at the same addresses after
     a restore.
 
-    While `routing()` is open, allocations on the stream current at its start go to the pool;
-    a CUDA graph captured meanwhile allocates on its own capture stream, into its own private
-    pool, as it would without snapfn (so a graph's intermediates never share blocks with the
-    pool's tensors). The allocator callbacks run inside torch's allocator, with its lock held:
+    While `routing()` is open, this thread's allocations go to the pool; a CUDA graph captured
+    meanwhile still allocates into its own private pool, as it would without snapfn, so a
+    graph's intermediates never share blocks with the pool's tensors (seen on the H200, torch
+    2.11: tests/test_function_gpu.py). NOTE: torch's stream filter
+    (`_cuda_beginAllocateCurrentStreamToPool`) only works while the stream captures. The allocator callbacks run inside torch's allocator, with its lock held:
     they call the driver only, never torch.
     """
 
@@ -336,8 +337,8 @@ class SpanPool:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"a SpanPool lives on a CUDA device, not {device}")
-        if not hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
-            raise RuntimeError(f"torch {torch.__version__} cannot route one stream's allocations")
+        if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+            raise RuntimeError(f"torch {torch.__version__} cannot route a thread's allocations")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         torch.zeros(1, device=self.device)  # the primary context exists and is current
@@ -357,9 +358,9 @@ class SpanPool:
 
     @contextlib.contextmanager
     def routing(self) -> Iterator[None]:
-        """Route the current stream's allocations to the pool while inside."""
+        """Route this thread's allocations to the pool while inside."""
         index = self.device.index
-        torch._C._cuda_beginAllocateCurrentStreamToPool(index, self.pool.id)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(index, self.pool.id)
         try:
             yield
         finally:
