@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from snapfn.handler.function.host import init_function_snapshot
     from snapfn.handler.function.user_function import check_device
+    from snapfn.handler.llm.bench.cli import machine_name
     from snapfn.snapshot.portable.format import read_manifest
     from snapfn.snapshot.stages import stderr_log
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "function": args.function,
         "device": args.device,
-        "machine": _machine(args.device),
+        "machine": machine_name(args.device),
         "event": event,
         "init_s": round(init_s, 3),
         "snapshot": snapshot_figures(manifest, args.device),
@@ -216,16 +217,6 @@ def _notes(r: dict[str, Any]) -> str:
     if startup.get("fallbacks"):
         parts.append(f"FELL BACK: {startup['fallbacks'][0]['reason']}")
     return ", ".join(parts)
-
-
-def _machine(device: str) -> str:
-    import platform
-
-    if device.startswith("cuda"):
-        import torch
-
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"{platform.machine()} CPU x{os.cpu_count()}"
 
 
 # ---- one mode, in a fresh process ---------------------------------------------------------------

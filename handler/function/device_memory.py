@@ -21,11 +21,10 @@ streams) stays in the CUDA driver's checkpoint, which copies it into the image.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
-
-from snapfn.snapshot.errors import RestoreFailed
 
 MEMORY_FILE = "process/cuda0.bin"  # the pool's image, beside the process image it belongs to
 ADOPT_TIMEOUT_S = 60.0  # for the restorer's runs (it may still be filling them)
@@ -103,26 +102,12 @@ class DeviceMemory:
     def _adopt(self, figures: dict[str, Any], address: str) -> bool:
         """Map the runs a restorer made and filled and check them against the image's sums;
         False, with the reason in the figures, when anything is off."""
-        from snapfn.snapshot.keeper import region_prefetch
+        from snapfn.snapshot.keeper.region_prefetch import take_regions
         from snapfn.snapshot.layout.image import check_image
 
-        try:
-            message, fds, sock = region_prefetch.receive(address, ADOPT_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            figures["fallback"] = f"no regions from the restorer: {type(exc).__name__}: {exc}"
+        adopt = functools.partial(self.pool.span.adopt_runs, self.image.runs)
+        if not take_regions(address, ADOPT_TIMEOUT_S, adopt, figures):
             return False
-        try:
-            figures["restorer"] = message.get("figures", {})
-            if not message.get("ok"):
-                figures["fallback"] = f"the restorer failed: {message.get('error')}"
-                return False
-            try:
-                self.pool.span.adopt_runs(self.image.runs, fds)
-            except RestoreFailed as exc:
-                figures["fallback"] = str(exc)
-                return False
-        finally:
-            region_prefetch.ack(sock)
         start = time.perf_counter()
         try:
             bad = check_image(self.pool.span, self.image)

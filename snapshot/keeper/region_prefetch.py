@@ -45,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,6 +196,35 @@ def ack(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.send(b"mapped")
     sock.close()
+
+
+def take_regions(
+    address: str, timeout_s: float, adopt: Callable[[dict[int, int]], None], figures: dict
+) -> bool:
+    """The worker's whole hand-over: `receive` the restorer's regions, `adopt(fds)` them (the
+    caller maps each at its address; RestoreFailed refuses them), then `ack`. True once they are
+    adopted; False, with the reason in `figures["fallback"]` (and the restorer's own figures in
+    `figures["restorer"]`), when anything is off — the caller then makes its memory itself."""
+    from snapfn.snapshot.errors import RestoreFailed
+
+    try:
+        message, fds, sock = receive(address, timeout_s)
+    except (OSError, ValueError) as exc:
+        figures["fallback"] = f"no regions from the restorer: {type(exc).__name__}: {exc}"
+        return False
+    try:
+        figures["restorer"] = message.get("figures", {})
+        if not message.get("ok"):
+            figures["fallback"] = f"the restorer failed: {message.get('error')}"
+            return False
+        try:
+            adopt(fds)
+        except RestoreFailed as exc:
+            figures["fallback"] = str(exc)
+            return False
+    finally:
+        ack(sock)
+    return True
 
 
 # ---- the restorer's side -------------------------------------------------------------------------

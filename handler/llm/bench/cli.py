@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": str(args.model),
         "device": args.device,
-        "machine": _machine(args.device),
+        "machine": machine_name(args.device),
         "floors": floors,
         "modes": results,
         "ratios": ratios(results, floors),
@@ -317,7 +317,8 @@ def _notes(r: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _machine(device: str) -> str:
+def machine_name(device: str) -> str:
+    """The machine a report ran on: the GPU and torch, or the CPU's architecture and cores."""
     import platform
 
     if device.startswith("cuda"):

@@ -202,26 +202,11 @@ class LLMProcessHost:
         check the weights on the GPU against the layout's sum64 table. False, with the reason
         in the figures, when anything is off: the caller then remaps and streams itself (over
         the adopted memory when only the weights' check failed)."""
-        from snapfn.snapshot.keeper import region_prefetch
+        from snapfn.snapshot.keeper.region_prefetch import take_regions
         from snapfn.snapshot.layout.checksum import first_bad_chunk
 
-        try:
-            message, fds, sock = region_prefetch.receive(resume["regions"], ADOPT_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            figures["fallback"] = f"no regions from the restorer: {type(exc).__name__}: {exc}"
+        if not take_regions(resume["regions"], ADOPT_TIMEOUT_S, self.fn.memory.adopt, figures):
             return False
-        try:
-            figures["restorer"] = message.get("figures", {})
-            if not message.get("ok"):
-                figures["fallback"] = f"the restorer failed: {message.get('error')}"
-                return False
-            try:
-                self.fn.memory.adopt(fds)
-            except RestoreFailed as exc:
-                figures["fallback"] = str(exc)
-                return False
-        finally:
-            region_prefetch.ack(sock)
         start, layout = time.perf_counter(), self.layout
         if layout.chunk_sum64 is None:
             figures["fallback"] = "the restore layout has no sum64 table to check the weights with"
