@@ -216,3 +216,37 @@ def test_a_prefetch_listens_only_in_a_private_directory_and_answers_only_json_ob
             with pytest.raises(ValueError, match=reason):
                 region_prefetch.receive(address, timeout_s=5)
             accepted.join(5)
+
+
+def test_take_regions_adopts_or_says_why_and_always_acknowledges(tmp_path):
+    from snapfn.snapshot.errors import RestoreFailed
+
+    specs = [RegionSpec.from_json(spec(name="w", address=1 << 40))]
+    taken: list = []
+
+    def adopt(fds):
+        taken.append(sorted(fds))
+        for fd in fds.values():
+            os.close(fd)
+
+    for case in ("adopted", "refused"):
+        sock_path = str(tmp_path / f"{case}.sock")
+        thread, result = serve_in_thread(MemfdPrefetch(specs, tmp_path, sock_path, timeout_s=10))
+        figures: dict = {}
+        if case == "adopted":
+            assert region_prefetch.take_regions(sock_path, 10, adopt, figures)
+            assert taken == [[1 << 40]] and "fallback" not in figures
+        else:
+
+            def refuse(fds):
+                adopt(fds)
+                raise RestoreFailed("the regions do not match ours")
+
+            assert not region_prefetch.take_regions(sock_path, 10, refuse, figures)
+            assert figures["fallback"] == "the regions do not match ours"
+        assert figures["restorer"]["regions"] == 1
+        thread.join(10)
+        assert result == [True]  # acknowledged either way: the restorer lets go
+    figures = {}
+    assert not region_prefetch.take_regions(str(tmp_path / "nobody.sock"), 0.05, adopt, figures)
+    assert figures["fallback"].startswith("no regions from the restorer")
