@@ -854,3 +854,32 @@ def test_startup_metrics_label_stages_by_kind_and_tier_and_count_fallbacks():
     assert (
         samples[("snapfn_startup_seconds", (("kind", "init"), ("tier", "cold (fallback)")))] == 3.0
     )
+
+
+def test_a_long_context_models_prompt_is_refused_by_a_prefix_before_it_is_encoded_whole():
+    """Where the bound by length is loose (a long context, long vocabulary entries), a prefix
+    of the prompt already holding too many tokens refuses it: the whole is never encoded."""
+    from snapfn.handler.http.openai.parse import PROBE_CHARS_PER_TOKEN, encode_bounded
+    from snapfn.handler.http.openai.request import ApiError
+
+    class WordTokenizer:
+        encoded: list[int] = []
+
+        def max_prompt_chars(self, max_tokens):
+            return max_tokens * 1000  # allows far longer texts than can fit
+
+        def encode(self, text, add_special_tokens=True):
+            self.encoded.append(len(text))
+            return text.split()
+
+    words = WordTokenizer()
+    max_tokens = 100
+    long_text = "ab " * (max_tokens * 50)  # 5000 tokens, 15000 characters
+    with pytest.raises(ApiError, match="already hold") as refused:
+        encode_bounded(words, long_text, max_tokens, "prompt")
+    assert refused.value.api_code == "context_length_exceeded"
+    assert words.encoded == [max_tokens * PROBE_CHARS_PER_TOKEN]  # the prefix only
+    fits = "ab " * 90
+    assert len(encode_bounded(words, fits, max_tokens, "prompt")) == 90
+    wide = "abcdefghijklmnop " * 60  # longer than the prefix, few tokens: encoded whole
+    assert len(encode_bounded(words, wide, max_tokens, "prompt")) == 60

@@ -11,7 +11,8 @@ Contract:
   messages through the model's chat template, and refuses prompts longer than `max_input_len`
   tokens (400 `context_length_exceeded`): first by their characters, before any encoding (a text
   longer than `tokenizer.max_prompt_chars(max_input_len)` cannot fit, so a 4 MB prompt costs a
-  length check, not an encoding), then by their tokens.
+  length check, not an encoding), then, where that bound is loose (a long context), by a
+  prefix of 8 characters per allowed token that already holds too many, then by their tokens.
 - `choice_params(request, index, prompt_len, max_input_len)` is the engine's `SamplingParams` for
   one choice; with a `seed`, choice `i` samples with `seed + i`.
 
@@ -159,11 +160,29 @@ def tokenize(request: GenerationRequest, tokenizer: Any, max_input_len: int) -> 
     return prompts
 
 
+# a prefix this many characters per allowed token long is encoded first: typical text holds
+# 3–5 characters a token, so such a prefix of a text far too long already holds too many tokens
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_SLACK_TOKENS = 64  # a prefix may split its last word into more tokens than the whole does
+
+
 def encode_bounded(
     tokenizer: Any, text: str, max_tokens: int, param: str, special: bool = True
 ) -> list[int]:
-    """`tokenizer.encode(text)`, refused unencoded (400) where `text` is too long to fit."""
+    """`tokenizer.encode(text)`, refused (400) where `text` is too long to fit: unencoded when
+    its length alone says so; after encoding only a prefix when that prefix already holds too
+    many tokens (a long-context model's bound by length allows megabytes)."""
     check_text_length(len(text), tokenizer, max_tokens, param)
+    probe = max_tokens * PROBE_CHARS_PER_TOKEN
+    if len(text) > probe:
+        head = tokenizer.encode(text[:probe], add_special_tokens=False)
+        if len(head) > max_tokens + PROBE_SLACK_TOKENS:
+            raise ApiError(
+                f"the prompt's first {probe} characters already hold {len(head)} tokens; this "
+                f"model accepts at most {max_tokens}: shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
     return tokenizer.encode(text, add_special_tokens=special)
 
 
