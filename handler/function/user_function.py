@@ -189,16 +189,11 @@ def restore_image_caches(
     recorded = section.get("cache_dir") if isinstance(section, dict) else None
     if recorded != str(Path(cache_dir).absolute()):
         return f"not put back: the image's caches were at {str(recorded)[:200]!r}, not {str(cache_dir)!r}"
+    dirs = compile_caches.cache_dirs(cache_dir)
     missing = []
     for relpath in manifest["files"]:
-        _, name, rest = (relpath.split("/", 2) + ["", ""])[:3]
-        dest = compile_caches.cache_dirs(cache_dir).get(name)
-        if (
-            relpath.startswith("caches/")
-            and rest
-            and dest is not None
-            and not (dest / rest).exists()
-        ):
+        top, name, rest = (relpath.split("/", 2) + ["", ""])[:3]
+        if top == "caches" and rest and name in dirs and not (dirs[name] / rest).exists():
             missing.append(relpath)
     if not missing:
         return 0

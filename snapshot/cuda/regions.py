@@ -174,19 +174,9 @@ class RegionPool:
     """
 
     def __init__(self, device: torch.device | str) -> None:
-        import ctypes
-
         self.device = torch.device(device)
         self.regions: dict[int, CudaRegion] = {}
-        alloc_type = ctypes.CFUNCTYPE(
-            ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
-        )
-        free_type = ctypes.CFUNCTYPE(
-            None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
-        )
-        self._callbacks = (alloc_type(self._malloc), free_type(self._free))  # kept alive
-        pointers = [ctypes.cast(c, ctypes.c_void_p).value for c in self._callbacks]
-        self.allocator = torch._C._cuda_customAllocator(*pointers)
+        self._callbacks, self.allocator = pluggable_allocator(self._malloc, self._free)
         self.pool = None
 
     def mempool(self):
@@ -279,6 +269,21 @@ def arena_bytes(sizes: list[int], align: int = ALIGN) -> int:
     for size in sizes:
         used = round_up(used, align) + size
     return used
+
+
+def pluggable_allocator(malloc: Any, free: Any) -> tuple[tuple[Any, Any], Any]:
+    """A torch allocator calling `malloc(size, device, stream) -> address` and
+    `free(address, size, device, stream)`: (the ctypes callbacks, which the caller keeps alive
+    as long as the allocator, and the allocator for `torch.cuda.MemPool`)."""
+    import ctypes
+
+    alloc_type = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    free_type = ctypes.CFUNCTYPE(
+        None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
+    )
+    callbacks = (alloc_type(malloc), free_type(free))
+    pointers = [ctypes.cast(c, ctypes.c_void_p).value for c in callbacks]
+    return callbacks, torch._C._cuda_customAllocator(*pointers)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from snapfn.snapshot.cuda.driver import ok as _ok
-from snapfn.snapshot.cuda.regions import ALIGN, CudaArray, device_memory_props, round_up
+from snapfn.snapshot.cuda.regions import (
+    ALIGN,
+    CudaArray,
+    device_memory_props,
+    pluggable_allocator,
+    round_up,
+)
 from snapfn.snapshot.errors import RestoreFailed
 
 
@@ -345,15 +351,7 @@ class SpanPool:
         if reserve_bytes is None:  # NOTE: addresses are cheap; freed pieces' are never reused
             reserve_bytes = 4 * torch.cuda.mem_get_info(self.device)[1]
         self.span = CudaSpan.make(self.device, reserve_bytes)
-        alloc_type = ctypes.CFUNCTYPE(
-            ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
-        )
-        free_type = ctypes.CFUNCTYPE(
-            None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p
-        )
-        self._callbacks = (alloc_type(self._malloc), free_type(self._free))  # kept alive
-        pointers = [ctypes.cast(c, ctypes.c_void_p).value for c in self._callbacks]
-        self.allocator = torch._C._cuda_customAllocator(*pointers)
+        self._callbacks, self.allocator = pluggable_allocator(self._malloc, self._free)
         self.pool = torch.cuda.MemPool(allocator=self.allocator)
 
     @contextlib.contextmanager
