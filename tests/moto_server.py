@@ -90,10 +90,20 @@ def make_queue(
 
 
 def queue_counts(sqs: Any, url: str) -> tuple[int, int]:
-    """(visible, in flight) message counts of a queue."""
+    """(visible, in flight) message counts of a queue, as two reads in a row agree.
+
+    NOTE: moto takes the two counts at two instants; a read made as a message's visibility
+    timeout ends can count it in neither ((0, 0) with the message still there)."""
     names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
-    attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=names)["Attributes"]
-    return int(attrs[names[0]]), int(attrs[names[1]])
+
+    def read() -> tuple[int, int]:
+        attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=names)["Attributes"]
+        return int(attrs[names[0]]), int(attrs[names[1]])
+
+    counts, last = read(), None
+    while counts != last:
+        counts, last = read(), counts
+    return counts
 
 
 def wait_for(
