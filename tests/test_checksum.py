@@ -82,3 +82,23 @@ def test_first_bad_chunk_finds_the_changed_chunk_and_passes_the_same_bytes():
     assert first_bad_chunk(data, chunk, expected) == 3
     with pytest.raises(ValueError, match="sums for"):
         first_bad_chunk(data, chunk, expected[:-1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("start", [0, 3])  # aligned: the batched rows; unaligned: chunk by chunk
+def test_chunk_sums_in_batches_equal_each_chunk_summed_alone(device, start):
+    from snapfn.snapshot.layout.checksum import chunk_sums
+
+    chunk = 4096
+    data = torch.randint(0, 256, (start + 7 * chunk + 100,), dtype=torch.uint8)[start:]
+    alone = [
+        reference_sum64(data[lo : lo + chunk].numpy().tobytes())
+        for lo in range(0, data.numel(), chunk)
+    ]
+    for batch_bytes in (
+        chunk,
+        3 * chunk,
+        1 << 20,
+    ):  # 1 chunk a batch, a short last batch, one batch
+        got = chunk_sums(data.to(device), chunk, batch_bytes=batch_bytes).cpu().tolist()
+        assert got == alone, batch_bytes

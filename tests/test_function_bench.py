@@ -93,3 +93,24 @@ def test_the_report_shows_the_reason():
     }
     assert "BadSnapshot: chunk 3 (exit 1)" in format_report(report)
     assert "?" not in _brief({"mode": "steady"}) and _brief(failed) == failed["error"]
+
+
+def test_keeper_runs_by_default_on_cuda_only_and_as_asked():
+    from argparse import Namespace
+
+    from snapfn.handler.function.bench import keeper_hold
+
+    assert keeper_hold(Namespace(keeper="auto", device="cuda:0")) == "page-cache"
+    assert keeper_hold(Namespace(keeper="auto", device="cpu")) is None
+    assert keeper_hold(Namespace(keeper="copy", device="cuda")) == "copy"
+    assert keeper_hold(Namespace(keeper="none", device="cuda")) is None
+
+
+def test_a_keeper_that_cannot_start_stops_the_bench_with_its_reason(tmp_path):
+    from snapfn.handler.function.bench import running_keeper
+
+    (tmp_path / "snapshot").mkdir()  # no manifest: the keeper refuses it and exits
+    keeper = running_keeper("page-cache", tmp_path / "snapshot", tmp_path / "keeper", 60)
+    with pytest.raises(SystemExit, match="the keeper did not start: .*manifest"), keeper:
+        pass
+    assert (tmp_path / "keeper").stat().st_mode & 0o777 == 0o700

@@ -6,6 +6,7 @@ The same cycle on CUDA: tests/test_function_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from snapfn.handler.function.runtime import WorkerRuntime
 from snapfn.handler.function.target import ServeTarget
@@ -22,14 +24,10 @@ from snapfn.snapshot.portable.format import read_manifest
 from snapfn.snapshot.stages import Readiness
 
 from activator_client import read_listen_url
+from function_examples import EXAMPLES, assert_informative
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("criu_config")]
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = {
-    "examples.cuda_graph:handler": {"seed": 3},
-    "examples.text_embedding:handler": {"texts": ["snapshots restore fast", "a cold start"]},
-    "examples.image_classifier:handler": {"seed": 5},
-}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +74,10 @@ def init(spec: str, dest: Path, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cold(workdir):
-    return {spec: answer(spec, None, workdir)[0] for spec in EXAMPLES}
+    answers = {spec: answer(spec, None, workdir)[0] for spec in EXAMPLES}
+    for spec, value in answers.items():
+        assert_informative(spec, value)
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +142,41 @@ def test_init_then_serve_over_http(workdir, snapshots):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+def test_the_graph_example_reads_its_weights_from_a_checkpoint_as_it_would_draw_them(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    env = {**os.environ, "GRAPH_MLP_WIDTH": "128", "GRAPH_MLP_LAYERS": "3"}
+    write = [sys.executable, "-m", "examples.cuda_graph", "--write-checkpoint", str(path)]
+    done = subprocess.run(write, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    code = (
+        "import json, examples.cuda_graph as m; m.stack.load(); "
+        "print(json.dumps([m.stack.run({'seed': 2}), len(m.stack.layers)]))"
+    )
+    run = [sys.executable, "-c", code]
+    done = subprocess.run(
+        run,
+        capture_output=True,
+        text=True,
+        env={**env, "GRAPH_MLP_CHECKPOINT": str(path), "GRAPH_MLP_WIDTH": "999"},
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    answer, num_layers = json.loads(done.stdout)
+    assert num_layers == 3  # the file's size, not the environment's
+    assert_informative("examples.cuda_graph:handler", answer)
+
+    from safetensors.torch import save_file
+
+    save_file({"layers.1.weight": torch.zeros(4, 4)}, str(path))  # no layers.0
+    done = subprocess.run(
+        run,
+        capture_output=True,
+        text=True,
+        env={**env, "GRAPH_MLP_CHECKPOINT": str(path)},
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "no tensor layers.0.weight" in done.stderr

@@ -14,16 +14,13 @@ import torch
 
 from snapfn.snapshot.portable.format import read_manifest
 
+from function_examples import EXAMPLES, assert_informative
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = {
-    "examples.cuda_graph:handler": {"seed": 3},
-    "examples.text_embedding:handler": {"texts": ["snapshots restore fast", "a cold start"]},
-    "examples.image_classifier:handler": {"seed": 5},
-}
 
 
 def test_the_pool_holds_what_the_current_stream_allocates_and_a_graph_keeps_its_own():
@@ -132,6 +129,7 @@ def test_each_example_restores_bit_for_bit_from_both_tiers(spec, tmp_path, monke
     _init(spec, process, env)
     _init(spec, portable, {**env, "SNAPFN_CRIU": "/nonexistent"})
     cold, _ = _answer(spec, None, cache)
+    assert_informative(spec, cold)
     manifest = read_manifest(process)
     assert manifest["tier"] == "process", manifest["startup"]["fallbacks"]
     meta = manifest["process"]

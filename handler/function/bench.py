@@ -5,8 +5,12 @@ side by side in one run, each in a fresh process, to the first answer.
                       the tier-0 files in it), timed apart
     cold              python + imports + the function's cold init + the first answer
     restore_portable  tier 0: the compile caches put back, the init hooks run again
-    restore_process   tier 1: the checkpointed worker restored, its device memory streamed
-                      back (or filled beside criu by a keeper or a helper)
+    restore_process   tier 1: the checkpointed worker restored, its device memory filled
+                      beside criu by a helper from the snapshot's file, no keeper running
+    restore_process_keeper
+                      tier 1 again with `snapfn keeper --hold page-cache|copy` (`--keeper`;
+                      by default on CUDA) holding that file pinned: the keeper's warm driver
+                      makes the regions, fills them at the PCIe rate and does the CUDA restore
 
 Beside them: the device memory the snapshot keeps out of its image (the pool's bytes), the
 image's own bytes, and the floor of moving the pool's bytes host → device at the pinned rate
@@ -24,6 +28,7 @@ reason; `run_mode_process` (the LLM bench's too) turns a child that printed neit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -76,7 +81,25 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: a cold start and a tier-0 restore start from empty compile caches, as on a
         # new machine; tier 1 reads the caches its image maps where init left them
         cache_root = workdir / f"cache-{mode}" if mode != "restore_process" else workdir / "cache"
-        results[mode] = run_mode(mode, args, snapshot, event, cache_root)
+        # NOTE: "" turns the keeper off, whatever runs at the default socket
+        results[mode] = run_mode(mode, args, snapshot, event, cache_root, SNAPFN_PINNED_SOCKET="")
+    hold = keeper_hold(args)
+    if hold is not None and "error" not in results.get("restore_process", {"error": ""}):
+        mode = "restore_process_keeper"
+        print(
+            f"[snapfn bench] running {mode} (keeper --hold {hold}) …", file=sys.stderr, flush=True
+        )
+        with running_keeper(hold, snapshot, workdir / "keeper", args.timeout_s) as address:
+            results[mode] = run_mode(
+                "restore_process",
+                args,
+                snapshot,
+                event,
+                workdir / "cache",
+                SNAPFN_PINNED_SOCKET=address,
+            )
+            results[mode]["mode"] = mode
+            results[mode]["keeper"] = hold
     report = {
         "function": args.function,
         "device": args.device,
@@ -94,8 +117,49 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
+def keeper_hold(args: argparse.Namespace) -> str | None:
+    """What `--keeper` asks the keeper to hold, or None for no keeper run."""
+    hold = getattr(args, "keeper", "none")
+    if hold == "auto":
+        hold = "page-cache" if args.device.startswith("cuda") else "none"
+    return None if hold == "none" else hold
+
+
+@contextlib.contextmanager
+def running_keeper(hold: str, snapshot: Path, folder: Path, timeout_s: float):
+    """`snapfn keeper --hold HOLD --snapshot SNAPSHOT` on a socket of its own in `folder`,
+    until it says it serves; its address. Stopped with SIGTERM after."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    address, log_path = folder / "keeper.sock", folder / "keeper.log"
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "keeper", "--hold", hold]
+    argv += ["--snapshot", str(snapshot), "--socket", str(address)]
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "serving on" not in log_path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+                raise SystemExit(f"snapfn bench: the keeper did not start: {tail[0]}")
+            time.sleep(0.1)
+        print(f"[snapfn bench] {log_path.read_text().strip().splitlines()[-1]}", file=sys.stderr)
+        yield str(address)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def run_mode(
-    mode: str, args: argparse.Namespace, snapshot: Path, event: Any, cache_root: Path
+    mode: str,
+    args: argparse.Namespace,
+    snapshot: Path,
+    event: Any,
+    cache_root: Path,
+    **env: str,
 ) -> dict[str, Any]:
     argv = [sys.executable, "-m", "snapfn.handler.function.bench", mode]
     argv += ["--function", args.function, "--snapshot", str(snapshot), "--device", args.device]
@@ -103,13 +167,15 @@ def run_mode(
     argv += ["--t0", repr(time.time())]
     if args.function_dir is not None:
         argv += ["--function-dir", str(args.function_dir)]
-    return run_mode_process(mode, argv, args.timeout_s)
+    return run_mode_process(mode, argv, args.timeout_s, {**os.environ, **env})
 
 
-def run_mode_process(mode: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
+def run_mode_process(
+    mode: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run one mode's child and read its result line, else its one-line failure."""
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "error": f"no result within --timeout-s {timeout_s:g} s"}
     for line in proc.stdout.splitlines():
@@ -165,14 +231,13 @@ def snapshot_figures(manifest: dict[str, Any], device: str) -> dict[str, Any]:
 def ratios(report: dict[str, Any]) -> dict[str, Any]:
     modes, out = report["modes"], {}
     cold = modes.get("cold", {}).get("first_answer_s")
-    for mode in ("restore_portable", "restore_process"):
+    floor = report["snapshot"].get("pool_floor_s")
+    for mode in ("restore_portable", "restore_process", "restore_process_keeper"):
         got = modes.get(mode, {}).get("first_answer_s")
         if cold and got:
             out[f"{mode}_speedup_vs_cold"] = round(cold / got, 2)
-    floor = report["snapshot"].get("pool_floor_s")
-    tier1 = modes.get("restore_process", {}).get("first_answer_s")
-    if floor and tier1:
-        out["restore_process_vs_pool_floor"] = round(tier1 / floor, 2)
+        if floor and got and mode != "restore_portable":
+            out[f"{mode}_vs_pool_floor"] = round(got / floor, 2)
     answers = [json.dumps(r["answer"], sort_keys=True) for r in modes.values() if "answer" in r]
     if len(answers) > 1:
         out["answers_equal"] = len(set(answers)) == 1
@@ -184,13 +249,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"snapfn bench: {report['function']} on {report['device']} ({report['machine']})",
         f"init (snapshot written, {s['tier']}): {report['init_s']:.3f} s",
-        f"{'mode':<18} {'ready s':>9} {'first answer s':>15}  notes",
+        f"{'mode':<22} {'ready s':>9} {'first answer s':>15}  notes",
     ]
     for mode, r in report["modes"].items():
         note = r.get("error") or r.get("skipped") or _notes(r)
         ready = f"{r['ready_s']:9.3f}" if "ready_s" in r else f"{'-':>9}"
         first = f"{r['first_answer_s']:15.3f}" if "first_answer_s" in r else f"{'-':>15}"
-        lines.append(f"{mode:<18} {ready} {first}  {note}")
+        lines.append(f"{mode:<22} {ready} {first}  {note}")
     if s.get("image_bytes") is not None:
         lines.append(
             f"process image {s['image_bytes'] / 1e9:.3f} GB; device memory kept out of it "
@@ -212,6 +277,12 @@ def _notes(r: dict[str, Any]) -> str:
     for name in ("criu_restore", "cuda_restore", "worker.device_memory", "init_hooks"):
         if name in stages:
             parts.append(f"{name.removeprefix('worker.')} {stages[name]['seconds']:.3f}")
+    memory = stages.get("worker.device_memory", {}).get("figures", {})
+    filled = memory.get("restorer") or {}
+    if filled.get("gbps"):
+        parts.append(f"filled at {filled['gbps']} GB/s by the {memory.get('by')}")
+    if "verify_s" in memory:
+        parts.append(f"checked {memory['verify_s']:.3f}")
     if "init_hooks" in stages and "compiled_files" in stages["init_hooks"]["figures"]:
         parts.append(f"compiled {stages['init_hooks']['figures']['compiled_files']} files")
     if startup.get("fallbacks"):

@@ -30,6 +30,7 @@ from typing import Any
 
 from snapfn.handler.api import Context, FunctionError, call_handler
 from snapfn.handler.function.user_function import USER_FUNCTION, UserFunction
+from snapfn.snapshot.cuda.stack_limit import StackLimit
 from snapfn.snapshot.errors import BadRequest, RestoreFailed, SnapfnError
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
@@ -66,6 +67,7 @@ class FunctionHost:
         self.checkpoint_registered: list[list[Any]] = []
         self.region_specs: list[dict[str, Any]] = []
         self.memory_section: dict[str, Any] = {}
+        self.stack = StackLimit()  # lowered for the checkpoint, set back after each restore
 
     @property
     def loaded(self):
@@ -112,7 +114,12 @@ class FunctionHost:
         )
         self.region_specs = memory.region_specs
         info = {k: v for k, v in self.memory_section.items() if k not in ("image", "file")}
-        self.checkpoint_figures = {**figures, **info}
+        stack = self.stack.lower()
+        if stack:  # the local memory it freed leaves the image too
+            figures["image_device_bytes"] -= min(
+                figures["image_device_bytes"], stack["stack_freed_bytes"]
+            )
+        self.checkpoint_figures = {**figures, **info, **stack}
         log(f"at checkpoint: {self.checkpoint_figures}")
         return hooks
 
@@ -121,6 +128,7 @@ class FunctionHost:
         t0 = time.time()
         if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
             snapshot_dir = Path(resume["snapshot_dir"])
+            runner.run("cuda_ready", lambda f: self.stack.restore())  # before any kernel runs
             runner.run(
                 "device_memory",
                 lambda f: f.update(

@@ -88,6 +88,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the event every mode answers (JSON; default: its health event)",
     )
+    fn.add_argument(
+        "--keeper",
+        choices=("auto", "none", "page-cache", "copy"),
+        default="auto",
+        help="tier 1 once more with `snapfn keeper --hold H` holding the snapshot's device-memory"
+        " file pinned (mode restore_process_keeper; the plain restore_process runs with no"
+        " keeper). auto: page-cache on CUDA, none on CPU",
+    )
 
 
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:

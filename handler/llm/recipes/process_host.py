@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapfn.snapshot.cuda.stack_limit import StackLimit
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
@@ -64,7 +65,7 @@ class LLMProcessHost:
         self.service = None
         self.replay: dict[str, Any] = {}
         self.layout = None  # the restore layout's table (RestoreLayout), parsed once at init
-        self.stack_bytes = 0  # the CUDA stack limit before the checkpoint lowered it, if it did
+        self.stack = StackLimit()  # lowered for the checkpoint, set back after each restore
         # NOTE: by default the streamer's pinned ring is pinned after each restore, on a side
         # thread: on the H200 that restored in 2.55 s, a ring kept in the image in 3.16 s
         self.keep_ring = os.environ.get("SNAPFN_PROCESS_KEEP_RING", "0") == "1"
@@ -118,7 +119,7 @@ class LLMProcessHost:
             if not self.keep_ring:  # pinned blocks (the init's too) leave torch's host cache
                 empty = getattr(torch._C, "_accelerator_emptyHostCache", None)
                 (empty or torch._C._host_emptyCache)()
-            stack = self._shrink_stack(torch)
+            stack = self.stack.lower()
             free, total = torch.cuda.mem_get_info()
             self.checkpoint_figures = {
                 **stack,
@@ -141,7 +142,7 @@ class LLMProcessHost:
         runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         t0 = time.time()
         if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
-            runner.run("cuda_ready", lambda f: self._restore_stack())  # before any kernel runs
+            runner.run("cuda_ready", lambda f: self.stack.restore())  # before any kernel runs
         if not (resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume))):
             self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / WEIGHTS_FILE)
         runner.run("replay_check", self._replay_check)
@@ -164,38 +165,6 @@ class LLMProcessHost:
         pool.shutdown(wait=False)
         runner.run("stream_weights", lambda f: self._stream(f, weights, ring))
         runner.run("remap_kv", lambda f: f.update(overlapped_s=round(kv.result(), 4)))
-
-    def _shrink_stack(self, torch) -> dict[str, int]:
-        """Lower the CUDA stack limit to SNAPFN_PROCESS_STACK_BYTES (default 256; 0 keeps it)
-        for the checkpoint. A context keeps local memory for the largest stack its kernels used
-        (1 KiB by default: 0.2 GB on the H200, probe bench/probes/context_memory.py) and the
-        CUDA checkpoint copies it into the image (1.77 → 1.57 GB for the 8B llama). Restored
-        graphs failed ("unspecified launch failure", H200) when the limit stayed low, so
-        `_restore_stack` sets the old one back before any kernel runs after the restore."""
-        want = int(os.environ.get("SNAPFN_PROCESS_STACK_BYTES", "256"))
-        if want <= 0:
-            return {}
-        from cuda.bindings import driver as cu
-
-        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
-        err, before = cu.cuCtxGetLimit(limit)
-        if int(err) != 0 or int(before) <= want:
-            return {}
-        free = torch.cuda.mem_get_info()[0]
-        if int(cu.cuCtxSetLimit(limit, want)[0]) != 0:
-            return {}
-        self.stack_bytes = int(before)
-        return {"stack_bytes": want, "stack_freed_bytes": torch.cuda.mem_get_info()[0] - free}
-
-    def _restore_stack(self) -> None:
-        if not self.stack_bytes:
-            return
-        from cuda.bindings import driver as cu  # NOTE: no cuInit here: torch made the context
-
-        from snapfn.snapshot.cuda.driver import ok
-
-        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
-        ok(cu.cuCtxSetLimit(limit, self.stack_bytes), "cuCtxSetLimit (the stack limit back)")
 
     def _adopt(self, figures: dict[str, Any], resume: dict[str, Any]) -> bool:
         """Map the regions the restorer made and filled (snapshot/keeper/region_prefetch.py), then
