@@ -4,6 +4,11 @@
 # the helpers below. Every recipe writes one results folder through `results_dir`.
 eval "$(bash infra/dev-pythonpath.sh)"
 export PYTHONUNBUFFERED=1 SNAPFN_CRIU_PREFIX=${SNAPFN_CRIU_PREFIX:-$PWD/.criu}
+# the front doors' wheels, where carried (.servewhl, from bench/serve_wheels.sh)
+if ls .servewhl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-serve .servewhl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
+fi
 work=${work:-/tmp/snapfn-bench}
 mkdir -p "$work"
 snapfn() { python3 -m snapfn.handler.cli "$@"; }

@@ -89,3 +89,30 @@ def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
     assert "--device cuda: this machine has no usable CUDA GPU" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "s").exists()
+
+
+COMPILE_WORKERS = """
+import torch
+from torch._inductor import config
+from torch._inductor.async_compile import AsyncCompile
+from snapfn.handler.api import init
+
+@init
+def start_compile_workers():  # what torch.compile does on a machine with cores to spare
+    config.compile_threads = 2
+    AsyncCompile.process_pool()
+
+def handler(event, context):
+    return {"ok": True}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("criu_config")
+def test_torch_compile_workers_are_shut_down_before_the_checkpoint(tmp_path):
+    (tmp_path / "compiling_fn.py").write_text(COMPILE_WORKERS)
+    done = init("compiling_fn:handler", tmp_path, tmp_path / "snap")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "snapshot (process)" in done.stdout, done.stderr[-2000:]
+    manifest = read_manifest(tmp_path / "snap")
+    assert manifest["tier"] == "process" and not manifest["startup"]["fallbacks"]

@@ -89,6 +89,8 @@ class FunctionHost:
 
     def before_snapshot(self) -> list[str]:
         hooks = self.loaded.run_before_snapshot()
+        if stop_compile_workers():
+            hooks.append("stop_compile_workers")
         if not self.uses_cuda:
             problem = tier1_problem(None, None)
             if problem is not None:
@@ -223,6 +225,21 @@ def tier1_problem(figures: dict[str, int] | None, max_image_device_bytes: int | 
                 "the thread that runs it"
             )
     return None
+
+
+def stop_compile_workers(wait_s: float = 10.0) -> bool:
+    """Shut down the compile workers torch.compile started (inductor's pool of subprocesses for
+    parallel compiles): a process image cannot hold child processes, and inductor starts them
+    again should it compile after a restore. True when there were any; waits up to `wait_s`
+    for them to exit."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is None or not getattr(async_compile, "_pool_set", None):
+        return False
+    async_compile.shutdown_compile_workers()
+    deadline = time.monotonic() + wait_s
+    while _child_pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return True
 
 
 def _child_pids() -> list[int]:
