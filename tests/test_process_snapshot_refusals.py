@@ -111,6 +111,8 @@ def process_edits() -> dict:
         for value in ("true", 1, None, [True]):
             cases[f"{key} {value!r}"] = lambda p, key=key, value=value: p.update({key: value})
     cases["uses_cuda dropped"] = lambda p: p.pop("uses_cuda")
+    for value in (0, -1, 1 << 22, "1234", 12.0, True, [5]):
+        cases[f"host_pid {value!r}"] = lambda p, value=value: p.update(host_pid=value)
     memory = {"file": "memory.bin", "key": "snapfn-memory", "file_bytes": 4096}
     for label, value in {
         "a string": "memory.bin",

@@ -323,3 +323,25 @@ def test_process_settings_come_from_the_environment_and_bad_ones_are_refused():
     for name, value in [("MEMORY", "disk"), ("PREFETCH_READ", "mmap"), ("PREFETCH_THREADS", "0")]:
         with pytest.raises(ValueError, match=name.lower()):
             process.ProcessConfig.from_env({f"SNAPFN_PROCESS_{name}": value})
+
+
+def test_a_restore_waits_for_its_pid_to_be_freed_and_names_what_holds_it():
+    import subprocess
+    import sys
+    import threading
+
+    from snapfn.snapshot.errors import RestoreFailed
+    from snapfn.snapshot.process.worker_process import wait_for_pid
+
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    threading.Thread(target=exiting.wait, daemon=True).start()  # reaped as soon as it exits
+    figures: dict = {}
+    wait_for_pid(exiting.pid, 10.0, figures)
+    assert 0.1 < figures["waited_s"] < 10.0
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(RestoreFailed, match=rf"pid {holder.pid}, which .* is taken by 'python"):
+            wait_for_pid(holder.pid, 0.2, {})
+    finally:
+        holder.kill()
+        holder.wait()

@@ -53,7 +53,8 @@ class DeviceMemory:
         "memory", the file's chunk digests to register). Nothing to write: ({}, [])."""
         import torch
 
-        from snapfn.snapshot.layout.image import save_image
+        from snapfn.snapshot.errors import RestoreFailed
+        from snapfn.snapshot.layout.image import check_image, save_image
 
         torch.cuda.synchronize(self.pool.device)
         pieces = self.pool.span.segments()
@@ -63,6 +64,13 @@ class DeviceMemory:
         start = time.perf_counter()
         self.image = save_image(self.pool.span, live, unsaved, root / MEMORY_FILE)
         write_s = time.perf_counter() - start
+        # NOTE: the written sums checked against the memory they came from; this also loads the
+        # check's kernels into the context, so that the restore's check does not load them
+        bad = check_image(self.pool.span, self.image)
+        if bad is not None:
+            raise RestoreFailed(f"the device memory image's chunk {bad} does not match the pool")
+        if self.pool.device.type == "cuda":
+            torch.cuda.empty_cache()  # the check's scratch need not be in the image
         self.region_specs = self.image.region_specs(MEMORY_FILE, self.pool.device.index)
         released = self.pool.span.release()
         layout = self.image.layout

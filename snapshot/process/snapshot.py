@@ -19,7 +19,8 @@ image_bytes, memory (what moved to memory.bin, or null), regions, private_memory
 What a restore uses of the process section is checked before criu, the prefetch helper or the
 validation stage use it (`process_section_problem`): `images` a plain folder name whose files
 are listed; `inherit` one `pipe:[inode]` for each of the worker's pipes (what criu is handed as
-`--inherit-fd`); `uses_cuda` and `mount_namespace` booleans; `memory` null or a listed file in
+`--inherit-fd`); `uses_cuda` and `mount_namespace` booleans; `host_pid` null or a pid (what
+the image restores into, waited for while a restored copy exits); `memory` null or a listed file in
 the images folder of its recorded size under criu's key; `regions` valid RegionSpecs that do
 not overlap, whose files are listed, and which together fit the GPU the compat key records.
 """
@@ -285,6 +286,9 @@ def process_section_problem(manifest: dict[str, Any]) -> str | None:
             return f"its process section's {key} is {meta[key]!r:.64}, not true or false"
     if "uses_cuda" not in meta:
         return "its process section does not say whether the worker uses CUDA"
+    pid = meta.get("host_pid")
+    if pid is not None and (type(pid) is not int or not 0 < pid < 1 << 22):
+        return f"its process section's host_pid is {pid!r:.64}, not a pid"
     return _memory_problem(meta.get("memory"), images, files) or _regions_problem(
         meta.get("regions", []), files, manifest.get("compat", {})
     )

@@ -53,6 +53,7 @@ class ProcessConfig:
     pid_namespace: str = "auto"
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
+    pid_wait_s: float = 10.0  # for the pid an image restores into to be freed
     prefetch: str = "auto"  # CUDA: the restorer makes and fills the worker's regions; or "off"
     prefetch_threads: int = 8  # the helper's reader threads
     prefetch_read: str = "pread"  # or "register" (an experiment: snapshot/keeper/region_fill.py)
@@ -107,6 +108,7 @@ _ENV_FIELDS = {
     "lazy": str,
     "pid_namespace": str,
     "restore_timeout_s": float,
+    "pid_wait_s": float,
     "prefetch": str,
     "memory": str,
     "prefetch_threads": int,
@@ -126,8 +128,16 @@ _CHOICES = {
 class Worker:
     """A live worker (spawned or restored): its host pid, its channel, its output forwarded."""
 
-    def __init__(self, pid: int, channel: PipeChannel, out_fd: int, log: Log | None) -> None:
+    def __init__(
+        self,
+        pid: int,
+        channel: PipeChannel,
+        out_fd: int,
+        log: Log | None,
+        own_pid_namespace: bool = False,
+    ) -> None:
         self.pid, self.channel = pid, channel
+        self.own_pid_namespace = own_pid_namespace  # else its image restores into `pid` only
         self._out = threading.Thread(target=_forward, args=(out_fd, log), daemon=True)
         self._out.start()
 
@@ -222,6 +232,8 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "images": images_dir.name,
         "inherit": inherit,
         "mount_namespace": mount_namespace,
+        # the pid the image restores into (None: its own pid namespace, any number at once)
+        "host_pid": None if worker.own_pid_namespace else worker.pid,
         "uses_cuda": ready["uses_cuda"],
         "hooks": ready["hooks"],
         "worker": ready.get("figures", {}),
@@ -283,6 +295,8 @@ def restore(
             # the saved GPU state in page by page, 0.16 GB/s (27 s for 4.2 GB); eager: 0.4 s
             lazy = "off"
         options = criu.TreeOptions(mount_namespace=bool(meta.get("mount_namespace")))
+        if meta.get("host_pid") and Path(f"/proc/{meta['host_pid']}").exists():
+            run_stage("pid_free", lambda f: wait_for_pid(meta["host_pid"], config.pid_wait_s, f))
         pid = run_stage(
             "criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f, lazy, options)
         )
@@ -311,6 +325,30 @@ def restore(
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
+
+
+def wait_for_pid(pid: int, wait_s: float, figures: dict) -> None:
+    """Wait until `pid`, which an image restores into, is free: a worker restored from the
+    same image may still be exiting (a CUDA context takes a moment to tear down). RestoreFailed
+    naming what holds it after `wait_s`: such an image restores once at a time per machine."""
+    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() >= deadline:
+            raise RestoreFailed(
+                f"pid {pid}, which this process image restores into, is taken by "
+                f"{_command(pid)} after {wait_s:g} s: an image without its own pid namespace "
+                "restores once at a time per machine"
+            )
+        time.sleep(0.005)
+    figures["waited_s"] = round(time.monotonic() - start, 4)
+
+
+def _command(pid: int) -> str:
+    try:
+        return repr(Path(f"/proc/{pid}/comm").read_text().strip())
+    except OSError:
+        return "a process that just exited"
 
 
 def _open_memory_file(images_dir: Path, memory: Mapping[str, Any]) -> int:
