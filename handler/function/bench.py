@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: a cold start and a tier-0 restore start from empty compile caches, as on a
         # new machine; tier 1 reads the caches its image maps where init left them
         cache_root = workdir / f"cache-{mode}" if mode != "restore_process" else workdir / "cache"
+        if mode == "restore_process":
+            pid_free(manifest)
         # NOTE: "" turns the keeper off, whatever runs at the default socket
         results[mode] = run_mode(mode, args, snapshot, event, cache_root, SNAPFN_PINNED_SOCKET="")
     hold = keeper_hold(args)
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             f"[snapfn bench] running {mode} (keeper --hold {hold}) …", file=sys.stderr, flush=True
         )
         with running_keeper(hold, snapshot, workdir / "keeper", args.timeout_s) as address:
+            pid_free(manifest)
             results[mode] = run_mode(
                 "restore_process",
                 args,
@@ -115,6 +118,16 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def pid_free(manifest: dict[str, Any]) -> None:
+    """Before a tier-1 mode's clock starts: the pid its image restores into (a GPU worker's)
+    freed by the copy the mode before restored, which exits once its caller has."""
+    from snapfn.snapshot.process.worker_process import wait_for_pid
+
+    pid = (manifest.get("process") or {}).get("host_pid")
+    if isinstance(pid, int) and pid > 0 and Path(f"/proc/{pid}").exists():
+        wait_for_pid(pid, 60.0, {})
 
 
 def keeper_hold(args: argparse.Namespace) -> str | None:

@@ -219,13 +219,13 @@ class WorkerRuntime:
         except SnapfnError:
             return {}
 
-    def _recorded_device(self) -> str:
+    def _recorded_device(self, check: bool = True) -> str:
         """The device the snapshot was made for (its function section), when that is a
-        device name, else the target's."""
+        device name (this machine has, with `check`), else the target's."""
         from snapfn.handler.function.user_function import USER_FUNCTION, recorded_device
 
         section = self._recorded_manifest().get(USER_FUNCTION)
-        return recorded_device(section, self.target.init_config.device)
+        return recorded_device(section, self.target.init_config.device, check)
 
     def _restore_function(self, log: Log) -> None:
         """Tier 1: restore the function's checkpointed worker and invoke it over its channel."""
@@ -248,7 +248,8 @@ class WorkerRuntime:
         from snapfn.handler.function.user_function import restore_image_caches
         from snapfn.snapshot.process.snapshot import ProcessRestoreFailed
 
-        device, snapshot = self._recorded_device(), Path(self.target.snapshot_dir)
+        # NOTE: no cuInit here, before the restore: its compat check (or keeper) asks beside criu
+        device, snapshot = self._recorded_device(check=False), Path(self.target.snapshot_dir)
         cache_dir = self._user_function(device).cache_dir
         try:
             copied = restore_image_caches(snapshot, self._recorded_manifest(), cache_dir)
