@@ -13,7 +13,12 @@ The runtime knows nothing about what a function does. A function hands it:
 - optionally `check_manifest(snapshot_dir, manifest)`: run in the validate stage, refusing (one
   line) any field of its section the restore would use that is not what it must be;
 - optionally `source_trusted`: False until a fallback from a source the snapshot recorded has
-  verified it (the runtime's `fallback(recorded)` makes such a function, runtime.py).
+  verified it (the runtime's `fallback(recorded)` makes such a function, runtime.py);
+- `cache_drift`: set by the runtime's validate stage before `restore_stages` is called — None,
+  or why the snapshot's compile caches (and what else was measured on the machine that made
+  it: a memory plan) do not fit this machine (compat.cache_drift). A function then restores
+  without them: it compiles again, re-measures what it must, and checks its answer against
+  the recorded one within the tolerance another GPU or library version allows.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class SnapshotFunction(Protocol):
     name: str
     device: str
     world_size: int
+    cache_drift: str | None
 
     def init_stages(self) -> list[Stage]: ...
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from snapfn.snapshot.errors import InitFailed, SnapfnError, bad_snapshot, one_line
 from snapfn.snapshot.function import SnapshotFunction
-from snapfn.snapshot.portable.compat import compat_key
+from snapfn.snapshot.portable.compat import LAYOUT_FIELDS, cache_drift, compat_key
 from snapfn.snapshot.portable.format import read_manifest, validate_snapshot
 from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
@@ -121,6 +121,9 @@ def restore(
         # validation below, whose compat key is the first thing to import torch.
         runner.run("runtime_env", fn.prepare_runtime)
         manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn))
+        drift = getattr(fn, "cache_drift", None)
+        if drift is not None:
+            runner.manifest.add_fallback("portable", "portable, caches dropped", "validate", drift)
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
             runner.run(name, stage)
         return fn, runner.finish(ok=True)
@@ -186,8 +189,12 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:
 
     key = configured()
     compat = compat_key(fn.device, fn.world_size)
-    manifest = validate_snapshot(snapshot_dir, compat, verify="sizes", key=key)
+    manifest = validate_snapshot(
+        snapshot_dir, compat, verify="sizes", key=key, compat_fields=LAYOUT_FIELDS
+    )
+    fn.cache_drift = cache_drift(manifest["compat"], compat)
     figures["files"] = len(manifest["files"])
+    figures["caches"] = "kept" if fn.cache_drift is None else f"dropped: {fn.cache_drift}"
     # NOTE: said in the manifest, since a snapshot's compile caches run as code
     figures["signature"] = f"{key.scheme} key {key.key_id}" if key else "not checked (no key)"
     recorded = manifest.get("function", fn.name)

@@ -43,3 +43,27 @@ def test_compat_key_on_cuda() -> None:
     assert key["gpu_name"] == torch.cuda.get_device_name(0)
     assert key["compute_capability"].count(".") == 1 and key["cuda_driver_version"] > 0
     check_compat(json.loads(json.dumps(key)), key)
+
+
+def test_the_restore_chain_follows_the_key_field_by_field():
+    from snapfn.handler.llm.recipes.cli import restore_chain
+    from snapfn.snapshot.portable.compat import cache_drift, check_layout_compat
+
+    here = {"format_version": 1, "device_type": "cpu", "machine": "x86_64", "torch": "2.13.0"}
+    here |= {"python": "3.11", "world_size": 1}
+    same = {"tier": "process", "compat": dict(here)}
+    assert restore_chain(same, here) == (
+        "restore chain here: tier 1 (process image) → tier 0, caches kept → cold init"
+    )
+    torch = {"tier": "process", "compat": {**here, "torch": "2.12.0"}}
+    chain = restore_chain(torch, here)
+    assert chain.startswith("restore chain here: not tier 1 (snapshot was made for torch=")
+    assert "→ tier 0, caches dropped (snapshot was made for torch='2.12.0'" in chain
+    two = {"tier": "portable", "compat": {**here, "world_size": 2}}
+    chain = restore_chain(two, here)
+    assert "not tier 0 (snapshot was made for world_size=2" in chain and chain.endswith("cold init")
+    assert cache_drift(two["compat"], here) is None  # world size is the layout's, not the caches'
+    with pytest.raises(IncompatibleSnapshot, match="world_size"):
+        check_layout_compat(two["compat"], here)
+    # a field one side lacks counts as differing, on the cache side
+    assert "triton" in cache_drift({**here, "triton": "3.7.1"}, here)

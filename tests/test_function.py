@@ -142,16 +142,76 @@ CORRUPTIONS = {
         lambda s: _edit_manifest(s, lambda m: m.update(format_version=99)),
         "validate",
     ),
-    "wrong compat key": (
-        lambda s: _edit_manifest(s, lambda m: m["compat"].update(torch="0.0.1")),
+    "compat key for another layout (world size)": (
+        lambda s: _edit_manifest(s, lambda m: m["compat"].update(world_size=2)),
+        "validate",
+    ),
+    "compat key for another device type": (
+        lambda s: _edit_manifest(s, lambda m: m["compat"].update(device_type="cuda")),
         "validate",
     ),
     "table outside file": (lambda s: _edit_manifest(s, _table_out_of_bounds), "validate"),
+    "another torch, and a replay off by more than the tolerance": (
+        lambda s: _edit_manifest(
+            s,
+            lambda m: (
+                m["compat"].update(torch="0.0.1"),
+                m["llm"]["health"].update(logprob=m["llm"]["health"]["logprob"] - 0.5),
+            ),
+        ),
+        "health_check",
+    ),
     "health record edited": (
         lambda s: _edit_manifest(s, lambda m: m["llm"]["health"].update(logprob=-0.5)),
         "health_check",
     ),
 }
+
+
+CACHE_ONLY_DRIFT = {
+    "another torch": {"torch": "0.0.1"},
+    "another python": {"python": "3.0"},
+    "another machine": {"machine": "aarch64"},
+    "another GPU, driver and triton": {
+        "gpu_name": "NVIDIA B200",
+        "compute_capability": "10.0",
+        "driver_version": "999.1",
+        "triton": "0.0.1",
+    },
+}
+
+
+@pytest.mark.parametrize("drift", sorted(CACHE_ONLY_DRIFT))
+def test_a_key_that_differs_only_where_caches_care_restores_without_them(made, tmp_path, drift):
+    """Another GPU, driver or library: tier 0 still streams the weights, drops the compile
+    caches (recorded as such), measures the memory plan again and replays within tolerance."""
+    _, snapshot, cold, _ = made
+    snap = shutil.copytree(snapshot, tmp_path / "copy")
+    field = next(iter(CACHE_ONLY_DRIFT[drift]))
+    _edit_manifest(snap, lambda m: m["compat"].update(CACHE_ONLY_DRIFT[drift]))
+    fn, startup = restored(made, tmp_path, snap)
+    assert startup.tier == "portable" and startup.ok
+    [fallback] = startup.fallbacks
+    assert (fallback["from"], fallback["to"], fallback["step"]) == (
+        "portable",
+        "portable, caches dropped",
+        "validate",
+    )
+    assert field in fallback["reason"] and "\n" not in fallback["reason"]
+    assert (
+        startup.stage("validate")
+        .figures["caches"]
+        .startswith(f"dropped: snapshot was made for {field}")
+    )
+    caches = startup.stage("restore_caches").figures
+    assert caches["restored_cache_files"] == 0 and field in caches["dropped"]
+    assert startup.stage("kv_pool").figures["plan"] == "measured again"
+    assert "tolerant" in startup.stage("health_check").figures["replay"]
+    prompts = random_prompts(256, [6], seed=23)
+    assert (
+        fn.engine.generate(prompts, greedy(8))[0].token_ids
+        == cold.engine.generate(prompts, greedy(8))[0].token_ids
+    )
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))

@@ -109,3 +109,43 @@ def test_a_snapshot_of_another_function_is_not_served(hello_snapshot):
         assert "holds function 'examples.hello:handler'" in runtime.startup.fallbacks[0]["reason"]
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize(
+    ("edit", "chain"),
+    [
+        (  # another torch: tier 1 needs the exact key, tier 0 only drops the caches
+            {"torch": "0.0.1"},
+            [
+                ("process", "portable", "gate"),
+                ("portable", "portable, caches dropped", "validate"),
+            ],
+        ),
+        (  # another layout (two ranks): tier 0 refuses too
+            {"world_size": 2},
+            [("process", "portable", "gate"), ("portable", "cold", "validate")],
+        ),
+    ],
+    ids=["cache-field", "layout-field"],
+)
+def test_the_compat_key_decides_the_chain_field_by_field(hello_snapshot, tmp_path, edit, chain):
+    import json
+    import shutil
+
+    edited = shutil.copytree(hello_snapshot, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["compat"].update(edit)
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    runtime = start(edited)
+    try:
+        steps = [(f["from"], f["to"], f["step"]) for f in runtime.startup.fallbacks]
+        assert steps == chain, runtime.startup.fallbacks
+        field = next(iter(edit))
+        assert all(field in f["reason"] for f in runtime.startup.fallbacks)
+        want = "portable" if chain[-1][1].startswith("portable") else "cold (fallback)"
+        assert runtime.startup.tier == want
+        if want == "portable":
+            assert "dropped" in runtime.startup.stage("restore_caches").figures
+        assert runtime.invoke({"name": "Cy"})["restores"] == 0  # no process image served
+    finally:
+        runtime.close()

@@ -672,7 +672,7 @@ def _damages() -> dict:
             num_pages=m["llm"]["memory_plan"]["num_pages"] + 1
         ),
         "health logprob": lambda m: m["llm"]["health"].update(logprob=-0.5),
-        "compat torch": lambda m: m["compat"].update(torch="0.0.1"),
+        "compat world_size": lambda m: m["compat"].update(world_size=2),
         "table offset": table_edit(lambda d: _tensor(d, 0).update(offset=10**9)),
         "weights listed size": lambda m: m["files"][WEIGHTS].update(size=1),
         "page_size": lambda m: m["llm"]["memory_plan"].update(page_size=16),

@@ -87,6 +87,7 @@ class UserFunction:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else function_cache_dir(spec)
         self.memory_for, self.memory = memory_for, None
         self.loaded: LoadedFunction | None = None
+        self.cache_drift: str | None = None  # set by the runtime's validate (snapshot/function.py)
 
     @property
     def source(self) -> str:
@@ -159,6 +160,9 @@ class UserFunction:
             folder = Path(snapshot_dir) / SOURCE_DIR
 
         def restore_caches(figures: dict[str, Any]) -> None:
+            if self.cache_drift is not None:  # made for another GPU, driver or library
+                figures.update(restored_files=0, dropped=self.cache_drift)
+                return
             src = Path(snapshot_dir) / "caches"
             figures["restored_files"] = compile_caches.restore_caches(src, self.cache_dir)
 

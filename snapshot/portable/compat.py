@@ -21,6 +21,14 @@ Fields, in the order they are checked (the most telling first):
     torch                  torch.__version__
     python                 "3.12"
     world_size             number of ranks the snapshot was made for
+
+Two kinds of field. `LAYOUT_FIELDS` (format version, device type, world size) are what the
+restore layout needs: the weights' bytes, dtypes and shapes (themselves checked against the
+layout table and the model) are only valid for them, so a portable restore refuses a snapshot
+whose layout fields differ. Every other field is one only the compile caches (and a memory plan
+measured on that GPU) need: a portable restore whose key differs there drops the caches and
+recompiles, the weights still stream from the snapshot (`cache_drift`). A process image (tier 1)
+needs the exact key.
 """
 
 from __future__ import annotations
@@ -134,6 +142,26 @@ def driver_api_fields(index: int) -> dict[str, Any]:
         "gpu_total_memory_bytes": int(ok(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
         "cuda_driver_version": int(ok(cu.cuDriverGetVersion(), "cuDriverGetVersion")),
     }
+
+
+LAYOUT_FIELDS = ("format_version", "device_type", "world_size")
+
+
+def check_layout_compat(recorded: dict[str, Any], current: dict[str, Any]) -> None:
+    """IncompatibleSnapshot naming the first layout field that differs (a portable restore's
+    refusal)."""
+    check_compat(recorded, current, LAYOUT_FIELDS)
+
+
+def cache_drift(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why the snapshot's compile caches do not fit this machine (the first field outside
+    `LAYOUT_FIELDS` that differs, one line), or None when the keys agree everywhere."""
+    names = [n for n in _union_in_order(recorded, current) if n not in LAYOUT_FIELDS]
+    try:
+        check_compat(recorded, current, names)
+    except IncompatibleSnapshot as exc:
+        return str(exc)
+    return None
 
 
 def check_compat(

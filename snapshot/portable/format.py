@@ -221,8 +221,12 @@ def validate_snapshot(
     verify: str = "sizes",
     num_threads: int | None = None,
     key: Any = CONFIGURED,
+    compat_fields: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """Return the manifest of a snapshot that passes every check; raise (one line) otherwise.
+
+    `compat_fields`: the compat key's fields that must match `current_compat` (default: all;
+    a portable restore passes compat.LAYOUT_FIELDS and drops the caches on the rest).
 
     `verify="sizes"`: listing, sizes, and sha256 of every file without chunk digests.
     `verify="full"`: also every chunk digest and whole-file sha256, hashed in parallel threads.
@@ -237,7 +241,7 @@ def validate_snapshot(
     manifest = parse_manifest(root, raw)
     if current_compat is not None:
         try:
-            check_compat(manifest["compat"], current_compat)
+            check_compat(manifest["compat"], current_compat, compat_fields)
         except IncompatibleSnapshot as e:
             raise IncompatibleSnapshot(one_line(f"snapshot {root}: {e}")) from None
     files = manifest["files"]
