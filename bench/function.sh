@@ -13,11 +13,14 @@
 #          text_embedding] [--width 8192] [--layers 32] [--device cuda] [--no-tests]
 #          [--no-bench] [--only-tests test_function_gpu.py:image_classifier,...] [--tag TAG]
 #   --only-tests  FILE:K pairs (tests/FILE, pytest -k K; K may be empty) instead of all four
+#   --concurrency N,N  also restore each image N times at once (snapfn bench --concurrency); on
+#                 CUDA with SNAPFN_PROCESS_PID_NAMESPACE=mount exported (a pid and mount namespace
+#                 per worker, so that copies do not need the same pid)
 set -uo pipefail
 . bench/device-env.sh
 [ -d .criu ] || [ ! -d /opt/snapfn-criu ] || export SNAPFN_CRIU_PREFIX=/opt/snapfn-criu
 examples=cuda_graph,cuda_graph-checkpoint,image_classifier,text_embedding width=8192 layers=32
-device=cuda tests=1 benches=1 only= tag=
+device=cuda tests=1 benches=1 only= concurrency= tag=
 argv=("$@")
 while [ $# -gt 0 ]; do
   case $1 in
@@ -25,6 +28,7 @@ while [ $# -gt 0 ]; do
     --no-bench) benches=; shift; continue ;;
     --examples) examples=$2 ;;
     --only-tests) only=$2 ;;
+    --concurrency) concurrency=$2 ;;
     --width) width=$2 ;;
     --layers) layers=$2 ;;
     --device) device=$2 ;;
@@ -53,6 +57,7 @@ for example in ${examples//,/ }; do
     export GRAPH_MLP_CHECKPOINT=$weights
   fi
   bench_modes "bench-$example" 900 \
-    --function "examples.$module:handler" --device "$device" --workdir "$work/function-$example"
+    --function "examples.$module:handler" --device "$device" --workdir "$work/function-$example" \
+    ${concurrency:+--concurrency "$concurrency"}
   unset GRAPH_MLP_CHECKPOINT
 done

@@ -20,7 +20,7 @@ def test_function_bench_reports_each_mode_against_the_cold_start(tmp_path):
     out = tmp_path / "bench.json"
     argv = [sys.executable, "-m", "snapfn.handler.cli", "bench", "--device", "cpu"]
     argv += ["--function", "examples.cuda_graph:handler", "--event", '{"seed": 4}']
-    argv += ["--workdir", str(tmp_path / "work"), "--out", str(out)]
+    argv += ["--workdir", str(tmp_path / "work"), "--out", str(out), "--concurrency", "1,2,4"]
     done = subprocess.run(
         argv,
         capture_output=True,
@@ -42,6 +42,12 @@ def test_function_bench_reports_each_mode_against_the_cold_start(tmp_path):
     assert report["event"] == {"seed": 4} and report["snapshot"]["tier"] == "process"
     assert "restore_process_speedup_vs_cold" in report["ratios"]
     assert "restore_process" in done.stdout and "answers_equal: True" in done.stdout
+    concurrent = report["concurrent"]  # one image restored 1, 2 and 4 times at once
+    assert sorted(concurrent) == ["1", "2", "4"]
+    for n, c in concurrent.items():
+        assert c["tiers"] == ["process"] * int(n) and c["answers_equal"] is True, c
+        assert all(0 < f <= c["slowest_s"] for f in c["first_answer_s"])
+    assert "4 restores at once" in done.stdout
 
 
 def child(code: str) -> list[str]:

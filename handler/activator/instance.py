@@ -78,6 +78,7 @@ class Instance:
         self.last_active_s = time.monotonic()
         self.startup: dict[str, Any] | None = None
         self.cold_start_s: float | None = None
+        self.started_at: float | None = None  # wall clock of the spawn (overlaps show parallel starts)
         self._argv, self._env, self._session, self._grace_s = list(argv), env, session, grace_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._proc: asyncio.subprocess.Process | None = None
@@ -98,6 +99,7 @@ class Instance:
     async def start(self, timeout_s: float) -> None:
         """Spawn the instance and return once it serves; `InstanceFailed` otherwise."""
         started = time.monotonic()
+        self.started_at = time.time()
         self._proc = await asyncio.create_subprocess_exec(
             *self._argv,
             env=self._env,
@@ -227,6 +229,7 @@ class Instance:
             "outstanding": self.outstanding,
             "idle_s": round(time.monotonic() - self.last_active_s, 3),
             "cold_start_s": self.cold_start_s,
+            "started_at": self.started_at,
             "kind": startup.get("kind"),
             "tier": startup.get("tier"),
         }

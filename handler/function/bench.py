@@ -103,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
             )
             results[mode]["mode"] = mode
             results[mode]["keeper"] = hold
+    concurrent = {}
+    for n in concurrency_levels(getattr(args, "concurrency", None)):
+        if manifest["tier"] != "process":
+            break
+        print(f"[snapfn bench] {n} tier-1 restores at once …", file=sys.stderr, flush=True)
+        concurrent[str(n)] = run_concurrently(n, args, snapshot, event, workdir / "cache")
     report = {
         "function": args.function,
         "device": args.device,
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "init_s": round(init_s, 3),
         "snapshot": snapshot_figures(manifest, args.device),
         "modes": results,
+        **({"concurrent": concurrent} if concurrent else {}),
     }
     report["ratios"] = ratios(report)
     print(format_report(report))
@@ -118,6 +125,43 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def concurrency_levels(text: str | None) -> list[int]:
+    """`--concurrency 1,2,4` as [1, 2, 4]; SystemExit with the reason for anything else."""
+    if not text:
+        return []
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"snapfn bench: --concurrency {text!r}: comma-separated counts") from None
+    if any(not 1 <= n <= 64 for n in levels):
+        raise SystemExit(f"snapfn bench: --concurrency {text!r}: each count from 1 to 64")
+    return levels
+
+
+def run_concurrently(
+    n: int, args: argparse.Namespace, snapshot: Path, event: Any, cache_root: Path
+) -> dict[str, Any]:
+    """`n` tier-1 restores of one image started at once, each in a fresh process: each copy's
+    first answer, the slowest, whether all were tier 1 and answered alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        runs = list(
+            pool.map(
+                lambda _: run_mode("restore_process", args, snapshot, event, cache_root),
+                range(n),
+            )
+        )
+    firsts = [r.get("first_answer_s") for r in runs]
+    answers = {json.dumps(r.get("answer"), sort_keys=True) for r in runs}
+    return {
+        "first_answer_s": firsts,
+        "slowest_s": max((f for f in firsts if f is not None), default=None),
+        "tiers": [r.get("startup", {}).get("tier") or r.get("error") for r in runs],
+        "answers_equal": len(answers) == 1 and all("answer" in r for r in runs),
+    }
 
 
 def pid_free(manifest: dict[str, Any]) -> None:
@@ -278,6 +322,13 @@ def format_report(report: dict[str, Any]) -> str:
                 if "h2d_gbps" in s
                 else ""
             )
+        )
+    for n, c in report.get("concurrent", {}).items():
+        firsts = ", ".join(f"{f:.3f}" if f is not None else "-" for f in c["first_answer_s"])
+        tiers = sorted(set(map(str, c["tiers"])))
+        lines.append(
+            f"{n} restores at once: first answers {firsts} s (slowest {c['slowest_s']}); "
+            f"tiers {', '.join(tiers)}; answers equal: {c['answers_equal']}"
         )
     lines += [f"{k}: {v}" for k, v in report["ratios"].items()]
     return "\n".join(lines)

@@ -89,6 +89,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the event every mode answers (JSON; default: its health event)",
     )
     fn.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="N,N,…",
+        help="also restore the process image N times at once, each in a fresh process, for each"
+        " N (e.g. 1,2,4): every copy's first answer, the slowest beside one alone (CPU workers"
+        " each have a pid namespace; on CUDA set SNAPFN_PROCESS_PID_NAMESPACE=mount for init)",
+    )
+    fn.add_argument(
         "--keeper",
         choices=("auto", "none", "page-cache", "copy"),
         default="auto",
