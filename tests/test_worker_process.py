@@ -345,3 +345,57 @@ def test_a_restore_waits_for_its_pid_to_be_freed_and_names_what_holds_it():
     finally:
         holder.kill()
         holder.wait()
+
+
+MOUNTS_SCRIPT = """
+set -e
+mkdir -p "$ROOT/t" "$ROOT/bound"
+mount -t tmpfs tmpfs "$ROOT/t"
+mkdir "$ROOT/t/sub"
+mount --bind "$ROOT/t/sub" "$ROOT/bound"
+umount -l "$ROOT/t"   # the bind's source is now out of reach, as a container's driver mount is
+exec "$PYTHON" -c "$CODE"
+"""
+MOUNTS_CODE = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, os.environ["TESTS"])
+from snapfn.snapshot.process import worker_process as process
+from snapfn.snapshot.process.criu import CriuConfig
+from test_worker_process import ask, make_snapshot, restore
+config = process.ProcessConfig(
+    criu=CriuConfig.from_env(os.environ), restore_timeout_s=60, pid_namespace="mount"
+)
+dest, manifest = make_snapshot(Path(os.environ["ROOT"]), config)
+assert manifest["tier"] == "process", manifest["startup_obj"].fallbacks
+first, _, _ = restore(dest, config)
+second, _, _ = restore(dest, config)
+print("counters", ask(first, "add", n=1)["counter"], ask(second, "add", n=10)["counter"])
+first.kill(); second.kill()
+"""
+
+
+def test_a_mount_namespace_with_an_unreachable_bind_mount_dumps_it_as_external(
+    criu_config, tmp_path
+):
+    """What a container's bind mounts look like from a worker's own mount namespace: criu
+    dumps them as external mounts and binds them again at restore, twice at once."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not process.pid_namespace_works(mount=True) or shutil.which("unshare") is None:
+        pytest.skip("unshare --pid --fork --mount-proc does not work here")
+    env = {**os.environ, "ROOT": str(tmp_path), "PYTHON": sys.executable, "CODE": MOUNTS_CODE}
+    env["TESTS"] = str(Path(__file__).parent)
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", MOUNTS_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if done.returncode != 0 and "mount" in done.stderr and "permission" in done.stderr.lower():
+        pytest.skip(f"cannot mount here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "counters 6 15" in done.stdout

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: "" turns the keeper off, whatever runs at the default socket
         results[mode] = run_mode(mode, args, snapshot, event, cache_root, SNAPFN_PINNED_SOCKET="")
     hold = keeper_hold(args)
-    if hold is not None and "error" not in results.get("restore_process", {"error": ""}):
+    if hold is not None and "first_answer_s" in results.get("restore_process", {}):
         mode = "restore_process_keeper"
         print(
             f"[snapfn bench] running {mode} (keeper --hold {hold}) …", file=sys.stderr, flush=True

@@ -93,7 +93,14 @@ class TreeOptions:
             "--ext-unix-sk": self.ext_unix_sk,
         }
         chosen = [flag for flag, wanted in flags.items() if wanted]
-        return chosen + (["--root", "/"] if restore and self.mount_namespace else [])
+        if not self.mount_namespace:
+            return chosen
+        # NOTE: the namespace is a copy of ours: bind mounts whose source it cannot reach (a
+        # container's /usr/local/nvidia, a bind of a tmpfs subfolder) are dumped as external,
+        # keyed by their mount point, and bound again from the same paths at restore
+        if restore:
+            return [*chosen, "--root", "/", "--external", "mnt[]"]
+        return [*chosen, "--external", "mnt[]:sm"]
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,8 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
             memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
-        dumped = criu.dump(worker.pid, images_dir, config=config.criu)
+        options = criu.TreeOptions(mount_namespace=mount_namespace)
+        dumped = criu.dump(worker.pid, images_dir, config=config.criu, options=options)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
         worker.kill()
