@@ -78,7 +78,9 @@ class Instance:
         self.last_active_s = time.monotonic()
         self.startup: dict[str, Any] | None = None
         self.cold_start_s: float | None = None
-        self.started_at: float | None = None  # wall clock of the spawn (overlaps show parallel starts)
+        self.started_at: float | None = (
+            None  # wall clock of the spawn (overlaps show parallel starts)
+        )
         self._argv, self._env, self._session, self._grace_s = list(argv), env, session, grace_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._proc: asyncio.subprocess.Process | None = None

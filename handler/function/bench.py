@@ -160,6 +160,9 @@ def run_concurrently(
         "first_answer_s": firsts,
         "slowest_s": max((f for f in firsts if f is not None), default=None),
         "tiers": [r.get("startup", {}).get("tier") or r.get("error") for r in runs],
+        "fallbacks": [
+            f["reason"] for r in runs for f in r.get("startup", {}).get("fallbacks", [])[:1]
+        ],
         "answers_equal": len(answers) == 1 and all("answer" in r for r in runs),
     }
 
@@ -330,6 +333,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{n} restores at once: first answers {firsts} s (slowest {c['slowest_s']}); "
             f"tiers {', '.join(tiers)}; answers equal: {c['answers_equal']}"
         )
+        lines += [f"  fell back: {reason}" for reason in sorted(set(c.get("fallbacks", [])))]
     lines += [f"{k}: {v}" for k, v in report["ratios"].items()]
     return "\n".join(lines)
 
