@@ -6,6 +6,8 @@ and answers:  {"op": "state"} → its state;  {"op": "add", "n"} → counter += 
 {"op": "heap", "value"} → whether `args["heap_mb"]` of random bytes made at init are unchanged,
 then the first byte of each of its pages set to `value`.
 `args["fail_at"]` injects a failure at "init", "before_snapshot" or "after_restore".
+`args["abstract_socket"]`: a unix socket bound to that abstract name at init and kept (what the
+CUDA driver holds in a GPU worker: two copies restored in one network namespace collide on it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class CounterHost:
         self.heap = bytearray(os.urandom(int(self.args.get("heap_mb", 0)) << 20))
         self.heap_sha = hashlib.sha256(self.heap).hexdigest()
         self.counter = int(self.args.get("start", 0))
+        if self.args.get("abstract_socket"):
+            import socket
+
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.bind("\0" + self.args["abstract_socket"])
+            self.sock.listen(1)
         from snapfn.snapshot.portable.compat import compat_key
         from snapfn.snapshot.stages import StartupManifest
 

@@ -107,7 +107,7 @@ def process_edits() -> dict:
             cases[f"inherit {pipe} {value!r}"] = lambda p, pipe=pipe, value=value: p[
                 "inherit"
             ].update({pipe: value})
-    for key in ("uses_cuda", "mount_namespace"):
+    for key in ("uses_cuda", "mount_namespace", "net_namespace"):
         for value in ("true", 1, None, [True]):
             cases[f"{key} {value!r}"] = lambda p, key=key, value=value: p.update({key: value})
     cases["uses_cuda dropped"] = lambda p: p.pop("uses_cuda")

@@ -399,3 +399,38 @@ def test_a_mount_namespace_with_an_unreachable_bind_mount_dumps_it_as_external(
         pytest.skip(f"cannot mount here: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "counters 6 15" in done.stdout
+
+
+def test_an_abstract_socket_needs_a_network_namespace_per_copy(criu_config, tmp_path):
+    """A worker holding an abstract unix socket (a CUDA worker does): two copies restored in one
+    network namespace collide on its name; with a network namespace each (`isolated`) both
+    restore at once."""
+    from snapfn.snapshot.process.snapshot import ProcessRestoreFailed
+
+    if not process.pid_namespace_works(extra=process.NAMESPACE_FLAGS["isolated"]):
+        pytest.skip("unshare --pid --fork --mount-proc --net does not work here")
+    name = f"snapfn-test-{os.getpid()}"
+    shared = process.ProcessConfig(criu=criu_config, restore_timeout_s=60, pid_namespace="mount")
+    dest, _ = make_snapshot(tmp_path / "shared", shared, abstract_socket=name)
+    first, _, _ = restore(dest, shared)
+    try:
+        with pytest.raises(ProcessRestoreFailed, match="Address already in use"):
+            restore(dest, shared)
+    finally:
+        first.kill()
+    own = process.ProcessConfig(criu=criu_config, restore_timeout_s=60, pid_namespace="isolated")
+    dest, manifest = make_snapshot(tmp_path / "own", own, abstract_socket=name)
+    if manifest["tier"] != "process":  # e.g. a kernel without nf_tables for criu's lock
+        pytest.skip(
+            f"criu cannot dump a network namespace here: {manifest['startup_obj'].fallbacks}"
+        )
+    assert manifest["process"]["net_namespace"] is True
+    first, _, _ = restore(dest, own)
+    second, _, _ = restore(dest, own)
+    try:
+        assert (ask(first, "add", n=1)["counter"], ask(second, "add", n=10)["counter"]) == (6, 15)
+        theirs = {os.readlink(f"/proc/{w.pid}/ns/net") for w in (first, second)}
+        assert len(theirs) == 2 and os.readlink("/proc/self/ns/net") not in theirs
+    finally:
+        first.kill()
+        second.kill()

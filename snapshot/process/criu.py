@@ -84,6 +84,17 @@ class TreeOptions:
     # the root runs in a mount namespace of its own (a copy of ours plus its own /proc): criu
     # dumps it with the tree and needs `--root /` to rebuild it on restore
     mount_namespace: bool = False
+    # the root runs in a network namespace of its own, made fresh with only a loopback device:
+    # criu dumps it too, locking it with nftables (no iptables binary needed) and its (empty)
+    # netfilter rules through `CR_IPTABLES` (`criu_env`)
+    net_namespace: bool = False
+
+    def env(self) -> dict[str, str] | None:
+        """criu's environment: ours, with CR_IPTABLES a no-op filter for a fresh network
+        namespace (it has no rules to save or restore, and no iptables may be installed)."""
+        if not self.net_namespace:
+            return None
+        return {**os.environ, "CR_IPTABLES": "cat > /dev/null"}
 
     def argv(self, restore: bool = False) -> list[str]:
         flags = {
@@ -93,6 +104,8 @@ class TreeOptions:
             "--ext-unix-sk": self.ext_unix_sk,
         }
         chosen = [flag for flag, wanted in flags.items() if wanted]
+        if self.net_namespace:
+            chosen += ["--network-lock", "nftables"]
         if not self.mount_namespace:
             return chosen
         # NOTE: the namespace is a copy of ours: bind mounts whose source it cannot reach (a
@@ -182,7 +195,8 @@ def dump(
     if leave_running:
         argv.append("--leave-running")
     start = time.perf_counter()
-    done = _run(argv, timeout_s or config.dump_timeout_s, what=f"criu dump of pid {pid}")
+    what = f"criu dump of pid {pid}"
+    done = _run(argv, timeout_s or config.dump_timeout_s, what=what, env=options.env())
     elapsed_s = time.perf_counter() - start
     if done.returncode != 0:
         raise RestoreFailed(one_line(f"criu dump of pid {pid} failed: {_log_reason(log_path)}"))
@@ -235,9 +249,9 @@ def restore(
         inherit = dict(inherit_fds or {})
         argv += [f"--inherit-fd=fd[{fd}]:{key}" for fd, key in sorted(inherit.items())]
         if detached:
-            _restore_detached(argv, work, deadline_s, tuple(inherit))
+            _restore_detached(argv, work, deadline_s, tuple(inherit), options.env())
         else:
-            _restore_attached(argv, work, deadline_s, tuple(inherit))
+            _restore_attached(argv, work, deadline_s, tuple(inherit), options.env())
         return _read_pid(pidfile)
     except BaseException:
         _kill_pidfile(pidfile)
@@ -246,7 +260,11 @@ def restore(
 
 
 def _restore_detached(
-    argv: list[str], work: Path, deadline_s: float, pass_fds: tuple[int, ...] = ()
+    argv: list[str],
+    work: Path,
+    deadline_s: float,
+    pass_fds: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> None:
     try:
         criu = subprocess.Popen(
@@ -255,6 +273,7 @@ def _restore_detached(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             pass_fds=pass_fds,
+            env=env,
         )
     except OSError as exc:
         raise RestoreFailed(one_line(f"criu restore: cannot run {argv[0]}: {exc}")) from None
@@ -272,7 +291,11 @@ def _restore_detached(
 
 
 def _restore_attached(
-    argv: list[str], work: Path, deadline_s: float, pass_fds: tuple[int, ...] = ()
+    argv: list[str],
+    work: Path,
+    deadline_s: float,
+    pass_fds: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> None:
     """criu restore in the background as the tree's parent; back once the tree resumed."""
     marker, script = work / "resumed", work / "post-resume.sh"
@@ -284,6 +307,7 @@ def _restore_attached(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         pass_fds=pass_fds,
+        env=env,
     )
     while not marker.exists():
         if criu.poll() is not None:
@@ -323,7 +347,11 @@ def _kill_tree(pid: int) -> None:
 
 
 def _run(
-    argv: list[str], timeout_s: float, what: str = "criu", pass_fds: tuple[int, ...] = ()
+    argv: list[str],
+    timeout_s: float,
+    what: str = "criu",
+    pass_fds: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run criu; a timeout or a missing binary becomes RestoreFailed."""
     try:
@@ -334,6 +362,7 @@ def _run(
             text=True,
             timeout=timeout_s,
             pass_fds=pass_fds,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         raise RestoreFailed(f"{what} timed out after {timeout_s:.0f} s") from None

@@ -19,7 +19,7 @@ image_bytes, memory (what moved to memory.bin, or null), regions, private_memory
 What a restore uses of the process section is checked before criu, the prefetch helper or the
 validation stage use it (`process_section_problem`): `images` a plain folder name whose files
 are listed; `inherit` one `pipe:[inode]` for each of the worker's pipes (what criu is handed as
-`--inherit-fd`); `uses_cuda` and `mount_namespace` booleans; `host_pid` null or a pid (what
+`--inherit-fd`); `uses_cuda`, `mount_namespace` and `net_namespace` booleans; `host_pid` null or a pid (what
 the image restores into, waited for while a restored copy exits); `memory` null or a listed file in
 the images folder of its recorded size under criu's key; `regions` valid RegionSpecs that do
 not overlap, whose files are listed, and which together fit the GPU the compat key records.
@@ -281,7 +281,7 @@ def process_section_problem(manifest: dict[str, Any]) -> str | None:
     for name, key in inherit.items():
         if not isinstance(key, str) or not _PIPE.fullmatch(key):
             return f"its process image inherits {name} as {key!r:.64}, not as pipe:[inode]"
-    for key in ("uses_cuda", "mount_namespace"):
+    for key in ("uses_cuda", "mount_namespace", "net_namespace"):
         if not isinstance(meta.get(key, False), bool):
             return f"its process section's {key} is {meta[key]!r:.64}, not true or false"
     if "uses_cuda" not in meta:

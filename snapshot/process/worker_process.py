@@ -48,8 +48,9 @@ class ProcessConfig:
 
     criu: criu.CriuConfig = field(default_factory=criu.CriuConfig)
     lazy: str = "auto"  # lazy pages: "auto" (try, then eager), "on", "off"
-    # "auto" (when unshare --pid works), "on", "off", or "mount": a pid namespace and a mount
-    # namespace with its own /proc (what CUDA needs inside a pid namespace; not yet tried on a GPU)
+    # "auto" (when unshare --pid works), "on", "off", "mount": a pid namespace and a mount
+    # namespace with its own /proc (what CUDA needs inside a pid namespace; measured on the
+    # H200), or "isolated": a network namespace too (NAMESPACE_FLAGS)
     pid_namespace: str = "auto"
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
@@ -117,7 +118,7 @@ _ENV_FIELDS = {
 }
 _CHOICES = {
     "lazy": ("auto", "on", "off"),
-    "pid_namespace": ("auto", "on", "off", "mount"),
+    "pid_namespace": ("auto", "on", "off", "mount", "isolated"),
     "prefetch": ("auto", "off"),
     "prefetch_read": ("pread", "register"),
     "memory": ("file", "image"),
@@ -173,8 +174,7 @@ def spawn(
     argv = [sys.executable, "-m", "snapfn.snapshot.process.worker", host, _json(args)]
     argv += [str(ctl[0]), str(rep[1])]
     if _use_pid_namespace(config.pid_namespace):
-        mount = ["--mount-proc"] if config.pid_namespace == "mount" else []
-        argv = ["unshare", "--pid", "--fork", *mount, *argv]
+        argv = ["unshare", "--pid", "--fork", *NAMESPACE_FLAGS[config.pid_namespace], *argv]
 
     popen = subprocess.Popen(
         argv,
@@ -211,7 +211,8 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
             memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
-        options = criu.TreeOptions(mount_namespace=mount_namespace)
+        net_namespace = _own_namespace(worker.pid, "net")
+        options = criu.TreeOptions(mount_namespace=mount_namespace, net_namespace=net_namespace)
         dumped = criu.dump(worker.pid, images_dir, config=config.criu, options=options)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
@@ -233,6 +234,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         "images": images_dir.name,
         "inherit": inherit,
         "mount_namespace": mount_namespace,
+        "net_namespace": net_namespace,
         # the pid the image restores into (None: its own pid namespace, any number at once)
         "host_pid": None if worker.own_pid_namespace else worker.pid,
         "uses_cuda": ready["uses_cuda"],
@@ -295,7 +297,10 @@ def restore(
             # NOTE: measured on the H200 (8B llama): with lazy pages the CUDA restore faults
             # the saved GPU state in page by page, 0.16 GB/s (27 s for 4.2 GB); eager: 0.4 s
             lazy = "off"
-        options = criu.TreeOptions(mount_namespace=bool(meta.get("mount_namespace")))
+        options = criu.TreeOptions(
+            mount_namespace=bool(meta.get("mount_namespace")),
+            net_namespace=bool(meta.get("net_namespace")),
+        )
         if meta.get("host_pid") and Path(f"/proc/{meta['host_pid']}").exists():
             run_stage("pid_free", lambda f: wait_for_pid(meta["host_pid"], config.pid_wait_s, f))
         pid = run_stage(
@@ -425,11 +430,13 @@ def _worker_pid(unshare: subprocess.Popen, timeout_s: float = 10.0) -> int:
 
 
 @functools.cache
-def pid_namespace_works(mount: bool = False) -> bool:
-    """Whether `unshare --pid --fork [--mount-proc]` runs here (root, and the kernel allows it)."""
+def pid_namespace_works(mount: bool = False, extra: tuple[str, ...] | None = None) -> bool:
+    """Whether `unshare --pid --fork [--mount-proc] [EXTRA]` runs here (root, and the kernel
+    allows it)."""
     if shutil.which("unshare") is None:
         return False
-    argv = ["unshare", "--pid", "--fork", *(["--mount-proc"] if mount else []), "true"]
+    flags = extra if extra is not None else (["--mount-proc"] if mount else [])
+    argv = ["unshare", "--pid", "--fork", *flags, "true"]
     try:
         done = subprocess.run(argv, capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -437,13 +444,34 @@ def pid_namespace_works(mount: bool = False) -> bool:
     return done.returncode == 0
 
 
+# what `unshare --pid --fork` adds per mode: "mount", a mount namespace with a /proc of its own
+# (what CUDA needs inside a pid namespace); "isolated", a network namespace too (abstract unix
+# sockets, such as the one a CUDA worker holds, are per network namespace: two copies of one
+# image collide on it in a shared one). An isolated worker has only a loopback device.
+NAMESPACE_FLAGS = {
+    "on": (),
+    "auto": (),
+    "mount": ("--mount-proc",),
+    "isolated": ("--mount-proc", "--net"),
+}
+
+
 def _use_pid_namespace(mode: str) -> bool:
-    if mode in ("on", "mount") and not pid_namespace_works(mount=mode == "mount"):
+    flags = NAMESPACE_FLAGS.get(mode, ())
+    if mode in ("on", "mount", "isolated") and not pid_namespace_works(extra=flags):
         raise RestoreFailed(
             f"SNAPFN_PROCESS_PID_NAMESPACE={mode} but `unshare --pid --fork"
-            f"{' --mount-proc' if mode == 'mount' else ''}` fails here"
+            f"{''.join(' ' + f for f in flags)}` fails here"
         )
-    return mode in ("on", "mount") or (mode == "auto" and pid_namespace_works())
+    return mode in ("on", "mount", "isolated") or (mode == "auto" and pid_namespace_works())
+
+
+def _own_namespace(pid: int, kind: str) -> bool:
+    """Whether `pid` runs in another `kind` ("net", "mnt") namespace than ours."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return False
 
 
 def _own_mount_namespace(pid: int) -> bool:
