@@ -3,7 +3,7 @@
 # on it, without touching the system's apt configuration or its libc.
 #
 #   sudo infra/install-criu.sh                  # -> /opt/snapfn-criu/bin/criu
-#   infra/install-criu.sh --prefix DIR [--force]
+#   infra/install-criu.sh --prefix DIR [--force] [--capabilities]
 #
 # Why: bookworm's criu 3.17 fails on 6.x kernels ("Unexpected rt vDSO area bounds"); Debian 13
 # (trixie) ships criu 4.1.1, which needs glibc >= 2.38. So this script downloads trixie's `criu`
@@ -13,6 +13,14 @@
 # own loader (`ld-linux --library-path`), so the host keeps its glibc and nothing else sees the
 # trixie libraries. Only the criu process itself uses them; what it executes (iptables, ip, …)
 # runs with the host's libraries.
+#
+# --capabilities (as root; what infra/Dockerfile runs): $PREFIX/bin/criu is then the criu binary
+# itself, its loader and library path written into it (trixie's patchelf), carrying the file
+# capabilities CAP_CHECKPOINT_RESTORE, CAP_SYS_PTRACE and CAP_SETPCAP (and CAP_SYS_ADMIN, for
+# runtimes such as ECS that cannot grant CAP_CHECKPOINT_RESTORE; a capability the container's
+# bounding set lacks is simply not gained), so that a non-root user whose container grants
+# them runs criu --unprivileged (docs/deploy.md).
+# The prefix is then no longer relocatable: it must stay at $PREFIX.
 #
 # Idempotent: a prefix whose criu already reports the wanted major version is left alone unless
 # --force. Environment: SNAPFN_CRIU_PREFIX (default /opt/snapfn-criu), SNAPFN_CRIU_MIRROR
@@ -26,6 +34,7 @@ keyring=${SNAPFN_CRIU_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 mirror=${SNAPFN_CRIU_MIRROR:-}
 want_major=4
 force=0
+capabilities=0
 
 say() { echo "install-criu: $*"; }
 die() {
@@ -38,6 +47,7 @@ while [ $# -gt 0 ]; do
     --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
     --prefix=*) prefix=${1#--prefix=}; shift ;;
     --force) force=1; shift ;;
+    --capabilities) capabilities=1; shift ;;
     -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (try --help)" ;;
     esac
@@ -101,9 +111,12 @@ apt-get "${apt_opts[@]}" -q update >"$work/update.log" 2>&1 ||
     die "apt-get update against '$mirror $suite' failed (SNAPFN_CRIU_MIRROR picks another" \
         "mirror): $(grep -E '^(E|W):' "$work/update.log" | head -n 2 | tr '\n' ' ')"
 
-# the dependency closure of criu (Depends + Pre-Depends only; virtual packages skipped)
+# the dependency closure of criu (Depends + Pre-Depends only; virtual packages skipped), and of
+# the two tools --capabilities runs
+wanted=(criu)
+[ "$capabilities" = 0 ] || wanted+=(patchelf libcap2-bin)
 mapfile -t packages < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends \
-    --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances criu 2>/dev/null |
+    --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances "${wanted[@]}" 2>/dev/null |
     grep -E '^[a-z0-9]' | sort -u)
 [[ " ${packages[*]} " == *" criu "* && " ${packages[*]} " == *" libc6 "* ]] ||
     die "could not resolve criu's dependencies in $suite (got: ${packages[*]:-nothing})"
@@ -146,6 +159,31 @@ exec "\$root/usr/lib/$triplet/$loader" --argv0 criu --library-path "$libdirs" \\
     "\$root/usr/sbin/criu" "\$@"
 EOF
 chmod 755 "$prefix/bin/criu.tmp"
+if [ "$capabilities" = 1 ]; then
+    # the binary itself, so that its file capabilities apply (a capability on a script or on a
+    # loader that runs it would not, or would apply to anything that loader runs)
+    libpath=$root/usr/lib/$triplet
+    [ ! -d "$root/lib/$triplet" ] || [ -L "$root/lib" ] || libpath=$libpath:$root/lib/$triplet
+    private() { "$root/usr/lib/$triplet/$loader" --library-path "$libpath" "$@"; }
+    cp "$root/usr/sbin/criu" "$prefix/bin/criu.tmp"
+    # NOTE: --force-rpath: DT_RPATH covers the libraries' own dependencies too (RUNPATH would not)
+    private "$root/usr/bin/patchelf" --set-interpreter "$root/usr/lib/$triplet/$loader" --force-rpath \
+        --set-rpath "$libpath" "$prefix/bin/criu.tmp" || die "patchelf failed"
+    # criu-setcap: (re)apply the capabilities, e.g. after a Dockerfile's COPY --from, which
+    # need not keep extended attributes
+    cat >"$prefix/bin/criu-setcap" <<EOF
+#!/bin/sh
+# Written by snapfn's infra/install-criu.sh: give $prefix/bin/criu the capabilities an
+# unprivileged criu needs (run as root), with $suite's own setcap and getcap.
+set -e
+run() { "$root/usr/lib/$triplet/$loader" --library-path "$libpath" "\$@"; }
+run "$root/usr/sbin/setcap" cap_checkpoint_restore,cap_sys_admin,cap_sys_ptrace,cap_setpcap+ep "\${1:-$prefix/bin/criu}"
+run "$root/usr/sbin/getcap" "\${1:-$prefix/bin/criu}"
+EOF
+    chmod 755 "$prefix/bin/criu-setcap"
+    caps=$("$prefix/bin/criu-setcap" "$prefix/bin/criu.tmp") || die "setcap failed (run as root)"
+    say "criu carries the file capabilities: $caps"
+fi
 mv "$prefix/bin/criu.tmp" "$prefix/bin/criu"
 
 have=$("$prefix/bin/criu" --version 2>&1 | sed -n 's/^Version: *//p' || true)

@@ -795,3 +795,42 @@ def test_k8s_kustomization_lists_every_manifest():
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == manifests
+
+
+# ---- tier 1 in the container ------------------------------------------------------------------
+def _grants_what_criu_needs(added: list[str]) -> None:
+    """The capabilities a deployment adds cover what doctor requires of an unprivileged criu."""
+    from snapfn.snapshot.process.doctor import EITHER
+
+    names = {f"CAP_{c}" for c in added}
+    assert {"CAP_SYS_PTRACE", "CAP_SETPCAP"} <= names and names & set(EITHER), added
+    # SYS_ADMIN, not CHECKPOINT_RESTORE alone: the runtimes' default seccomp profiles pass
+    # clone3 (criu's way to restore a pid) only with it
+    assert "CAP_SYS_ADMIN" in names
+
+
+def test_every_deployment_grants_criu_its_capabilities_and_nothing_else():
+    stages = dockerfile_stages(DOCKERFILE.read_text())
+    criu_runs = " ".join(rest for word, rest in stages["criu"] if word == "RUN")
+    assert "install-criu.sh --prefix /opt/snapfn-criu --capabilities" in criu_runs
+    final = stages["runtime"]
+    copy = final.index(("COPY", "--from=criu /opt/snapfn-criu /opt/snapfn-criu"))
+    setcap = final.index(("RUN", "/opt/snapfn-criu/bin/criu-setcap"))
+    users = [i for i, (word, _) in enumerate(final) if word == "USER"]
+    assert copy < setcap < users[-1]  # re-applied after the copy, as root, before USER 10001
+    for name, deployment in deployments().items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        context = container["securityContext"]
+        assert context["capabilities"]["drop"] == ["ALL"], name
+        _grants_what_criu_needs(context["capabilities"]["add"])
+        # no_new_privs would cancel criu's file capabilities
+        assert context["allowPrivilegeEscalation"] is True, name
+        assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
+        assert "privileged" not in context
+    resources = load_template()["Resources"]
+    tasks = [r for r in resources.values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+    assert len(tasks) == 2
+    for task in tasks:
+        (container,) = task["Properties"]["ContainerDefinitions"]
+        _grants_what_criu_needs(container["LinuxParameters"]["Capabilities"]["Add"])
+        assert "Privileged" not in container and "User" not in container  # the image's 10001

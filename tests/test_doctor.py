@@ -91,3 +91,54 @@ def test_doctor_flags_a_keeper_socket_of_another_user(tmp_path):
     assert not found.ok
     assert found.detail.startswith(f"keeper at {address} not trusted: its peer (pid ")
     assert f"runs as uid {NOBODY}" in found.detail and found.detail.endswith("restores refuse it")
+
+
+def _status(bounding: int, no_new_privs: int = 0) -> str:
+    return f"Name:\tpython\nNoNewPrivs:\t{no_new_privs}\nCapBnd:\t{bounding:016x}\n"
+
+
+def _capability_xattr(bits: list[int]) -> bytes:
+    """security.capability, version 2 (VFS_CAP_REVISION_2), effective, permitted `bits`."""
+    permitted = sum(1 << b for b in bits)
+    words = [0x02000001, permitted & 0xFFFFFFFF, 0, permitted >> 32, 0]
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+@needs_root
+def test_doctor_names_what_keeps_an_unprivileged_criu_from_working(tmp_path):
+    import os
+
+    from snapfn.snapshot.process.doctor import CRIU_CAPABILITIES, privileges_finding
+
+    binary = tmp_path / "criu"
+    binary.write_bytes(b"\x7fELF")
+    full = (1 << 41) - 1
+    assert privileges_finding(binary, _status(full), euid=0).ok
+    plain = privileges_finding(binary, _status(full), euid=10001)
+    assert not plain.ok and "carries no file capabilities" in plain.detail
+    os.setxattr(binary, "security.capability", _capability_xattr(list(CRIU_CAPABILITIES.values())))
+    good = privileges_finding(binary, _status(full), euid=10001)
+    assert (
+        good.ok
+        and "CAP_CHECKPOINT_RESTORE, CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_SETPCAP" in good.detail
+    )
+    ecs = full & ~(1 << 40)  # a runtime that grants CAP_SYS_ADMIN instead
+    assert privileges_finding(binary, _status(ecs), euid=10001).ok
+    nnp = privileges_finding(binary, _status(full, no_new_privs=1), euid=10001)
+    assert not nnp.ok and "allowPrivilegeEscalation: false" in nnp.detail
+    dropped = privileges_finding(binary, _status(full & ~(1 << 40) & ~(1 << 21)), euid=10001)
+    assert not dropped.ok and "lacks CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN" in dropped.detail
+    no_ptrace = privileges_finding(binary, _status(full & ~(1 << 19)), euid=10001)
+    assert not no_ptrace.ok and "lacks CAP_SYS_PTRACE" in no_ptrace.detail
+
+
+def test_doctor_probes_whether_seccomp_lets_clone3_through():
+    import errno
+
+    from snapfn.snapshot.process.doctor import clone3_finding
+
+    here = clone3_finding()  # this machine, whichever way its filter answers
+    assert here.detail.startswith(("allowed", "clone3 answers", "not probed"))
+    filtered = clone3_finding(call=lambda: errno.ENOSYS)
+    assert not filtered.ok and "ENOSYS" in filtered.detail and "seccomp" in filtered.detail
+    assert clone3_finding(call=lambda: errno.EINVAL).ok

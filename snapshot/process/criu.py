@@ -148,6 +148,13 @@ def find_criu(config: CriuConfig) -> Path | None:
     return Path(found) if found else None
 
 
+def privilege_flags() -> list[str]:
+    """`--unprivileged` when not root: criu then runs with the capabilities its binary carries
+    (CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE: install-criu.sh --capabilities) and accepts the
+    limits of that mode (no namespaces of its own; docs/deploy.md)."""
+    return [] if os.geteuid() == 0 else ["--unprivileged"]
+
+
 def check(config: CriuConfig) -> CheckResult:
     """Find criu, refuse versions below 4.0, then run `criu check`; never raises."""
     binary = find_criu(config)
@@ -161,7 +168,7 @@ def check(config: CriuConfig) -> CheckResult:
                 " on 6.x kernels with 'Unexpected rt vDSO area bounds'); run infra/install-criu.sh"
             )
             return CheckResult(False, version, reason, binary)
-        done = _run([str(binary), "check"], config.check_timeout_s)
+        done = _run([str(binary), "check", *privilege_flags()], config.check_timeout_s)
     except RestoreFailed as exc:
         return CheckResult(False, None, str(exc), binary)
     if done.returncode != 0:
@@ -190,7 +197,8 @@ def dump(
     images.mkdir(parents=True, exist_ok=True)
     work = Path(work_dir) if work_dir is not None else images
     log_path = work / "dump.log"
-    argv = [str(_require(config)), "dump", "--tree", str(pid), "--images-dir", str(images)]
+    argv = [str(_require(config)), "dump", *privilege_flags(), "--tree", str(pid)]
+    argv += ["--images-dir", str(images)]
     argv += ["--work-dir", str(work), "--log-file", str(log_path), *options.argv()]
     if leave_running:
         argv.append("--leave-running")
@@ -243,7 +251,8 @@ def restore(
     try:
         if lazy:
             _start_lazy_pages(binary, images, work, lazy_pidfile, deadline_s)
-        argv = [binary, "restore", "--images-dir", str(images), "--work-dir", str(work)]
+        argv = [binary, "restore", *privilege_flags(), "--images-dir", str(images)]
+        argv += ["--work-dir", str(work)]
         argv += ["--log-file", str(work / "restore.log"), "--pidfile", str(pidfile)]
         argv += options.argv(restore=True) + (["--lazy-pages"] if lazy else [])
         inherit = dict(inherit_fds or {})
@@ -325,7 +334,8 @@ def _start_lazy_pages(
 ) -> None:
     """Start the lazy-pages daemon; criu returns once its socket is listening."""
     log_path = work / "lazy-pages.log"
-    argv = [binary, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work)]
+    argv = [binary, "lazy-pages", *privilege_flags(), "--images-dir", str(images)]
+    argv += ["--work-dir", str(work)]
     argv += ["--log-file", str(log_path), "--daemon", "--pidfile", str(pidfile)]
     done = _run(argv, _left(deadline_s), what="criu lazy-pages")
     if done.returncode != 0:

@@ -57,6 +57,8 @@ def diagnose(
         _torch_finding(),
         _cuda_finding(driver, cuda),
         Finding("criu", criu.ok, criu.reason),
+        privileges_finding(criu.binary),
+        clone3_finding(),
         _lazy_pages_finding(criu, criu_config),
         _checkpoint_api_finding(driver),
         _page_cache_drop_finding(),
@@ -189,6 +191,123 @@ def _keeper_finding(driver: str | None, environ) -> Finding:
         f"none at {address}: tier-1 restores start their own CUDA driver (~0.2-0.4 s more on"
         " the H200); `snapfn keeper --snapshot DIR` or `snapfn serve … --keeper on`",
     )
+
+
+# what an unprivileged criu needs (capability numbers: linux/capability.h): CAP_CHECKPOINT_RESTORE
+# or, where a runtime cannot grant it (ECS), CAP_SYS_ADMIN; and CAP_SYS_PTRACE and CAP_SETPCAP
+CRIU_CAPABILITIES = {
+    "CAP_CHECKPOINT_RESTORE": 40,
+    "CAP_SYS_ADMIN": 21,
+    "CAP_SYS_PTRACE": 19,
+    "CAP_SETPCAP": 8,
+}
+EITHER = ("CAP_CHECKPOINT_RESTORE", "CAP_SYS_ADMIN")
+_STATUS = Path("/proc/self/status")
+
+
+def privileges_finding(
+    criu_binary: Path | None, status_text: str | None = None, euid: int | None = None
+) -> Finding:
+    """Who runs criu here and with what: root, or a user whose criu carries the capabilities
+    (`install-criu.sh --capabilities`) that this process's bounding set still allows and that
+    no_new_privs (Kubernetes' `allowPrivilegeEscalation: false`) does not cancel. The reason
+    names the setting to change; `criu check` above has the last word."""
+    name = "privileges"
+    euid = os.geteuid() if euid is None else euid
+    status = _status_fields(status_text if status_text is not None else _read(_STATUS))
+    if euid == 0:
+        return Finding(name, True, "root: criu runs with this process's capabilities")
+    bounding = int(status.get("CapBnd", "0") or "0", 16)
+    held = {cap for cap, bit in CRIU_CAPABILITIES.items() if bounding >> bit & 1}
+    missing = [cap for cap in ("CAP_SYS_PTRACE", "CAP_SETPCAP") if cap not in held]
+    if not held & set(EITHER):
+        missing.insert(0, " or ".join(EITHER))
+    if missing:
+        return Finding(
+            name,
+            False,
+            f"uid {euid}, and the bounding set lacks {', '.join(missing)}: grant them to the"
+            " container (docs/deploy.md, 'Tier 1 in a container')",
+        )
+    if status.get("NoNewPrivs") == "1":
+        return Finding(
+            name,
+            False,
+            f"uid {euid} with no_new_privs set (Kubernetes allowPrivilegeEscalation: false,"
+            " docker --security-opt no-new-privileges): criu's file capabilities do not apply",
+        )
+    carried = _file_capabilities(criu_binary) if criu_binary is not None else None
+    if not carried:
+        return Finding(
+            name,
+            False,
+            f"uid {euid}, and criu ({criu_binary or 'not found'}) carries no file capabilities:"
+            " infra/install-criu.sh --capabilities (as root) gives it them",
+        )
+    return Finding(
+        name, True, f"uid {euid}: criu --unprivileged with its file capabilities ({carried})"
+    )
+
+
+def clone3_finding(call=None) -> Finding:
+    """Whether the seccomp filter lets clone3 through: criu restores a process under its pid
+    with clone3's set_tid. Docker's and containerd's default profiles answer ENOSYS to clone3
+    for a container without CAP_SYS_ADMIN. Probed with a NULL argument of size 0, which the
+    kernel refuses (EINVAL) before doing anything; `call` stands in for the syscall in tests."""
+    import ctypes
+    import errno
+
+    name = "clone3 (seccomp)"
+    if platform.machine() not in ("x86_64", "aarch64"):
+        return Finding(name, True, f"not probed on {platform.machine()}")
+    if call is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def call() -> int:
+            libc.syscall(435, None, 0)  # SYS_clone3 on x86_64 and aarch64
+            return ctypes.get_errno()
+
+    err = call()
+    if err in (errno.EINVAL, errno.EFAULT, 0):
+        return Finding(name, True, "allowed: criu restores pids with clone3")
+    why = errno.errorcode.get(err, str(err))
+    return Finding(
+        name,
+        False,
+        f"clone3 answers {why}: a seccomp profile filters it (the runtime's default does for a"
+        " container without CAP_SYS_ADMIN); criu cannot restore a pid: use the profile in"
+        " docs/deploy.md ('Tier 1 in a container')",
+    )
+
+
+def _status_fields(text: str) -> dict[str, str]:
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _file_capabilities(binary: Path) -> str | None:
+    """The capabilities `binary`'s security.capability attribute grants (permitted set), by
+    name, or None when it has none."""
+    try:
+        raw = os.getxattr(binary, "security.capability")
+    except OSError:
+        return None
+    if len(raw) < 12:
+        return None
+    words = [int.from_bytes(raw[i : i + 4], "little") for i in range(4, len(raw), 4)]
+    permitted = words[0] | (words[2] << 32 if len(words) > 2 else 0)  # v2/v3: lo, inh, hi, inh
+    names = [cap for cap, bit in CRIU_CAPABILITIES.items() if permitted >> bit & 1]
+    return ", ".join(names) if names else f"{permitted:#x}"
 
 
 def _tier1_finding(findings: list[Finding], driver: str | None) -> Finding:
