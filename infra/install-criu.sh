@@ -16,10 +16,9 @@
 #
 # --capabilities (as root; what infra/Dockerfile runs): $PREFIX/bin/criu is then the criu binary
 # itself, its loader and library path written into it (trixie's patchelf), carrying the file
-# capabilities CAP_CHECKPOINT_RESTORE, CAP_SYS_PTRACE and CAP_SETPCAP (and CAP_SYS_ADMIN, for
-# runtimes such as ECS that cannot grant CAP_CHECKPOINT_RESTORE; a capability the container's
-# bounding set lacks is simply not gained), so that a non-root user whose container grants
-# them runs criu --unprivileged (docs/deploy.md).
+# capabilities CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_SETPCAP, so that a non-root user whose
+# container grants those three runs criu --unprivileged (docs/deploy.md). All three: the kernel
+# refuses to run a binary whose file capabilities the bounding set would cut (EPERM).
 # The prefix is then no longer relocatable: it must stay at $PREFIX.
 #
 # Idempotent: a prefix whose criu already reports the wanted major version is left alone unless
@@ -177,7 +176,7 @@ if [ "$capabilities" = 1 ]; then
 # unprivileged criu needs (run as root), with $suite's own setcap and getcap.
 set -e
 run() { "$root/usr/lib/$triplet/$loader" --library-path "$libpath" "\$@"; }
-run "$root/usr/sbin/setcap" cap_checkpoint_restore,cap_sys_admin,cap_sys_ptrace,cap_setpcap+ep "\${1:-$prefix/bin/criu}"
+run "$root/usr/sbin/setcap" cap_sys_admin,cap_sys_ptrace,cap_setpcap+ep "\${1:-$prefix/bin/criu}"
 run "$root/usr/sbin/getcap" "\${1:-$prefix/bin/criu}"
 EOF
     chmod 755 "$prefix/bin/criu-setcap"

@@ -800,13 +800,11 @@ def test_k8s_kustomization_lists_every_manifest():
 # ---- tier 1 in the container ------------------------------------------------------------------
 def _grants_what_criu_needs(added: list[str]) -> None:
     """The capabilities a deployment adds cover what doctor requires of an unprivileged criu."""
-    from snapfn.snapshot.process.doctor import EITHER
+    from snapfn.snapshot.process.doctor import CRIU_CAPABILITIES
 
-    names = {f"CAP_{c}" for c in added}
-    assert {"CAP_SYS_PTRACE", "CAP_SETPCAP"} <= names and names & set(EITHER), added
-    # SYS_ADMIN, not CHECKPOINT_RESTORE alone: the runtimes' default seccomp profiles pass
-    # clone3 (criu's way to restore a pid) only with it
-    assert "CAP_SYS_ADMIN" in names
+    # every capability criu's file carries (the kernel refuses to run it with one cut), and
+    # SYS_ADMIN: the runtimes' default seccomp profiles pass clone3 only with it
+    assert sorted(f"CAP_{c}" for c in added) == sorted(CRIU_CAPABILITIES), added
 
 
 def test_every_deployment_grants_criu_its_capabilities_and_nothing_else():

@@ -1,7 +1,7 @@
 """Tier 1 without root, as the shipped container runs it (USER 10001, every capability dropped
 but the three criu needs): `infra/install-criu.sh --capabilities` gives criu its file
 capabilities, then a function is initialised into a process snapshot and restored from it by
-uid 10001 with a bounding set of CAP_CHECKPOINT_RESTORE, CAP_SYS_PTRACE and CAP_SETPCAP only.
+uid 10001 with a bounding set of CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_SETPCAP only.
 With no_new_privs (Kubernetes' allowPrivilegeEscalation: false) criu cannot work and doctor says
 why. Needs root (to install and to switch user), setpriv and the Debian mirror; skips otherwise."""
 
@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 USER = "10001"
-BOUNDING = "-all,+checkpoint_restore,+sys_ptrace,+setpcap"
+BOUNDING = "-all,+sys_admin,+sys_ptrace,+setpcap"  # what the deployment files grant
 RESTORE = """
 import sys
 from pathlib import Path

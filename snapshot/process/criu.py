@@ -150,7 +150,7 @@ def find_criu(config: CriuConfig) -> Path | None:
 
 def privilege_flags() -> list[str]:
     """`--unprivileged` when not root: criu then runs with the capabilities its binary carries
-    (CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE: install-criu.sh --capabilities) and accepts the
+    (CAP_SYS_ADMIN, CAP_SYS_PTRACE and CAP_SETPCAP: install-criu.sh --capabilities) and accepts the
     limits of that mode (no namespaces of its own; docs/deploy.md)."""
     return [] if os.geteuid() == 0 else ["--unprivileged"]
 
