@@ -1,7 +1,8 @@
 """The scale-to-zero activator: `snapfn serve --idle-timeout SECONDS [--max-instances N]`.
 
 A light process (no torch, no CUDA: nothing here imports them) owns the port. The first
-request starts an *instance* (today's `snapfn serve` on a private loopback port, restoring
+request starts an *instance* (`snapfn serve` on a private loopback port, forked from the
+instances' zygote that imported the serve stack and the target once (instance_zygote.py), restoring
 from the snapshot) and is held until it is up; later ones go to the up instance with the fewest
 outstanding requests; more instances start under load (up to `--max-instances`, one per GPU by
 default, each pinned with `CUDA_VISIBLE_DEVICES`); an instance idle for `--idle-timeout` seconds
@@ -26,6 +27,7 @@ without locks, and streaming a response chunk by chunk is a plain read/write loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -37,6 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from snapfn.handler.activator.instance import Instance
+from snapfn.handler.activator.instance_zygote import fork_instance, start_zygote
 from snapfn.handler.activator.keepers import Keepers
 from snapfn.handler.activator.metrics import ActivatorMetrics
 from snapfn.handler.activator.plan import ActivatorPlan
@@ -63,9 +66,13 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
     metrics = ActivatorMetrics()
     keepers = Keepers(plan)
     keepers.start()  # NOTE: before the pool: the first instance's restore can use them
+    # NOTE: made beside the first requests: an instance launched before it is ready starts as
+    # a fresh interpreter
+    zygote = asyncio.create_task(asyncio.to_thread(start_zygote, plan))
     try:
         async with _instance_session() as session:
-            pool = InstancePool(plan, config, metrics, _launcher(plan, config, session))
+            launcher = _launcher(plan, config, session, zygote)
+            pool = InstancePool(plan, config, metrics, launcher)
             metrics.watch(pool)
             app = create_activator_app(pool, plan, config, metrics, session, keepers)
             runner = web.AppRunner(app, handle_signals=False, access_log=None)
@@ -82,6 +89,9 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
             await pool.close()
             await runner.cleanup()
     finally:
+        made = await zygote
+        if made is not None:
+            made.close()  # NOTE: after the instances, its forks
         for gpu, code in keepers.exited().items():
             log.warning("keeper for GPU %s had exited (%s) before the stop", gpu, code)
         keepers.stop()  # NOTE: after the instances: none is restoring through them any more
@@ -100,13 +110,18 @@ def _instance_session() -> aiohttp.ClientSession:
     )
 
 
-def _launcher(plan: ActivatorPlan, config: ServeConfig, session: aiohttp.ClientSession):
+def _launcher(
+    plan: ActivatorPlan, config: ServeConfig, session: aiohttp.ClientSession, zygote: asyncio.Task
+):
     parent_pid = os.getpid()
 
     def launch(instance_id: int, gpu: str | None) -> Instance:
-        env = plan.instance_env(gpu, parent_pid)
+        forks = zygote.result() if zygote.done() and not zygote.cancelled() else None
+        # NOTE: a fork's parent is the zygote: its parent-death signal follows that
+        env = plan.instance_env(gpu, forks.pid if forks is not None else parent_pid)
         argv, grace_s = plan.instance_argv, config.graceful_timeout_s
-        return Instance(instance_id, gpu, argv, env, session, grace_s, plan.api_key)
+        spawn = functools.partial(fork_instance, forks, argv, env) if forks is not None else None
+        return Instance(instance_id, gpu, argv, env, session, grace_s, plan.api_key, spawn)
 
     return launch
 

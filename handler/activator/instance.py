@@ -1,4 +1,5 @@
-"""One instance behind the activator: today's `snapfn serve`, as a subprocess on a loopback port.
+"""One instance behind the activator: `snapfn serve` on a loopback port, a fork of the instances'
+zygote (instance_zygote.py) or, without one, a fresh subprocess.
 
 Contract (`Instance`, driven by `pool.InstancePool` on the event loop's thread):
 - `start(timeout_s)` spawns the instance as the leader of a new session (its pid = its process
@@ -28,7 +29,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -67,7 +68,10 @@ class Instance:
         session: aiohttp.ClientSession,
         grace_s: float,
         api_key: str | None = None,
+        spawn: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
+        """`spawn`: makes the instance's process (instance_zygote.fork_instance: a fork of the
+        zygote); None: `argv` as a fresh subprocess."""
         self.id = instance_id
         self.gpu = gpu
         self.state = InstanceState.STARTING
@@ -78,9 +82,11 @@ class Instance:
         self.last_active_s = time.monotonic()
         self.startup: dict[str, Any] | None = None
         self.cold_start_s: float | None = None
-        self.started_at: float | None = (
-            None  # wall clock of the spawn (overlaps show parallel starts)
-        )
+        self.started_at: float | None = None  # wall clock of the spawn (overlaps: parallel)
+        self.spawned_s: float | None = None  # monotonic, for the time to the first answer
+        self.answered = False  # the pool observes the first answer's time once
+        self.launch = "zygote" if spawn is not None else "exec"
+        self._spawn = spawn
         self._argv, self._env, self._session, self._grace_s = list(argv), env, session, grace_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._proc: asyncio.subprocess.Process | None = None
@@ -100,15 +106,18 @@ class Instance:
     # ---- start ---------------------------------------------------------------------------
     async def start(self, timeout_s: float) -> None:
         """Spawn the instance and return once it serves; `InstanceFailed` otherwise."""
-        started = time.monotonic()
+        started = self.spawned_s = time.monotonic()
         self.started_at = time.time()
-        self._proc = await asyncio.create_subprocess_exec(
-            *self._argv,
-            env=self._env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # NOTE: pid = pgid: the whole instance stops as one group
-        )
+        if self._spawn is not None:  # a fork of the zygote: its own session too
+            self._proc = await self._spawn()
+        else:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self._argv,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                start_new_session=True,  # NOTE: pid = pgid: the whole instance stops as one group
+            )
         self.pid = self._proc.pid
         log.info("instance %d: started, pid %d, gpu %s", self.id, self.pid, self.gpu or "-")
         if self.state is InstanceState.STOPPING:  # stopped while it was being spawned
@@ -232,6 +241,7 @@ class Instance:
             "idle_s": round(time.monotonic() - self.last_active_s, 3),
             "cold_start_s": self.cold_start_s,
             "started_at": self.started_at,
+            "launch": self.launch,
             "kind": startup.get("kind"),
             "tier": startup.get("tier"),
         }

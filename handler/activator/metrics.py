@@ -55,6 +55,13 @@ class ActivatorMetrics:
             r,
             labels=(),
         )
+        self.first_answer_seconds = latency_histogram(
+            "snapfn_activator_first_answer_seconds",
+            "Instance spawned to its first answer relayed, by how it was launched (zygote: a"
+            " fork of the instances' zygote; exec: a fresh interpreter)",
+            r,
+            labels=("launch",),
+        )
         self.restore_seconds = latency_histogram(
             "snapfn_activator_restore_seconds",
             "Init or restore time an instance reported, by tier",

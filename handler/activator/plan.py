@@ -50,6 +50,7 @@ ACTIVATOR_VARIABLES = (
     "SNAPFN_PORT",
     "SNAPFN_API_KEY",
     "SNAPFN_KEEPER",
+    "SNAPFN_INSTANCE_ZYGOTE",
     PARENT_PID_VARIABLE,
 )
 NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")

@@ -100,6 +100,10 @@ class InstancePool:
     def release(self, instance: Instance) -> None:
         instance.outstanding -= 1
         instance.last_active_s = time.monotonic()
+        if not instance.answered and instance.spawned_s is not None:
+            instance.answered = True
+            took = instance.last_active_s - instance.spawned_s
+            self._metrics.first_answer_seconds.labels(instance.launch).observe(took)
 
     def _pick(self) -> Instance | None:
         up = [i for i in self._instances.values() if i.routable]
