@@ -1,8 +1,11 @@
 """Time to the first answer of a scale-from-zero cold start through the activator, with its
 instances forked from the zygote and as fresh interpreters, side by side (CPU or GPU).
 
-python3 bench/probes/activator_first_answer.py [--function examples.cuda_graph:handler]
-    [--cold-starts 3] [--device cpu] [-- extra snapfn serve flags]
+python3 bench/probes/activator_first_answer.py [--function examples.cuda_graph:handler | --llm]
+    [--cold-starts 3] [--device cpu] [-- extra snapfn serve flags, e.g. --snapshot DIR]
+
+--llm: the LLM front door instead of a function (a 4-token completion; `-- --snapshot DIR` or
+`-- --model DIR` picks the model, else the embedded one).
 
 Each cold start: wait until the idle instance is gone, send one request, time it from the
 client (request sent → answer read); the activator's own `snapfn_activator_first_answer_seconds`
@@ -20,6 +23,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+COMPLETION = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
 
 
 def get(url: str) -> str:
@@ -39,7 +44,8 @@ def post(url: str, body: dict) -> float:
 def one_setting(args: argparse.Namespace, zygote: str) -> dict:
     env = {**os.environ, "SNAPFN_INSTANCE_ZYGOTE": zygote}
     argv = [sys.executable, "-m", "snapfn.handler.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", "0", "--function", args.function, "--idle-timeout", "1"]
+    target = [] if args.llm else ["--function", args.function]
+    argv += ["--port", "0", *target, "--idle-timeout", "1"]
     argv += ["--max-instances", "1", "--device", args.device, *args.extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -50,11 +56,13 @@ def one_setting(args: argparse.Namespace, zygote: str) -> dict:
                 break
         if zygote == "on":  # the zygote imports beside the activator: let it finish first
             time.sleep(args.zygote_wait_s)
-        firsts = []
+        firsts, tiers = [], []
+        path, body = ("/invoke", {}) if not args.llm else ("/v1/completions", COMPLETION)
         for _ in range(args.cold_starts):
             while json.loads(get(f"{url}/health"))["instances"]:
                 time.sleep(0.05)
-            firsts.append(round(post(f"{url}/invoke", {}), 4))
+            firsts.append(round(post(f"{url}{path}", body), 4))
+            tiers.append(json.loads(get(f"{url}/startup"))["last_cold_start"]["tier"])
         metrics = get(f"{url}/metrics")
         total = re.findall(
             r"snapfn_activator_first_answer_seconds_sum\{launch=\"(\w+)\"\} (\S+)", metrics
@@ -64,6 +72,7 @@ def one_setting(args: argparse.Namespace, zygote: str) -> dict:
         )
         return {
             "client_first_answer_s": firsts,
+            "tiers": tiers,
             "activator_first_answer_mean_s": {
                 k: round(float(s) / float(dict(count)[k]), 4)
                 for k, s in total
@@ -79,12 +88,14 @@ def one_setting(args: argparse.Namespace, zygote: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--function", default="examples.cuda_graph:handler")
+    p.add_argument("--llm", action="store_true", help="the LLM's completions, not a function")
     p.add_argument("--cold-starts", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--zygote-wait-s", type=float, default=15.0)
     p.add_argument("extra", nargs="*")
     args = p.parse_args()
-    report = {"function": args.function, "device": args.device}
+    report = {"target": "llm" if args.llm else args.function, "device": args.device}
+    report["flags"] = args.extra
     for zygote in ("on", "off"):
         report[f"zygote_{zygote}"] = one_setting(args, zygote)
     print(json.dumps(report, indent=1))
