@@ -28,6 +28,7 @@ class FakeInstance:
         self.state, self.stop_reason = InstanceState.STARTING, None
         self.outstanding, self.last_active_s = 0, time.monotonic()
         self.startup, self.cold_start_s, self.pid = None, None, None
+        self.spawned_s, self.answered, self.launch = time.monotonic(), False, "exec"
         self._started, self._exited = asyncio.Event(), asyncio.Event()
         self._failure: str | None = None
 
@@ -151,6 +152,8 @@ def test_least_outstanding_routing_scales_up_to_the_cap_one_gpu_each():
         assert b is h.launched[1]  # the fewest outstanding
         h.pool.release(b)
         assert (await h.pool.acquire()) is b
+        h.pool.release(b)  # its second answer: the first-answer time is observed once
+        assert h.sample("snapfn_activator_first_answer_seconds_count", launch="exec") == 1
 
     scenario(run())
 
