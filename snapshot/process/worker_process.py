@@ -206,7 +206,7 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
         fds = {"ctl": ready["fds"][0], "rep": ready["fds"][1], "out": 1}
         inherit = {name: os.readlink(f"/proc/{worker.pid}/fd/{fd}") for name, fd in fds.items()}
         memory = {"host": smaps.census_or_reason(worker.pid)}
-        mount_namespace = _own_mount_namespace(worker.pid)
+        mount_namespace = _own_namespace(worker.pid, "mnt")
         if ready["uses_cuda"]:
             seconds["cuda_lock"] = cuda_checkpoint.lock(worker.pid)
             seconds["cuda_checkpoint"] = cuda_checkpoint.checkpoint(worker.pid)
@@ -470,14 +470,6 @@ def _own_namespace(pid: int, kind: str) -> bool:
     """Whether `pid` runs in another `kind` ("net", "mnt") namespace than ours."""
     try:
         return os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}")
-    except OSError:
-        return False
-
-
-def _own_mount_namespace(pid: int) -> bool:
-    """Whether `pid` runs in another mount namespace than ours (SNAPFN_PROCESS_PID_NAMESPACE=mount)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
     except OSError:
         return False
 
