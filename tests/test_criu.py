@@ -302,3 +302,24 @@ def test_connection_to_outside_the_tree_cannot_be_dumped(criu_config, tmp_path):
 
 
 # -- snapfn doctor (snapshot/process/doctor.py), which reports the same check ------------------------
+
+
+def test_wait_exit_returns_at_the_exit_and_times_out_on_a_running_process():
+    import subprocess
+    import sys
+    import time
+
+    from snapfn.snapshot.process.criu import wait_exit
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    start = time.perf_counter()
+    assert wait_exit(proc, 10.0) == 0
+    assert time.perf_counter() - start < 5.0
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            wait_exit(slow, 0.1)
+    finally:
+        slow.kill()
+        slow.wait()
+    assert wait_exit(slow, 1.0) == slow.returncode  # already reaped: Popen.wait answers
