@@ -89,13 +89,21 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
             await pool.close()
             await runner.cleanup()
     finally:
-        made = await zygote
+        made = _ready(zygote)
         if made is not None:
             made.close()  # NOTE: after the instances, its forks
+        # NOTE: one still importing is not waited for: it exits when its owner's pipe closes
         for gpu, code in keepers.exited().items():
             log.warning("keeper for GPU %s had exited (%s) before the stop", gpu, code)
         keepers.stop()  # NOTE: after the instances: none is restoring through them any more
     return 0
+
+
+def _ready(zygote: asyncio.Task) -> Any:
+    """The instances' zygote once it is up, else None (still starting, or it could not)."""
+    if not zygote.done() or zygote.cancelled() or zygote.exception() is not None:
+        return None
+    return zygote.result()
 
 
 def _instance_session() -> aiohttp.ClientSession:
@@ -116,7 +124,7 @@ def _launcher(
     parent_pid = os.getpid()
 
     def launch(instance_id: int, gpu: str | None) -> Instance:
-        forks = zygote.result() if zygote.done() and not zygote.cancelled() else None
+        forks = _ready(zygote)
         # NOTE: a fork's parent is the zygote: its parent-death signal follows that
         env = plan.instance_env(gpu, forks.pid if forks is not None else parent_pid)
         argv, grace_s = plan.instance_argv, config.graceful_timeout_s

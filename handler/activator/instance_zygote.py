@@ -54,7 +54,7 @@ def start_zygote(plan: Any, environ: Mapping[str, str] = os.environ):
     start = time.monotonic()
     try:
         zygote = Zygote.start(PRELOAD, env=env, start_timeout_s=600.0)
-    except (SnapfnError, OSError) as exc:
+    except (SnapfnError, OSError, ValueError) as exc:  # a speed-up only: never fatal
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning("no instance zygote (instances start as fresh interpreters): %s", first)
         return None

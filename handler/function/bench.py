@@ -150,7 +150,9 @@ def run_concurrently(
     with ThreadPoolExecutor(n) as pool:
         runs = list(
             pool.map(
-                lambda _: run_mode("restore_process", args, snapshot, event, cache_root),
+                lambda _: run_mode(
+                    "restore_process", args, snapshot, event, cache_root, SNAPFN_PINNED_SOCKET=""
+                ),
                 range(n),
             )
         )
