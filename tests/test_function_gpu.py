@@ -153,3 +153,64 @@ def test_each_example_restores_bit_for_bit_from_both_tiers(spec, tmp_path, monke
     assert startup.stage("init_hooks").figures["compiled_files"] == 0
     if spec.startswith("examples.cuda_graph"):
         assert got["graph"] is True  # the captured graph replayed after the restore
+
+
+SMALL_GRAPH = {"GRAPH_MLP_WIDTH": "4096", "GRAPH_MLP_LAYERS": "4"}  # 0.13 GB in the pool
+
+
+@pytest.mark.usefixtures("criu_config")
+def test_a_snapshot_made_for_another_driver_restores_at_tier_0_without_its_caches(
+    tmp_path, monkeypatch
+):
+    """Cache-only compat fields differ (another driver and GPU name): tier 1 is refused at the
+    gate, tier 0 drops the caches, and the answer is the cold init's."""
+    import json
+
+    monkeypatch.chdir(REPO)
+    spec, cache = "examples.cuda_graph:handler", tmp_path / "cache"
+    env = {**SMALL_GRAPH, "SNAPFN_CACHE_DIR": str(cache)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _init(spec, tmp_path / "snap", env)
+    cold, _ = _answer(spec, None, cache)
+    manifest_path = tmp_path / "snap" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["compat"].update(driver_version="1.0.0", gpu_name="another GPU")
+    manifest_path.write_text(json.dumps(manifest))
+    got, startup = _answer(spec, tmp_path / "snap", cache)
+    steps = [(f["from"], f["to"], f["step"]) for f in startup.fallbacks]
+    assert steps == [
+        ("process", "portable", "gate"),
+        ("portable", "portable, caches dropped", "validate"),
+    ], startup.fallbacks
+    assert got == cold
+
+
+@pytest.mark.usefixtures("criu_config")
+def test_two_gpu_workers_with_a_namespace_each_restore_at_once(tmp_path, monkeypatch):
+    """SNAPFN_PROCESS_PID_NAMESPACE=isolated: each worker its own pid, mount and network
+    namespace, so that two copies of one GPU image (which holds an abstract unix socket)
+    restore side by side, both to tier 1, both answering the cold init's bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from snapfn.snapshot.process import worker_process
+
+    if not worker_process.pid_namespace_works(extra=worker_process.NAMESPACE_FLAGS["isolated"]):
+        pytest.skip("unshare --pid --fork --mount-proc --net does not work here")
+    monkeypatch.chdir(REPO)
+    spec, cache = "examples.cuda_graph:handler", tmp_path / "cache"
+    env = {
+        **SMALL_GRAPH,
+        "SNAPFN_CACHE_DIR": str(cache),
+        "SNAPFN_PROCESS_PID_NAMESPACE": "isolated",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _init(spec, tmp_path / "snap", env)
+    assert read_manifest(tmp_path / "snap")["tier"] == "process"
+    cold, _ = _answer(spec, None, cache)
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: _answer(spec, tmp_path / "snap", cache), range(2)))
+    for got, startup in runs:
+        assert startup.tier == "process" and not startup.fallbacks, startup.fallbacks
+        assert got == cold
