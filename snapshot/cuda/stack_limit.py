@@ -15,7 +15,6 @@ back first thing.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 DEFAULT_STACK_BYTES = 256
 
@@ -51,6 +50,3 @@ class StackLimit:
 
         limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
         ok(cu.cuCtxSetLimit(limit, self.before), "cuCtxSetLimit (the stack limit back)")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"before": self.before}

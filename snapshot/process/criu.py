@@ -86,7 +86,7 @@ class TreeOptions:
     mount_namespace: bool = False
     # the root runs in a network namespace of its own, made fresh with only a loopback device:
     # criu dumps it too, locking it with nftables (no iptables binary needed) and its (empty)
-    # netfilter rules through `CR_IPTABLES` (`criu_env`)
+    # netfilter rules through `CR_IPTABLES` (`env`)
     net_namespace: bool = False
 
     def env(self) -> dict[str, str] | None:
