@@ -121,9 +121,10 @@ def restore(
         # validation below, whose compat key is the first thing to import torch.
         runner.run("runtime_env", fn.prepare_runtime)
         manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn))
-        drift = getattr(fn, "cache_drift", None)
-        if drift is not None:
-            runner.manifest.add_fallback("portable", "portable, caches dropped", "validate", drift)
+        if fn.cache_drift is not None:  # set by _validate
+            runner.manifest.add_fallback(
+                "portable", "portable, caches dropped", "validate", fn.cache_drift
+            )
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
             runner.run(name, stage)
         return fn, runner.finish(ok=True)

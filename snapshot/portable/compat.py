@@ -164,6 +164,26 @@ def cache_drift(recorded: dict[str, Any], current: dict[str, Any]) -> str | None
     return None
 
 
+def restore_steps(recorded: dict[str, Any], current: dict[str, Any], process: bool) -> list[str]:
+    """The chain a restore takes from the compat keys alone (the files' own checks come at
+    restore): tier 1 (when the snapshot holds a process image) needs the exact key, tier 0 the
+    layout fields, its caches dropped when the rest differs; then a cold init."""
+    steps = []
+    if process:
+        try:
+            check_compat(recorded, current)
+            steps.append("tier 1 (process image)")
+        except IncompatibleSnapshot as exc:
+            steps.append(f"not tier 1 ({exc})")
+    try:
+        check_layout_compat(recorded, current)
+    except IncompatibleSnapshot as exc:
+        return [*steps, f"not tier 0 ({exc})", "cold init"]
+    drift = cache_drift(recorded, current)
+    steps.append("tier 0, caches kept" if drift is None else f"tier 0, caches dropped ({drift})")
+    return [*steps, "cold init"]
+
+
 def check_compat(
     recorded: dict[str, Any], current: dict[str, Any], fields: Iterable[str] | None = None
 ) -> None:

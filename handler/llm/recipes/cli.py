@@ -196,16 +196,10 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
 
 
 def restore_chain(manifest: dict[str, Any], current: dict[str, Any] | None = None) -> str:
-    """What a restore on this machine would do, tier by tier, from the compat keys alone (the
-    files' own checks come at restore): tier 1 needs the exact key, tier 0 the layout fields
-    (its caches are dropped when the rest differs), else a cold init."""
-    from snapfn.snapshot.errors import IncompatibleSnapshot, SnapfnError
-    from snapfn.snapshot.portable.compat import (
-        cache_drift,
-        check_compat,
-        check_layout_compat,
-        compat_key,
-    )
+    """What a restore on this machine would do, tier by tier (`compat.restore_steps`), against
+    `current` or this machine's key for the recorded device type and rank count."""
+    from snapfn.snapshot.errors import SnapfnError
+    from snapfn.snapshot.portable.compat import compat_key, restore_steps
 
     recorded = manifest["compat"] if isinstance(manifest.get("compat"), dict) else {}
     if current is None:
@@ -215,20 +209,8 @@ def restore_chain(manifest: dict[str, Any], current: dict[str, Any] | None = Non
             current = compat_key(kind, world_size if isinstance(world_size, int) else 1, light=True)
         except (SnapfnError, ValueError, OSError) as exc:
             return f"restore chain here: unknown ({exc})"
-    steps = []
-    if manifest.get("tier") == "process":
-        try:
-            check_compat(recorded, current)
-            steps.append("tier 1 (process image)")
-        except IncompatibleSnapshot as exc:
-            steps.append(f"not tier 1 ({exc})")
-    try:
-        check_layout_compat(recorded, current)
-    except IncompatibleSnapshot as exc:
-        return "restore chain here: " + " → ".join([*steps, f"not tier 0 ({exc})", "cold init"])
-    drift = cache_drift(recorded, current)
-    steps.append("tier 0, caches kept" if drift is None else f"tier 0, caches dropped ({drift})")
-    return "restore chain here: " + " → ".join([*steps, "cold init"])
+    steps = restore_steps(recorded, current, manifest.get("tier") == "process")
+    return "restore chain here: " + " → ".join(steps)
 
 
 def _process_memory_lines(process: dict[str, Any]) -> list[str]:
