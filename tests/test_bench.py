@@ -26,7 +26,7 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
         "--plot",
         str(tmp_path / "w.png"),
         "--modes",
-        "safetensors,cold_init,restore,restore_zygote",
+        "safetensors,cold_init,restore,restore_zygote,restore_drifted",
         "--decode-batches",
         "1",
         "--decode-tokens",
@@ -36,12 +36,29 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     modes = report["modes"]
-    assert set(modes) == {"safetensors", "cold_init", "restore", "restore_zygote"}
+    assert set(modes) == {
+        "safetensors",
+        "cold_init",
+        "restore",
+        "restore_zygote",
+        "restore_drifted",
+    }
     tokens = {m: r["token"] for m, r in modes.items()}
     assert len(set(tokens.values())) == 1, tokens  # same first token whichever way it started
     assert modes["restore"]["logprob"] == modes["cold_init"]["logprob"]
     for mode in ("restore", "restore_zygote"):
         assert modes[mode]["startup"]["kind"] == "restore" and not modes[mode]["fallbacks"]
+    drifted = modes["restore_drifted"]  # another GPU, driver and torch: tier 0 without caches
+    assert drifted["logprob"] == modes["cold_init"]["logprob"]
+    assert [f["to"] for f in drifted["fallbacks"]] == ["portable, caches dropped"]
+    stages = {s["name"]: s for s in drifted["startup"]["stages"]}
+    assert stages["validate"]["figures"]["caches"].startswith("dropped: ")
+    assert (
+        json.loads((tmp_path / "work" / "snapshot" / "manifest.json").read_text())["compat"][
+            "torch"
+        ]
+        != "0.0.1"
+    )  # the copy's edit left the snapshot itself alone
     assert report["floors"]["weight_bytes"] > 0 and report["floors"]["disk_floor_s"] > 0
     assert modes["cold_init"]["decode"]["batch1_ms_per_step"] > 0
     assert (tmp_path / "w.png").stat().st_size > 0

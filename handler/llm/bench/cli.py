@@ -8,6 +8,10 @@
     (d') restore_zygote  the same, forked from a warm zygote (imports done, CUDA untouched):
                      the cold start of a host that keeps a zygote, as `serve` does
     (e) restore_cold tier-0 restore after dropping the snapshot from the page cache (if allowed)
+    (e') restore_drifted  tier-0 restore of a copy of the snapshot whose compat key names another
+                     GPU, driver and torch (cache-only fields): its caches dropped, kernels
+                     compiled and graphs captured again into an empty cache folder, the
+                     weights still streamed from the snapshot
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ ALL_MODES = (
     "restore",
     "restore_zygote",
     "restore_cold",
+    "restore_drifted",
     "init_process",
     "restore_process",
     "steady",
@@ -106,15 +112,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# What `restore_drifted`'s copy of the snapshot says it was made with: only fields outside the
+# layout (compat.LAYOUT_FIELDS), so that tier 0 restores it with its caches dropped.
+DRIFTED_COMPAT = {"torch": "0.0.1", "gpu_name": "another GPU", "driver_version": "1.0.0"}
+
+
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
-    child_mode = "restore" if mode in ("restore_zygote", "restore_cold") else mode
+    child_mode = (
+        "restore" if mode in ("restore_zygote", "restore_cold", "restore_drifted") else mode
+    )
     snapshot = workdir / ("snapshot_process" if mode.endswith("_process") else "snapshot")
+    cache = workdir / "cache"
+    if mode == "restore_drifted":
+        snapshot, cache = workdir / "snapshot_drifted", workdir / "cache_drifted"
     return [
         child_mode,
         *("--model", str(args.model), "--snapshot", str(snapshot)),
-        *("--device", args.device, "--cache-dir", str(workdir / "cache")),
+        *("--device", args.device, "--cache-dir", str(cache)),
         *("--t0", repr(time.time()), *extra),
     ]
+
+
+def drifted_copy(snapshot: Path, dest: Path) -> None:
+    """`dest`: `snapshot`'s files hard-linked (copied across file systems), its manifest's
+    compat key edited by `DRIFTED_COMPAT`, as if made on another GPU, driver and torch."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(snapshot, dest, copy_function=_link_or_copy)
+    manifest_path = dest / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["compat"].update(DRIFTED_COMPAT)
+    manifest_path.unlink()  # a hard link: the original must keep its own text
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def run_zygote_mode(args: argparse.Namespace, workdir: Path, extra: list[str]) -> dict[str, Any]:
@@ -205,6 +240,12 @@ def run(args: argparse.Namespace) -> int:
                     "skipped": "the page cache could not be dropped on this machine",
                 }
                 continue
+        if mode == "restore_drifted":
+            if not (workdir / "snapshot" / "manifest.json").exists():
+                results[mode] = {"mode": mode, "skipped": "no snapshot (run cold_init first)"}
+                continue
+            drifted_copy(workdir / "snapshot", workdir / "snapshot_drifted")
+            shutil.rmtree(workdir / "cache_drifted", ignore_errors=True)
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
         with_decode = mode in ("cold_init", "restore_process", "steady")
         extra = decode if with_decode else []
@@ -248,7 +289,12 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     tier1, tier0 = (results.get(m, {}).get("first_token_s") for m in ("restore_process", "restore"))
     if tier1 and tier0:
         out["restore_process_speedup_vs_restore"] = round(tier0 / tier1, 2)
-    same = [m for m in ("restore", "restore_process") if _same_token(results, m)]
+    cold_init, drifted = (
+        results.get(m, {}).get("first_token_s") for m in ("cold_init", "restore_drifted")
+    )
+    if cold_init and drifted:
+        out["restore_drifted_speedup_vs_cold_init"] = round(cold_init / drifted, 2)
+    same = [m for m in ("restore", "restore_drifted", "restore_process") if _same_token(results, m)]
     out.update({f"{m}_token_equals_cold_init": True for m in same})
     cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
     if cold and floors:
