@@ -41,8 +41,9 @@ results_dir "function$tag" bash "$0" "${argv[@]}"
 if [ -n "$tests" ]; then  # one after another: they share the GPU and the worker's pid
   pairs=${only:-test_checksum.py:,test_span.py:,test_function_gpu.py:,test_function_gpu_e2e.py:}
   for pair in ${pairs//,/ }; do
-    file=${pair%%:*} name=${file#test_}
-    gpu_tests "${name%.py}" 420 "tests/$file" "${pair#*:}"
+    file=${pair%%:*} name=${file#test_} key=${pair#*:}
+    name=${name%.py}${key:+-${key// /_}}  # a log per pair, when one file is asked for twice
+    gpu_tests "$name" 420 "tests/$file" "$key"
   done
   tests_summary
 fi

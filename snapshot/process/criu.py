@@ -85,16 +85,11 @@ class TreeOptions:
     # dumps it with the tree and needs `--root /` to rebuild it on restore
     mount_namespace: bool = False
     # the root runs in a network namespace of its own, made fresh with only a loopback device:
-    # criu dumps it too, locking it with nftables (no iptables binary needed) and its (empty)
-    # netfilter rules through `CR_IPTABLES` (`env`)
+    # criu dumps it as empty (`--empty-ns net`: no links, addresses, routes or rules, which
+    # criu would save with `ip` and `iptables`, neither of which a GPU image need have) and
+    # restores a fresh one, its loopback brought up again by criu; its network is not locked
+    # (`skip`: no iptables or nft needed) unless the tree holds TCP connections
     net_namespace: bool = False
-
-    def env(self) -> dict[str, str] | None:
-        """criu's environment: ours, with CR_IPTABLES a no-op filter for a fresh network
-        namespace (it has no rules to save or restore, and no iptables may be installed)."""
-        if not self.net_namespace:
-            return None
-        return {**os.environ, "CR_IPTABLES": "cat > /dev/null"}
 
     def argv(self, restore: bool = False) -> list[str]:
         flags = {
@@ -104,8 +99,9 @@ class TreeOptions:
             "--ext-unix-sk": self.ext_unix_sk,
         }
         chosen = [flag for flag, wanted in flags.items() if wanted]
-        if self.net_namespace:
-            chosen += ["--network-lock", "nftables"]
+        if self.net_namespace:  # nothing to lock in it unless the tree holds TCP connections
+            lock = "nftables" if self.tcp_established else "skip"
+            chosen += ["--empty-ns", "net", "--network-lock", lock]
         if not self.mount_namespace:
             return chosen
         # NOTE: the namespace is a copy of ours: bind mounts whose source it cannot reach (a
@@ -204,7 +200,7 @@ def dump(
         argv.append("--leave-running")
     start = time.perf_counter()
     what = f"criu dump of pid {pid}"
-    done = _run(argv, timeout_s or config.dump_timeout_s, what=what, env=options.env())
+    done = _run(argv, timeout_s or config.dump_timeout_s, what=what)
     elapsed_s = time.perf_counter() - start
     if done.returncode != 0:
         raise RestoreFailed(one_line(f"criu dump of pid {pid} failed: {_log_reason(log_path)}"))
@@ -258,9 +254,9 @@ def restore(
         inherit = dict(inherit_fds or {})
         argv += [f"--inherit-fd=fd[{fd}]:{key}" for fd, key in sorted(inherit.items())]
         if detached:
-            _restore_detached(argv, work, deadline_s, tuple(inherit), options.env())
+            _restore_detached(argv, work, deadline_s, tuple(inherit))
         else:
-            _restore_attached(argv, work, deadline_s, tuple(inherit), options.env())
+            _restore_attached(argv, work, deadline_s, tuple(inherit))
         return _read_pid(pidfile)
     except BaseException:
         _kill_pidfile(pidfile)
@@ -273,7 +269,6 @@ def _restore_detached(
     work: Path,
     deadline_s: float,
     pass_fds: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
 ) -> None:
     try:
         criu = subprocess.Popen(
@@ -282,7 +277,6 @@ def _restore_detached(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             pass_fds=pass_fds,
-            env=env,
         )
     except OSError as exc:
         raise RestoreFailed(one_line(f"criu restore: cannot run {argv[0]}: {exc}")) from None
@@ -304,7 +298,6 @@ def _restore_attached(
     work: Path,
     deadline_s: float,
     pass_fds: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
 ) -> None:
     """criu restore in the background as the tree's parent; back once the tree resumed."""
     marker, script = work / "resumed", work / "post-resume.sh"
@@ -316,7 +309,6 @@ def _restore_attached(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         pass_fds=pass_fds,
-        env=env,
     )
     while not marker.exists():
         if criu.poll() is not None:
@@ -379,7 +371,6 @@ def _run(
     timeout_s: float,
     what: str = "criu",
     pass_fds: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run criu; a timeout or a missing binary becomes RestoreFailed."""
     try:
@@ -390,7 +381,6 @@ def _run(
             text=True,
             timeout=timeout_s,
             pass_fds=pass_fds,
-            env=env,
         )
     except subprocess.TimeoutExpired:
         raise RestoreFailed(f"{what} timed out after {timeout_s:.0f} s") from None
