@@ -438,3 +438,16 @@ def test_an_abstract_socket_needs_a_network_namespace_per_copy(criu_config, tmp_
     finally:
         first.kill()
         second.kill()
+
+
+def test_a_cuda_worker_gets_its_own_namespaces_by_default_where_unshare_can_make_them():
+    """`auto` for a CUDA worker: `isolated` (a pid, mount and network namespace, so copies of one
+    image restore at once) where `unshare` makes them, else the host's pid; a CPU worker keeps
+    `auto`, and a value set by hand is kept on either device."""
+    auto = process.ProcessConfig()
+    works = process.pid_namespace_works(extra=process.NAMESPACE_FLAGS["isolated"])
+    assert auto.for_device("cuda:0").pid_namespace == ("isolated" if works else "off")
+    assert auto.for_device("cpu").pid_namespace == "auto"
+    for mode in ("off", "mount", "on"):
+        chosen = process.ProcessConfig(pid_namespace=mode)
+        assert chosen.for_device("cuda").pid_namespace == mode

@@ -48,9 +48,10 @@ class ProcessConfig:
 
     criu: criu.CriuConfig = field(default_factory=criu.CriuConfig)
     lazy: str = "auto"  # lazy pages: "auto" (try, then eager), "on", "off"
-    # "auto" (when unshare --pid works), "on", "off", "mount": a pid namespace and a mount
-    # namespace with its own /proc (what CUDA needs inside a pid namespace; measured on the
-    # H200), or "isolated": a network namespace too (NAMESPACE_FLAGS)
+    # "auto" (when unshare --pid works; "isolated" for a CUDA worker, `for_device`), "on", "off",
+    # "mount": a pid namespace and a mount namespace with its own /proc (what CUDA needs inside a
+    # pid namespace; measured on the H200), or "isolated": a network namespace too
+    # (NAMESPACE_FLAGS)
     pid_namespace: str = "auto"
     init_timeout_s: float = 3600.0
     restore_timeout_s: float = 120.0  # criu restore → worker restored (replay check included)
@@ -97,10 +98,13 @@ class ProcessConfig:
         return self.pinned_socket if self.keeper == "auto" else ""
 
     def for_device(self, device: str) -> ProcessConfig:
-        """This config for a worker on `device`. CUDA fails inside a fresh pid namespace
-        (cudaGetDeviceCount: error 304, measured on the H200), so "auto" means none there."""
+        """This config for a worker on `device`. CUDA fails inside a bare pid namespace
+        (cudaGetDeviceCount: error 304, measured on the H200) and its workers hold an abstract
+        unix socket, so "auto" there means "isolated" (its own /proc and network namespace, so
+        that copies of one image restore at once), or none where `unshare` cannot make them."""
         if device.startswith("cuda") and self.pid_namespace == "auto":
-            return dataclasses.replace(self, pid_namespace="off")
+            works = pid_namespace_works(extra=NAMESPACE_FLAGS["isolated"])
+            return dataclasses.replace(self, pid_namespace="isolated" if works else "off")
         return self
 
 
