@@ -79,9 +79,12 @@ def test_one_image_restores_twice_at_once_and_each_copy_is_unique(snapshot, conf
     if not process.pid_namespace_works():
         pytest.skip("unshare --pid does not work here: a restored worker keeps its pid")
     dest, manifest = snapshot
+    assert manifest["process"]["host_pid"] is None  # no pid to wait for at restore
     first, s1, _ = restore(dest, config)
     second, s2, _ = restore(dest, config)
     try:
+        assert s1.stage("criu_restore").figures["namespaces"] == ["pid"]
+        assert "pid_free" not in [s.name for s in s1.stages]
         assert first.pid != second.pid and is_running(first.pid) and is_running(second.pid)
         a, b = ask(first, "add", n=1), ask(second, "add", n=10)
         assert (a["counter"], b["counter"]) == (6, 15)  # independent processes
@@ -415,7 +418,8 @@ def test_an_abstract_socket_needs_a_network_namespace_per_copy(criu_config, tmp_
         pytest.skip("unshare --pid --fork --mount-proc --net does not work here")
     name = f"snapfn-test-{os.getpid()}"
     shared = process.ProcessConfig(criu=criu_config, restore_timeout_s=60, pid_namespace="mount")
-    dest, _ = make_snapshot(tmp_path / "shared", shared, abstract_socket=name)
+    dest, manifest = make_snapshot(tmp_path / "shared", shared, abstract_socket=name)
+    assert manifest["process"]["host_pid"] is None
     first, _, _ = restore(dest, shared)
     try:
         with pytest.raises(ProcessRestoreFailed, match="Address already in use"):
@@ -424,14 +428,16 @@ def test_an_abstract_socket_needs_a_network_namespace_per_copy(criu_config, tmp_
         first.kill()
     own = process.ProcessConfig(criu=criu_config, restore_timeout_s=60, pid_namespace="isolated")
     dest, manifest = make_snapshot(tmp_path / "own", own, abstract_socket=name)
-    if manifest["tier"] != "process":  # e.g. a kernel without nf_tables for criu's lock
+    if manifest["tier"] != "process":  # e.g. a criu that cannot dump a network namespace here
         pytest.skip(
             f"criu cannot dump a network namespace here: {manifest['startup_obj'].fallbacks}"
         )
     assert manifest["process"]["net_namespace"] is True
-    first, _, _ = restore(dest, own)
+    assert manifest["process"]["host_pid"] is None  # its own pid namespace: restores into any
+    first, startup, _ = restore(dest, own)
     second, _, _ = restore(dest, own)
     try:
+        assert startup.stage("criu_restore").figures["namespaces"] == ["pid", "mnt", "net"]
         assert (ask(first, "add", n=1)["counter"], ask(second, "add", n=10)["counter"]) == (6, 15)
         theirs = {os.readlink(f"/proc/{w.pid}/ns/net") for w in (first, second)}
         assert len(theirs) == 2 and os.readlink("/proc/self/ns/net") not in theirs

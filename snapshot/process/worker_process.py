@@ -191,9 +191,10 @@ def spawn(
     )
     for fd in (ctl[0], rep[1], out[1]):
         os.close(fd)
-    pid = _worker_pid(popen) if argv[0] == "unshare" else popen.pid
+    own = argv[0] == "unshare"
+    pid = _worker_pid(popen) if own else popen.pid
     threading.Thread(target=popen.wait, daemon=True).start()  # reap unshare / the worker
-    return Worker(pid, PipeChannel(rep[0], ctl[1]), out[0], log)
+    return Worker(pid, PipeChannel(rep[0], ctl[1]), out[0], log, own_pid_namespace=own)
 
 
 def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log | None) -> dict:
@@ -307,9 +308,13 @@ def restore(
         )
         if meta.get("host_pid") and Path(f"/proc/{meta['host_pid']}").exists():
             run_stage("pid_free", lambda f: wait_for_pid(meta["host_pid"], config.pid_wait_s, f))
-        pid = run_stage(
-            "criu_restore", lambda f: _criu_restore(images_dir, inherit, config, f, lazy, options)
-        )
+        own = _namespaces(meta)
+
+        def criu_restore(figures: dict) -> int:
+            figures["namespaces"] = own  # of its own, e.g. ["pid", "mnt", "net"]; [] the host's
+            return _criu_restore(images_dir, inherit, config, figures, lazy, options)
+
+        pid = run_stage("criu_restore", criu_restore)
         for fd in theirs.values():
             os.close(fd)
         theirs = {}
@@ -335,6 +340,15 @@ def restore(
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
+
+
+def _namespaces(meta: Mapping[str, Any]) -> list[str]:
+    """The namespaces an image's tree has of its own: a pid namespace unless it restores into
+    its original pid (`host_pid`), a mount and a network namespace where it was dumped with
+    them."""
+    own = {"pid": not meta.get("host_pid"), "mnt": meta.get("mount_namespace")}
+    own["net"] = meta.get("net_namespace")
+    return [name for name, yes in own.items() if yes]
 
 
 def wait_for_pid(pid: int, wait_s: float, figures: dict) -> None:
