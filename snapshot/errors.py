@@ -54,6 +54,12 @@ class InitFailed(SnapfnError):
     code = "init_failed"
 
 
+class RankFailed(SnapfnError):
+    """A rank of a tensor- or expert-parallel group died: the group is down."""
+
+    code = "rank_failed"
+
+
 def one_line(message: str) -> str:
     """`message` with its line breaks turned into spaces: every snapfn error reads as one line."""
     return " ".join(message.splitlines())

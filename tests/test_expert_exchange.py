@@ -78,9 +78,13 @@ def test_all_to_all_returns_each_token_summed_over_all_its_experts(tmp_path):
             )
 
 
-def test_ep_size_one_needs_no_exchange_and_tp_with_ep_is_refused():
-    assert make_exchange(ParallelConfig(), NUM_EXPERTS) is None
+def test_ep_size_one_needs_no_exchange_and_tp_with_ep_is_replicated_only():
+    from snapfn.handler.llm.models.expert_exchange import ReplicatedExchange
     from snapfn.snapshot.errors import BadRequest
 
-    with pytest.raises(BadRequest, match="tensor parallel"):
-        make_exchange(ParallelConfig(tp_size=2, ep_size=2), NUM_EXPERTS)
+    assert make_exchange(ParallelConfig(), NUM_EXPERTS) is None
+    tp_ep = ParallelConfig(tp_size=2, ep_size=2)
+    assert isinstance(make_exchange(tp_ep, NUM_EXPERTS), ReplicatedExchange)
+    for dispatch in ("all_to_all", "deepep"):
+        with pytest.raises(BadRequest, match="tensor parallel runs every token on every rank"):
+            make_exchange(ParallelConfig(tp_size=2, ep_size=2, ep_dispatch=dispatch), NUM_EXPERTS)

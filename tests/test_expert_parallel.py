@@ -217,9 +217,3 @@ def test_expert_parallel_without_a_process_group_says_what_is_missing(glm_dir):
     assert not dist.is_initialized()
     with pytest.raises(BadRequest, match="needs torch.distributed initialised"):
         generate(glm_dir, ParallelConfig(ep_size=2, ep_rank=0))
-
-
-def test_a_tensor_parallel_engine_is_refused_before_it_loads_anything(glm_dir):
-    # its sharding rules exist for loading, but no layer sums across tp ranks: wrong logits
-    with pytest.raises(BadRequest, match="tp_size=2: tensor-parallel engines are not supported"):
-        generate(glm_dir, ParallelConfig(tp_size=2, tp_rank=0))

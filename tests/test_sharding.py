@@ -117,7 +117,8 @@ def test_tp2_slices_reassemble_to_full_tensor(arch, make):
 
 def test_placements_follow_the_documented_rules():
     expect = {
-        "model.layers.0.self_attn.k_proj.weight": ("llama", "column"),
+        "model.layers.0.self_attn.k_proj.weight": ("llama", "kv"),
+        "model.layers.0.self_attn.v_proj.bias": ("qwen2", "kv"),
         "model.layers.0.self_attn.q_proj.bias": ("qwen2", "column"),
         "model.layers.0.self_attn.o_proj.weight": ("llama", "row"),
         "model.layers.0.mlp.down_proj.weight": ("qwen3", "row"),
@@ -258,8 +259,9 @@ def test_parallel_config_and_heads_are_validated():
     with pytest.raises(BadRequest, match="ep_dispatch='nccl': choose one of replicated, all_to_"):
         ParallelConfig(ep_size=2, ep_dispatch="nccl")
     validate_head_split(HEADS, KV_HEADS, ParallelConfig(tp_size=2))
-    with pytest.raises(UnsupportedModel, match="num_key_value_heads=2"):
-        validate_head_split(HEADS, KV_HEADS, ParallelConfig(tp_size=4))
+    validate_head_split(HEADS, KV_HEADS, ParallelConfig(tp_size=4))  # k/v heads replicated
+    with pytest.raises(UnsupportedModel, match="num_key_value_heads=3 and tp_size=2"):
+        validate_head_split(HEADS, 3, ParallelConfig(tp_size=2))
 
 
 def test_slice_bounds_read_only_the_rank_slice_from_safetensors(tmp_path):

@@ -76,14 +76,6 @@ class LoadedEngine:
 
 def build_engine(model_dir: Path | str, opts: EngineOptions | None = None) -> LoadedEngine:
     opts = opts or EngineOptions()
-    if opts.parallel.tp_size > 1:
-        # NOTE: the sharding rules load a tp rank's slices, but no layer sums partial results
-        # across tp ranks, so such an engine would compute wrong logits: refuse it up front
-        raise BadRequest(
-            f"tp_size={opts.parallel.tp_size}: tensor-parallel engines are not supported yet "
-            "(its sharding rules only load one rank's slices); for a MoE model, spread the "
-            "experts with ep_size instead"
-        )
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint.open(model_dir)

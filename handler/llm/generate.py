@@ -7,10 +7,12 @@ are printed once, as they run, then its outcome.
 `--batch-size N` runs N copies of the prompt together, which is how decode speed at batch N
 is measured.
 
-`--ep-size N` runs a MoE model expert-parallel, one process per rank, each holding 1/N of the
-routed experts (`parallel.ParallelConfig`); launch it with torchrun, which gives each process
-its rank:
+`--tp-size N` runs the model tensor-parallel over N ranks (each holding 1/N of every layer's
+heads and columns, `models/tensor_parallel.py`), `--ep-size M` a MoE model's routed experts
+expert-parallel over M (each rank 1/M of them); `N * M` processes in all, which the command
+starts itself (`ranks.py`) or torchrun gives:
 
+    snapfn generate --model M --tp-size 2
     torchrun --nproc-per-node 2 -m snapfn.handler.cli generate --model M --ep-size 2 [--device cuda]
 
 Every rank generates the prompt (`--ep-dispatch all_to_all`: each its own copy, the tokens
@@ -26,14 +28,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from snapfn.handler.function.target_flags import add_snapshot_arguments, snapshot_path
 from snapfn.handler.llm.engine.request import MAX_PENALTY, MAX_TEMPERATURE
 from snapfn.handler.llm.parallel import EP_DISPATCHES, ParallelConfig
+from snapfn.handler.llm.ranks import parallel_ranks
 from snapfn.snapshot.errors import BadRequest
 
 
@@ -95,10 +96,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help='print {"token_ids", "text", "logprobs"} as JSON'
     )
     p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, one process each (started here, or by torchrun)",
+    )
+    p.add_argument(
         "--ep-size",
         type=int,
         default=1,
-        help="expert-parallel ranks of a MoE model, one process each: launch under torchrun",
+        help="expert-parallel ranks of a MoE model (times --tp-size processes in all)",
     )
     p.add_argument(
         "--ep-dispatch",
@@ -144,15 +151,16 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
     ).validate()
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
-    if args.ep_size != 1 and snapshot is not None:
-        raise BadRequest("--ep-size with --snapshot: expert-parallel ranks load the model")
+    if args.ep_size * args.tp_size != 1 and snapshot is not None:
+        raise BadRequest("--tp-size/--ep-size with --snapshot: parallel ranks load the model")
     if process_restore_enabled(snapshot):
         return _run_restored_service(args, snapshot, params)
     from snapfn.handler.llm.build import EngineOptions, build_engine
     from snapfn.handler.llm.embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
-    with _expert_parallel_rank(args) as (parallel, device):
+    ranks = parallel_ranks(args.tp_size, args.ep_size, args.ep_dispatch, args.device)
+    with ranks as (parallel, device):
         t0 = time.perf_counter()
         if snapshot is not None:
             engine, model_type = _restore(args, snapshot)
@@ -169,36 +177,16 @@ def run(args: argparse.Namespace) -> int:
         source = args.snapshot or model_dir
         if parallel.ep_size > 1:
             _say_experts_held(engine.model, parallel, model_dir)
-            source = f"{model_dir} (ep {parallel.ep_size}, {parallel.ep_dispatch})"
+        if parallel.ep_size * parallel.tp_size > 1:
+            source = f"{model_dir} (tp {parallel.tp_size}, ep {parallel.ep_size}"
+            source += f", {parallel.ep_dispatch})" if parallel.ep_size > 1 else ")"
         ids = _prompt_ids(args, engine.tokenizer)
         timing = _timed_generate(engine, [ids] * args.batch_size, params)
         result = timing.pop("results")[0]
-        if parallel.ep_rank == 0:  # one rank prints
+        if parallel.ep_rank == 0 and parallel.tp_rank == 0:  # one rank prints
             _report(args, source, model_type, engine, load_s, timing)
             _print_result(args, result, engine.tokenizer is not None)
     return 0
-
-
-@contextmanager
-def _expert_parallel_rank(args: argparse.Namespace) -> Iterator[tuple[ParallelConfig, str]]:
-    """(this process's `ParallelConfig`, its device). At `--ep-size` 1: one process,
-    `--device`. Above: the rank torchrun gave this process, in the group it joins here (NCCL on
-    `cuda:LOCAL_RANK`, gloo on CPU) and leaves afterwards."""
-    if args.ep_size == 1:
-        yield ParallelConfig(), args.device
-        return
-    import torch.distributed as dist
-
-    parallel, device = _ep_rank(args)
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    try:
-        yield parallel, device
-    finally:
-        dist.destroy_process_group()
 
 
 def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:
@@ -210,28 +198,6 @@ def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:
         f"{held.start}-{held.stop - 1} of each MoE layer's {model.config.moe.n_routed_experts}",
         file=sys.stderr,
     )
-
-
-def _ep_rank(args: argparse.Namespace) -> tuple[ParallelConfig, str]:
-    """This process's `ParallelConfig` and device, from torchrun's environment."""
-    launch = (
-        f"launch one process per rank: torchrun --nproc-per-node {args.ep_size} "
-        f"-m snapfn.handler.cli generate --ep-size {args.ep_size} ..."
-    )
-    if args.ep_size < 1:
-        raise BadRequest(f"--ep-size must be >= 1, got {args.ep_size}")
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
-    except (KeyError, ValueError):
-        raise BadRequest(f"--ep-size {args.ep_size} needs RANK and WORLD_SIZE: {launch}") from None
-    if world != args.ep_size:
-        raise BadRequest(f"--ep-size {args.ep_size} but WORLD_SIZE={world}: {launch}")
-    device = args.device
-    if device == "cuda":
-        device = f"cuda:{local}"
-    parallel = ParallelConfig(ep_size=args.ep_size, ep_rank=rank, ep_dispatch=args.ep_dispatch)
-    return parallel, device
 
 
 def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> int:

@@ -30,7 +30,7 @@ Such a model runs eager: its exchange reads split sizes on the host, which no CU
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,7 @@ from snapfn.handler.llm.engine.request import (
 from snapfn.handler.llm.engine.sampler import make_generator, prompt_logprobs, sample
 from snapfn.handler.llm.engine.scheduler import Scheduler
 from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.models.tensor_parallel import broadcast_tokens, runs_every_request
 from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from snapfn.snapshot.errors import BadRequest
 
@@ -281,6 +282,12 @@ class Engine:
         # the GPU, which waits for the step's kernels before the sampler's own copy does
         rows = logits if len(ready) == len(requests) else logits[ready]
         picks = sample(rows, ready_reqs, self._picks)
+        parallel = self.model.parallel
+        if runs_every_request(parallel) and not all(r.params.plain_greedy for r in ready_reqs):
+            # a draw is each rank's own; greedy picks agree (the logits are the same bits)
+            picks = replace(
+                picks, tokens=broadcast_tokens(picks.tokens, parallel, self.model.device)
+            )
         return [
             self._append(req, t, lp, top)
             for req, t, lp, top in zip(

@@ -21,6 +21,7 @@ from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.kernels.base import Backend
 from snapfn.handler.llm.models.layers import Linear, RMSNorm, is_quantized
+from snapfn.handler.llm.models.tensor_parallel import RowLinear, VocabEmbedding, gather_vocab
 from snapfn.handler.llm.parallel import ParallelConfig
 from snapfn.handler.llm.weights.quant import FP8_BLOCK
 
@@ -85,6 +86,24 @@ class CausalLM(nn.Module):
             fp8=is_quantized(name, self.config.quant) if fp8 is None else fp8,
             dtype=dtype or self.dtype,
             device=self.device,
+        )
+
+    def row_linear(
+        self, name: str, in_features: int, out_features: int, bias: bool = False
+    ) -> Linear:
+        """A row-parallel Linear for checkpoint module `name` (o_proj, down_proj): this rank's
+        `in_features` input rows; at tp > 1 its product is all-reduced (`RowLinear`)."""
+        if self.parallel.tp_size == 1:
+            return self.linear(name, in_features, out_features, bias)
+        return RowLinear(
+            in_features,
+            out_features,
+            self.backend,
+            bias=bias,
+            fp8=is_quantized(name, self.config.quant),
+            dtype=self.dtype,
+            device=self.device,
+            parallel=self.parallel,
         )
 
     def fused_linear(
@@ -152,20 +171,29 @@ class CausalLM(nn.Module):
     def norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.dtype, self.device, self.backend)
 
-    def embedding(self) -> nn.Embedding:
-        """The token embedding: `model.embed_tokens`, filled by the loader."""
+    def embedding(self) -> VocabEmbedding:
+        """The token embedding: `model.embed_tokens`, filled by the loader; this tp rank's rows
+        of the vocabulary (`VocabEmbedding.lookup` gives every row)."""
         cfg = self.config
-        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        emb = VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, self.parallel, dtype=self.dtype, device=self.device
+        )
         emb.weight.requires_grad_(False)
         return emb
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states `[T, H]` of `input_ids [T]`, the whole vocabulary's on every rank."""
+        return self.model.embed_tokens.lookup(input_ids)
+
     def add_lm_head(self) -> None:
-        """`lm_head`, or (tied embeddings) mark a checkpoint's copy of it as deliberately unused."""
+        """`lm_head` (this tp rank's rows of the vocabulary), or (tied embeddings) mark a
+        checkpoint's copy of it as deliberately unused."""
         cfg = self.config
         if cfg.tie_word_embeddings:
             self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
         else:
-            self.lm_head = self.linear("lm_head", cfg.hidden_size, cfg.vocab_size)
+            rows = cfg.vocab_size // self.parallel.tp_size  # VocabEmbedding refused a remainder
+            self.lm_head = self.linear("lm_head", cfg.hidden_size, rows)
 
     def final_logits(
         self, h: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
@@ -180,8 +208,10 @@ class CausalLM(nn.Module):
             residual = None if residual is None else residual[keep]
         if self.config.tie_word_embeddings:
             h, _ = self.model.norm.add(h, residual)
-            return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.model.norm.add_linear(h, residual, self.lm_head, float_out=True)[0]
+            logits = F.linear(h, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.model.norm.add_linear(h, residual, self.lm_head, float_out=True)[0]
+        return gather_vocab(logits, self.parallel, self.config.vocab_size)
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         raise NotImplementedError

@@ -47,17 +47,13 @@ class Exchange:
         self._checked = False
 
     def check_world(self) -> None:
+        """BadRequest unless torch.distributed is the `tp_size * ep_size` world; the ep group
+        (`tensor_parallel.groups`: None, the default one, at tp 1) is `self.group` after."""
         if self._checked:
             return
-        import torch.distributed as dist
+        from snapfn.handler.llm.models.tensor_parallel import groups
 
-        ep_size = self.parallel.ep_size
-        if not dist.is_initialized() or dist.get_world_size() != ep_size:
-            world = dist.get_world_size() if dist.is_initialized() else "no process group"
-            raise BadRequest(
-                f"ep_size={ep_size} needs torch.distributed initialised with one rank per ep"
-                f" rank (world: {world})"
-            )
+        self.group = groups(self.parallel)[1]
         self._checked = True
 
 
@@ -69,7 +65,7 @@ class ReplicatedExchange(Exchange):
 
         self.check_world()
         out = experts(x, topk_ids, topk_weights)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
 
@@ -205,8 +201,11 @@ def make_exchange(parallel: ParallelConfig, num_experts: int) -> Exchange | None
     """The exchange `parallel` asks for, or None at ep_size 1 (every expert is here)."""
     if parallel.ep_size == 1:
         return None
-    if parallel.tp_size != 1:
-        raise BadRequest("expert parallel with tensor parallel (tp_size > 1) is not supported yet")
+    if parallel.tp_size != 1 and parallel.ep_dispatch != "replicated":
+        raise BadRequest(
+            f"ep_dispatch={parallel.ep_dispatch!r} with tp_size={parallel.tp_size}: tensor"
+            " parallel runs every token on every rank, so its experts meet them 'replicated'"
+        )
     if parallel.ep_dispatch == "replicated":
         return ReplicatedExchange(parallel)
     if parallel.ep_dispatch == "deepep":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from snapfn.handler.llm.config import ModelConfig
@@ -143,7 +142,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         ]
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [T, H]
+        h = self.embed(batch.input_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, Dr/2]
         topk = None  # the last full indexer layer's selection, reused by shared layers
         residual = None  # kept apart so that each residual add runs inside the next norm

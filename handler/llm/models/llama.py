@@ -12,7 +12,6 @@ a decode step's row on the triton backend, SwiGLU's activation included for gate
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
@@ -20,19 +19,17 @@ from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.models.layers import Rotary
 from snapfn.handler.llm.models.mlp import SwiGLUMLP
+from snapfn.handler.llm.weights.sharding import local_kv_heads, validate_head_split
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, model: LlamaForCausalLM, prefix: str, layer_id: int) -> None:
         super().__init__()
         cfg, par = model.config, model.parallel
-        if cfg.num_heads % par.tp_size or cfg.num_kv_heads % par.tp_size:
-            raise ValueError(
-                f"heads {cfg.num_heads}/{cfg.num_kv_heads} not divisible by tp={par.tp_size}"
-            )
+        validate_head_split(cfg.num_heads, cfg.num_kv_heads, par)
         self.layer_id = layer_id
         self.num_heads = cfg.num_heads // par.tp_size
-        self.num_kv_heads = cfg.num_kv_heads // par.tp_size
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, par)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.backend = model.backend
@@ -40,7 +37,7 @@ class LlamaAttention(nn.Module):
         self.rows = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
         parts = list(zip(("q_proj", "k_proj", "v_proj"), self.rows, strict=True))
         self.qkv_proj = model.fused_linear(prefix, "qkv_proj", parts, cfg.hidden_size, bias)
-        self.o_proj = model.linear(f"{prefix}.o_proj", self.num_heads * hd, cfg.hidden_size)
+        self.o_proj = model.row_linear(f"{prefix}.o_proj", self.num_heads * hd, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = model.norm(hd)
             self.k_norm = model.norm(hd)
@@ -100,11 +97,11 @@ class LlamaForCausalLM(CausalLM):
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         cfg = self.config
-        shape = (cfg.num_kv_heads // self.parallel.tp_size, cfg.head_dim)
+        shape = (local_kv_heads(cfg.num_kv_heads, self.parallel), cfg.head_dim)
         return [KVBufferSpec("k", cfg.num_layers, shape), KVBufferSpec("v", cfg.num_layers, shape)]
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        h = self.embed(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         residual = None
         for layer in self.model.layers:

@@ -137,7 +137,7 @@ class MLAttention(nn.Module):
         )
         kv_b_out = self.num_heads * (self.nope_dim + mla.v_head_dim)
         self.kv_b_proj = model.linear(f"{prefix}.kv_b_proj", self.kv_rank, kv_b_out)
-        self.o_proj = model.linear(
+        self.o_proj = model.row_linear(
             f"{prefix}.o_proj", self.num_heads * mla.v_head_dim, cfg.hidden_size, bias
         )
         if index_slot is not None:

@@ -20,7 +20,7 @@ class SwiGLUMLP(nn.Module):
         hidden, inter = model.config.hidden_size, intermediate_size // model.parallel.tp_size
         parts = [("gate_proj", inter), ("up_proj", inter)]
         self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, hidden)
-        self.down_proj = model.linear(f"{prefix}.down_proj", inter, hidden)
+        self.down_proj = model.row_linear(f"{prefix}.down_proj", inter, hidden)
         self.backend = model.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.models.expert_exchange import Exchange
 from snapfn.handler.llm.models.layers import is_quantized
 from snapfn.handler.llm.models.mlp import SwiGLUMLP
+from snapfn.handler.llm.models.tensor_parallel import all_reduce_tp
 from snapfn.handler.llm.weights.quant import FP8_DTYPE, scale_shape
 
 EXPERT_PROJS = ("gate", "up", "down")
@@ -103,6 +104,7 @@ class MoE(nn.Module):
         self.gate = TopkRouter(model)
         self.experts = StackedExperts(model, f"{prefix}.experts", experts)
         self.exchange = exchange
+        self.parallel = model.parallel
         if moe.n_shared_experts:
             shared_size = moe.moe_intermediate_size * moe.n_shared_experts
             self.shared_experts = SwiGLUMLP(model, f"{prefix}.shared_experts", shared_size)
@@ -114,8 +116,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        if self.exchange is None:
-            out = self.routed(x, topk_ids, topk_weights)
+        if self.exchange is None:  # at tp > 1 each expert's intermediate columns: partial sums
+            out = all_reduce_tp(self.routed(x, topk_ids, topk_weights), self.parallel)
         else:  # the shared experts, which every rank holds whole, are added once, after
             out = self.exchange(x, topk_ids, topk_weights, self.routed)
         if hasattr(self, "shared_experts"):

@@ -110,7 +110,14 @@ def _fill(model, params, name, tensor, target, filled, report) -> None:
     placement = placement_for(model.config.arch, name)
     moe = model.config.moe
     num_experts = moe.n_routed_experts if moe else None
-    local = shard_tensor(name, tensor, placement, model.parallel, num_experts=num_experts)
+    local = shard_tensor(
+        name,
+        tensor,
+        placement,
+        model.parallel,
+        num_experts=num_experts,
+        num_kv_heads=model.config.num_kv_heads,
+    )
     if local is None:  # an expert owned by another ep rank
         report.other_rank.append(name)
         return

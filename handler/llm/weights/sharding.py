@@ -13,9 +13,11 @@ Every checkpoint tensor name (Hugging Face spelling) matches exactly one rule gi
   expert is loaded whole, never tp-split. When `ep_size == 1` every rank owns every expert and
   splits it like a dense MLP along `dim` (gate/up: 0, down: 1).
 
-Heads: q/k/v (llama) and q_b/kv_b (MLA) are split evenly on dim 0, which is a split by heads only
-when the head count divides by tp: the model builder calls `validate_head_split` once. k/v heads
-are never replicated when `num_kv_heads < tp_size`; that is refused instead.
+Heads: q (llama) and q_b/kv_b (MLA) are split evenly on dim 0, which is a split by heads only
+when the head count divides by tp: the model builder calls `validate_head_split` once. k/v
+(`kv`) are split by heads when `num_kv_heads` divides by tp, and replicated when tp divides by
+it (fewer k/v heads than ranks: rank `r` holds head `r * num_kv_heads // tp`, the one its q
+heads read, as vLLM does); any other count is refused.
 
 MLA: `q_a_proj`, `kv_a_proj_with_mqa` and their layernorms produce the low-rank latent that every
 head reads, and the DSA indexer scores tokens once for all heads, so all are replicated.
@@ -38,7 +40,7 @@ from snapfn.handler.llm.parallel import ParallelConfig
 from snapfn.handler.llm.weights.quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 from snapfn.snapshot.errors import CheckpointError, UnsupportedModel
 
-KINDS = ("column", "row", "replicated", "expert", "vocab")
+KINDS = ("column", "row", "replicated", "expert", "vocab", "kv")
 SCALE_SUFFIX = ".weight_scale_inv"
 
 
@@ -61,6 +63,7 @@ class Placement:
 COLUMN = Placement("column", 0)
 ROW = Placement("row", 1)
 VOCAB = Placement("vocab", 0)
+KV_HEADS = Placement("kv", 0)
 REPLICATED = Placement("replicated")
 EXPERT_COLUMN = Placement("expert", 0)
 EXPERT_ROW = Placement("expert", 1)
@@ -83,7 +86,8 @@ def _compile(*rules: tuple[str, Placement]) -> tuple[tuple[re.Pattern[str], Plac
 
 
 LLAMA_RULES = _compile(
-    (_LAYER + r"self_attn\.[qkv]_proj\.(weight|bias)", COLUMN),
+    (_LAYER + r"self_attn\.q_proj\.(weight|bias)", COLUMN),
+    (_LAYER + r"self_attn\.[kv]_proj\.(weight|bias)", KV_HEADS),
     (_LAYER + r"self_attn\.o_proj\.weight", ROW),
     (_LAYER + r"self_attn\.o_proj\.bias", REPLICATED),
     (_LAYER + r"self_attn\.[qk]_norm\.weight", REPLICATED),  # per head_dim, shared by heads
@@ -155,13 +159,28 @@ def local_expert_range(num_experts: int, parallel: ParallelConfig) -> range:
 
 
 def validate_head_split(num_heads: int, num_kv_heads: int, parallel: ParallelConfig) -> None:
-    """Refuse a tp size that would cut attention heads (q or kv) across ranks."""
-    for label, count in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
-        if count % parallel.tp_size:
-            raise UnsupportedModel(
-                f"{label}={count} does not divide across tp_size={parallel.tp_size} "
-                "(heads are split whole; k/v heads are not replicated)"
-            )
+    """Refuse a tp size that would cut attention heads across ranks: q heads must divide by
+    it, k/v heads divide by it or it by them (`local_kv_heads`)."""
+    if num_heads % parallel.tp_size:
+        raise UnsupportedModel(
+            f"num_attention_heads={num_heads} does not divide across tp_size={parallel.tp_size}"
+            " (heads are split whole)"
+        )
+    local_kv_heads(num_kv_heads, parallel)
+
+
+def local_kv_heads(num_kv_heads: int, tp_size_or_parallel) -> int:
+    """The k/v heads a tp rank holds: `num_kv_heads / tp`, or one (replicated) when there are
+    fewer heads than ranks and tp divides by them; UnsupportedModel otherwise."""
+    tp = getattr(tp_size_or_parallel, "tp_size", tp_size_or_parallel)
+    if num_kv_heads % tp == 0:
+        return num_kv_heads // tp
+    if tp % num_kv_heads == 0:
+        return 1
+    raise UnsupportedModel(
+        f"num_key_value_heads={num_kv_heads} and tp_size={tp}: neither divides the other, so"
+        " the k/v heads can be neither split whole nor replicated"
+    )
 
 
 def shard_slice_bounds(
@@ -173,6 +192,7 @@ def shard_slice_bounds(
     fp8: bool = False,
     num_experts: int | None = None,
     weight_shape: Sequence[int] | None = None,
+    num_kv_heads: int | None = None,
 ) -> tuple[slice, ...] | None:
     """Index tuple of this rank's part of a tensor of `shape`; None if another ep rank owns it.
 
@@ -182,11 +202,37 @@ def shard_slice_bounds(
     (told by `name`), `shape` is the scale grid; pass `weight_shape` to check the split against
     the weight exactly (partial edge blocks included), else the grid is split evenly, which
     matches the weight's split whenever that one passed its own fp8 check.
-    `num_experts` is needed for expert tensors when `ep_size > 1`.
+    `num_experts` is needed for expert tensors when `ep_size > 1`, `num_kv_heads` for k/v
+    projections when there may be fewer k/v heads than tp ranks (without it they split evenly).
     """
+    if placement.kind == "kv" and parallel.tp_size > 1:
+        bounds = _kv_bounds(name, shape, parallel, num_kv_heads, FP8_BLOCK if fp8 else 1)
+        if bounds is not None:
+            return bounds
+        placement = COLUMN  # heads split whole: an even split of the rows
     if name.endswith(SCALE_SUFFIX):
         return _scale_bounds(name, shape, placement, parallel, num_experts, weight_shape)
     return _bounds(name, shape, placement, parallel, FP8_BLOCK if fp8 else 1, num_experts)
+
+
+def _kv_bounds(
+    name: str, shape: Sequence[int], parallel: ParallelConfig, num_kv_heads: int | None, block: int
+) -> tuple[slice, ...] | None:
+    """The replicated k/v head of this rank (`local_kv_heads`), or None where the heads divide
+    by tp (an even split) or their count is not given (the loader always gives it)."""
+    if num_kv_heads is None:
+        return None
+    if local_kv_heads(num_kv_heads, parallel) != 1 or num_kv_heads % parallel.tp_size == 0:
+        return None
+    if name.endswith(SCALE_SUFFIX) or shape[0] % num_kv_heads:
+        raise UnsupportedModel(f"tensor {name!r}: k/v heads replicated across tp: not for FP8")
+    rows = shape[0] // num_kv_heads
+    if rows % block:
+        raise UnsupportedModel(f"tensor {name!r}: an FP8 k/v head of {rows} rows")
+    head = parallel.tp_rank * num_kv_heads // parallel.tp_size
+    bounds = list(_whole(shape))
+    bounds[0] = slice(head * rows, (head + 1) * rows)
+    return tuple(bounds)
 
 
 def shard_tensor(
@@ -197,6 +243,7 @@ def shard_tensor(
     *,
     num_experts: int | None = None,
     weight_shape: Sequence[int] | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor | None:
     """This rank's part of `tensor` (a view; `.clone()` to free the rest), or None if not ours.
 
@@ -210,6 +257,7 @@ def shard_tensor(
         fp8=tensor.dtype == FP8_DTYPE,
         num_experts=num_experts,
         weight_shape=weight_shape,
+        num_kv_heads=num_kv_heads,
     )
     return None if bounds is None else tensor[bounds]
 
