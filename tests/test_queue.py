@@ -402,6 +402,33 @@ def test_sigterm_drains_held_jobs_and_exits_0(
     assert queue_counts(sqs, queue_url) == (0, 0), "".join(lines)
 
 
+@pytest.mark.slow
+def test_a_worker_over_two_tensor_parallel_ranks_answers_like_one_rank(
+    aws, sqs, s3, bucket, names, llama_with_tokenizer, reference, tmp_path
+):
+    """`snapfn worker --tp-size 2`: rank 0 takes the jobs, rank 1 follows its steps; SIGTERM
+    drains and stops both."""
+    queue_url, _ = make_queue(sqs, names)
+    jobs = {"a": "hello world", "b": "the quick brown fox", "c": "a"}
+    for job_id, prompt in jobs.items():
+        send_job(sqs, queue_url, job_id, {"s3": f"s3://{bucket}/tp/"}, prompt=prompt,
+                 params={"max_tokens": 8})  # fmt: skip
+    proc, lines = worker_process(
+        aws, queue_url, llama_with_tokenizer, tmp_path, "--wait-time-s", "1", "--tp-size", "2"
+    )
+    try:
+        done = lambda: all(read_result(s3, bucket, f"tp/{j}.json") for j in jobs)  # noqa: E731
+        wait_for(done, 120, f"results: {lines}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, lines
+    finally:
+        proc.kill()
+    for job_id, prompt in jobs.items():
+        doc = read_result(s3, bucket, f"tp/{job_id}.json")
+        assert [o["token_ids"] for o in doc["outputs"]] == reference([prompt], 8)
+    assert any("starting ranks 1-1 of 2" in line for line in lines), lines
+
+
 def test_drain_timeout_gives_unfinished_jobs_back_at_once(
     aws, sqs, s3, bucket, names, slow_runtime
 ):

@@ -43,6 +43,7 @@ exits non-zero so that an orchestrator replaces it. Any other failed start leave
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -163,6 +164,8 @@ class WorkerRuntime:
         from snapfn.handler.llm.recipes.process_restore import restore_llm
 
         t, config = self.target, self.target.init_config
+        if config.world_size > 1:
+            return _init_llm_ranks(t, log)
         if _holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
             return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction
@@ -377,6 +380,52 @@ class WorkerRuntime:
         if self._llm_function is not None:
             self._llm_function.release()
         self.llm = self._llm_function = self._handler = self._llm_handler = None
+
+
+def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest, Any]:
+    """A tensor- or expert-parallel LLM: this process is rank 0 (it serves), the other ranks
+    are started here (`python -m snapfn.handler.llm.follower`, `ranks.py`); every rank runs the
+    cold init, then rank 0's service drives the others in lock step (`lockstep.py`). Leaving
+    the group stops them."""
+    import dataclasses
+    from contextlib import ExitStack
+
+    from snapfn.handler.llm.embedded import embedded_model_dir
+    from snapfn.handler.llm.lockstep import Lockstep
+    from snapfn.handler.llm.ranks import parallel_ranks
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.service import LLMService
+    from snapfn.snapshot.runtime import cold_init
+
+    config = target.init_config
+    if target.snapshot_dir is not None:
+        raise BadRequest(
+            f"tp_size={config.tp_size} x ep_size={config.ep_size} with --snapshot: a snapshot of"
+            " several ranks is not written or restored yet; drop --snapshot (each start is a"
+            " cold init of every rank)"
+        )
+    model_dir = Path(target.model_dir or embedded_model_dir())
+    command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir)]
+    stack = ExitStack()
+    try:
+        parallel, device = stack.enter_context(
+            parallel_ranks(
+                config.tp_size,
+                config.ep_size,
+                config.ep_dispatch,
+                config.device,
+                command=command,
+                extra_env=config.to_env(),
+            )
+        )
+        fn = LLMFunction(dataclasses.replace(config, device=device), model_dir, parallel=parallel)
+        startup = cold_init(fn, log)
+        service = LLMService(fn.engine, lockstep=Lockstep(parallel), on_close=stack.close)
+    except BaseException:
+        stack.close()
+        raise
+    startup.info["parallel"] = {"tp_size": parallel.tp_size, "ep_size": parallel.ep_size}
+    return service, startup, fn
 
 
 def _holds_files(folder: Path | None) -> bool:

@@ -73,6 +73,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, help="longest sequence served")
     engine.add_argument("--max-running-requests", type=int, help="decode batch limit")
     engine.add_argument("--kv-cache-mb", type=int, help="KV pool size on CPU, MiB")
+    engine.add_argument(
+        "--tp-size",
+        type=int,
+        help="tensor-parallel ranks: this process serves as rank 0 and starts the others",
+    )
+    engine.add_argument(
+        "--ep-size", type=int, help="expert-parallel ranks of a MoE model (times --tp-size)"
+    )
 
 
 def serve_target(args: argparse.Namespace) -> Any:
@@ -99,7 +107,13 @@ def serve_target(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         max_running_requests=args.max_running_requests,
         kv_cache_bytes_cpu=kv_bytes,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
     )
+    if init_config.tp_size < 1 or init_config.ep_size < 1:
+        raise BadRequest(
+            f"--tp-size and --ep-size must be >= 1, got {init_config.tp_size} and {init_config.ep_size}"
+        )
     snapshot_dir = snapshot_path(args)
     return ServeTarget(model_dir=args.model, snapshot_dir=snapshot_dir, init_config=init_config)
 

@@ -41,6 +41,9 @@ class InitConfig:
     )
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(os.environ))
     tier: str = "portable"  # what `snapfn init` writes: "portable" (tier 0) or "process" (tier 1)
+    tp_size: int = 1  # tensor-parallel ranks (handler/llm/ranks.py starts them)
+    ep_size: int = 1  # expert-parallel ranks of a MoE model (tp_size * ep_size processes)
+    ep_dispatch: str = "replicated"  # how tokens meet other ep ranks' experts (parallel.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:
@@ -56,16 +59,35 @@ class InitConfig:
         return cls(**values)
 
     @property
+    def world_size(self) -> int:
+        return self.tp_size * self.ep_size
+
+    def to_env(self) -> dict[str, str]:
+        """This config as the `SNAPFN_<FIELD>` variables `from_env` reads back to an equal one
+        (how rank 0 gives its config to the ranks it starts)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                value = "1" if value else "0"
+            elif isinstance(value, tuple):
+                value = ",".join(str(v) for v in value)
+            out[f"SNAPFN_{f.name.upper()}"] = str(value)
+        return out
+
+    @property
     def chunk_sizes(self) -> tuple[int, ...]:
         return self.prefill_chunk_sizes or (self.max_num_batched_tokens,)
 
-    def engine_options(self, num_pages: int | None = None):
+    def engine_options(self, num_pages: int | None = None, parallel=None):
         # NOTE: imported here, not at module level: InitConfig is built by front doors (and for
         # non-LLM functions) that must not pay for `import torch`.
         from snapfn.handler.llm.build import EngineOptions
         from snapfn.handler.llm.engine.engine import SchedulerConfig
+        from snapfn.handler.llm.parallel import ParallelConfig
 
         return EngineOptions(
+            parallel=parallel or ParallelConfig(ep_dispatch=self.ep_dispatch),
             device=self.device,
             dtype=self.dtype,
             backend=self.backend,

@@ -2,17 +2,19 @@
 
 Under torchrun (RANK and WORLD_SIZE set) a process is the rank torchrun gave it. Otherwise the
 process the user started is rank 0 and starts the others itself, as vLLM's
-`--tensor-parallel-size` does: each is the same command line (`sys.orig_argv`) with the rank in
-its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: torchrun's names), its
-output on rank 0's stderr, none on stdout (rank 0 prints the results). The ranks meet over
-NCCL on CUDA (`cuda:LOCAL_RANK` each) and gloo on CPU.
+`--tensor-parallel-size` does: `snapfn generate` runs its own command line again
+(`sys.orig_argv`); a server or queue worker, which serves as rank 0, starts
+`python -m snapfn.handler.llm.follower` (`command`). Each gets its rank in its environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: torchrun's names), its output on rank
+0's stderr, none on stdout. The ranks meet over NCCL on CUDA (`cuda:LOCAL_RANK` each) and gloo
+on CPU.
 
 Ranks are laid out `rank = ep_rank * tp_size + tp_rank` (`models/tensor_parallel.py`). A rank
 that dies takes the group down: rank 0 watches the ranks it started and, when one exits with an
-error, stops the others and fails with `RankFailed` naming the rank and its status (or, when
-it is not in a collective that fails first, exits with that line on stderr, status 1); the
-ranks it started get SIGTERM when rank 0 dies (`PR_SET_PDEATHSIG`). A rank that hangs in a collective
-gives up after `SNAPFN_RANK_TIMEOUT_S` (default 300 s).
+error, stops the others and fails with `RankFailed` naming the rank and its status (or, when it
+is not in a collective that fails first, exits with that line on stderr, status 1); the ranks
+it started exit when rank 0 is gone (each watches its parent pid). A rank that hangs in a
+collective gives up after `SNAPFN_RANK_TIMEOUT_S` (default 300 s).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def parallel_ranks(
     ep_dispatch: str,
     device: str,
     environ: Mapping[str, str] | None = None,
+    command: list[str] | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[ParallelConfig, str]]:
     """(this process's `ParallelConfig`, its device), inside the process group of all ranks
-    (left afterwards). One rank: no group, `device` as given."""
+    (left afterwards). One rank: no group, `device` as given. `command`: what the ranks this
+    process starts run (default: this command again), with `extra_env` in their environment."""
     environ = os.environ if environ is None else environ
     for name, size in (("--tp-size", tp_size), ("--ep-size", ep_size)):
         if size < 1:
@@ -65,7 +70,8 @@ def parallel_ranks(
         return
     started: list[subprocess.Popen] = []
     if "RANK" not in environ:
-        environ, started = _start_ranks(world, device)
+        argv = command or [sys.executable, *sys.orig_argv[1:]]
+        environ, started = _start_ranks(world, device, argv, dict(extra_env or {}))
     rank, local = _rank_from(environ, world, tp_size, ep_size)
     parallel = rank_layout(tp_size, ep_size, rank, ep_dispatch)
     if device == "cuda":
@@ -111,14 +117,13 @@ def _rank_from(
     return rank, local
 
 
-def _start_ranks(world: int, device: str) -> tuple[dict[str, str], list[subprocess.Popen]]:
-    """Start ranks 1 … world-1 as copies of this command; this process's environment as rank 0."""
-    from snapfn.handler.activator.parent_watch import PARENT_PID_VARIABLE
-
+def _start_ranks(
+    world: int, device: str, argv: list[str], extra_env: dict[str, str]
+) -> tuple[dict[str, str], list[subprocess.Popen]]:
+    """Start ranks 1 … world-1 running `argv`; this process's environment as rank 0."""
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
     base["MASTER_PORT"] = str(_free_port())
-    theirs = {SPAWNED_BY: str(os.getpid()), PARENT_PID_VARIABLE: str(os.getpid())}
-    argv = [sys.executable, *sys.orig_argv[1:]]
+    theirs = {SPAWNED_BY: str(os.getpid()), **extra_env}
     started = []
     print(f"[snapfn] starting ranks 1-{world - 1} of {world} ({device})", file=sys.stderr)
     for rank in range(1, world):
@@ -180,10 +185,7 @@ def _join_group(environ: Mapping[str, str], device: str, world: int, rank: int) 
     import torch.distributed as dist
 
     if environ.get(SPAWNED_BY):
-        from snapfn.handler.activator.parent_watch import exit_with_parent
-
-        if not exit_with_parent(environ):
-            raise BadRequest("rank 0, which started this rank, has exited")
+        _exit_with(int(environ[SPAWNED_BY]))
     if device.startswith("cuda"):
         import torch
 
@@ -192,6 +194,22 @@ def _join_group(environ: Mapping[str, str], device: str, world: int, rank: int) 
     init = f"tcp://{environ.get('MASTER_ADDR', '127.0.0.1')}:{environ.get('MASTER_PORT', '29500')}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init, world_size=world, rank=rank, timeout=timeout)
+
+
+def _exit_with(parent: int) -> None:
+    """End this rank when rank 0, which started it, is gone: its parent pid changes. Polled on a
+    thread, not `PR_SET_PDEATHSIG`: that follows the thread that forked, and rank 0 may start
+    its ranks from a thread that ends (a server's start-up thread)."""
+    if os.getppid() != parent:
+        raise BadRequest("rank 0, which started this rank, has exited")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        print("[snapfn] rank 0 is gone: this rank exits", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="snapfn-rank0-watch").start()
 
 
 def _leave_group() -> None:

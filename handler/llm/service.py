@@ -8,12 +8,20 @@ freed at the next step.
 
 Thread-safety: `Engine.add_request` / `cancel` / `step` take the engine's lock; the loop is the
 only caller of `step`. Outputs reach streams through per-request queues.
+
+With a `lockstep` (rank 0 of a tensor-parallel group, `lockstep.py`) a request is checked where
+it is submitted but added, like a cancel, by the loop between steps, each change and each step
+sent to the other ranks first; `close()` tells them to stop, then `on_close` runs (the group
+is left).
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from snapfn.handler.llm.engine.engine import Engine
 from snapfn.handler.llm.engine.request import GenerationResult, RequestOutput, SamplingParams
@@ -25,8 +33,11 @@ class LLMService:
     engine: Engine
     idle_wait_s: float = 0.05
     stats: ServiceStats = field(default_factory=ServiceStats)
+    lockstep: Any = None  # a `lockstep.Lockstep`: this service drives the other ranks
+    on_close: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
+        self._changes: list[list[Any]] = []  # with a lockstep: applied by the loop
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -45,7 +56,14 @@ class LLMService:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
         """Queue a request (validated now: raises BadRequest) and return its stream."""
         with self._lock:
-            request_id = self.engine.add_request(list(prompt_ids), params)
+            if self.lockstep is None:
+                request_id = self.engine.add_request(list(prompt_ids), params)
+            else:
+                from snapfn.handler.llm.lockstep import params_to_json
+
+                self.engine.check_request(list(prompt_ids), params)
+                request_id = f"req-{uuid.uuid4().hex}"
+                self._changes.append(["add", request_id, list(prompt_ids), params_to_json(params)])
             stream = Stream(self, request_id, list(prompt_ids))
             self._streams[request_id] = stream
             self.stats.requests += 1
@@ -60,7 +78,12 @@ class LLMService:
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            if self._streams.pop(request_id, None) is not None and self.engine.cancel(request_id):
+            if self._streams.pop(request_id, None) is None:
+                return
+            if self.lockstep is not None:
+                self._changes.append(["cancel", request_id])
+                self.stats.cancelled += 1
+            elif self.engine.cancel(request_id):
                 self.stats.cancelled += 1
 
     def kv_usage(self) -> float:
@@ -70,9 +93,15 @@ class LLMService:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self.lockstep is not None and not self._thread.is_alive():
+            self.lockstep.send({"stop": True})
+        if self.on_close is not None:
+            self.on_close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.lockstep is not None:
+                self._lockstep_changes()
             if not self.engine.has_work():
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
@@ -84,6 +113,16 @@ class LLMService:
                 continue
             self.stats.steps += 1
             self._deliver(outputs)
+
+    def _lockstep_changes(self) -> None:
+        """Apply the requests added and cancelled since the last step, then tell the other ranks
+        those changes and whether this loop steps now."""
+        from snapfn.handler.llm.lockstep import apply
+
+        with self._lock:
+            changes, self._changes = self._changes, []
+        apply(self.engine, changes)
+        self.lockstep.send({"changes": changes, "step": self.engine.has_work()})
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

@@ -130,21 +130,27 @@ class Engine:
         """Longest prompt accepted: one token of room must remain in the model length and the pool."""
         return min(self.max_model_len, self.kv.capacity_tokens) - 1
 
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """The request `add_request` would queue, checked (BadRequest saying what to fix), not
+        queued: a lock-step driver checks a request where it arrives and adds it between steps."""
         params.validate()
         self._check_prompt(prompt_ids)
         self._check_logit_bias(params)
         req = Request(list(prompt_ids), params)
-        if request_id is not None:
-            req.request_id = request_id
-        req.generator = make_generator(params.seed)
         if self.scheduler.pages_needed(req) > self.kv.num_pages:
             raise BadRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more "
                 f"KV cache than the whole pool holds ({self.kv.capacity_tokens} tokens); lower max_new_tokens"
             )
+        return req
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        req = self.check_request(prompt_ids, params)
+        if request_id is not None:
+            req.request_id = request_id
+        req.generator = make_generator(params.seed)
         with self._lock:
             if req.request_id in self._requests:
                 raise BadRequest(f"request id {req.request_id!r} is already in use")

@@ -103,6 +103,30 @@ def broadcast_tokens(tokens: list[int], parallel: ParallelConfig, device) -> lis
     return t.tolist()
 
 
+def min_over_ranks(value: int, parallel: ParallelConfig) -> int:
+    """The least `value` over every rank of the world (the memory plan's page count)."""
+    import torch.distributed as dist
+
+    groups(parallel)
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
+    return int(t.item())
+
+
+_CPU_GROUPS: dict[int, object] = {}
+
+
+def cpu_group():
+    """A gloo group of the whole world, for host values (the default group is NCCL on CUDA);
+    made the first time, by every rank at the same point."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
+
+
 def vocab_rows(vocab_size: int, parallel: ParallelConfig) -> tuple[int, int]:
     """`(start, rows)` of this tp rank's slice of the vocabulary; BadRequest when it does not
     divide (the sharding rules split evenly)."""

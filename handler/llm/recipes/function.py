@@ -21,6 +21,7 @@ and the "llm" section of manifest.json (memory plan, buckets, tensor table, heal
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,15 @@ class LLMFunction:
         model_dir: Path | None = None,
         releasable: bool = False,
         expected_content_hash: str | None = None,
+        parallel=None,
     ) -> None:
         """`releasable`: weights and KV pool in releasable regions (for a process snapshot).
         `expected_content_hash`: the cold init verifies that `model_dir` loads as this model
         (a source recorded by a snapshot, not named by the user) before going on."""
+        from snapfn.handler.llm.parallel import ParallelConfig
+
         self.config = config
+        self.parallel = parallel or ParallelConfig(ep_dispatch=config.ep_dispatch)
         self.device = config.device
         self.source = Path(model_dir) if model_dir is not None else None
         self.expected_content_hash = expected_content_hash
@@ -144,7 +149,9 @@ class LLMFunction:
         from snapfn.handler.llm.weights.loader import load_weights
 
         self._model_config = ModelConfig.from_dir(self.source)
-        self.model = build_model(self._model_config, self.config.engine_options())
+        self.model = build_model(
+            self._model_config, self.config.engine_options(parallel=self.parallel)
+        )
         self._adopt_parameters(figures)
         report = load_weights(self.model, self._checkpoint)
         self._load_report = report
@@ -183,6 +190,13 @@ class LLMFunction:
                 c.mem_fraction_static,
                 c.kv_cache_bytes_cpu,
             )
+        if self.parallel.tp_size * self.parallel.ep_size > 1:
+            # every rank's pool holds the same pages: the least any rank has room for
+            from snapfn.handler.llm.models.tensor_parallel import min_over_ranks
+
+            here = self.plan.num_pages
+            self.plan = replace(self.plan, num_pages=min_over_ranks(here, self.parallel))
+            figures["num_pages_here"] = here
         figures.update(self.plan.to_json())
 
     def stage_kv_pool(self, figures: Figures) -> None:
