@@ -131,6 +131,9 @@ def restore(
     except Exception as exc:  # any failure of any stage: never serve from this snapshot
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        join = getattr(fn, "join_failed_restore", None)
+        if join is not None:  # one rank of several: the others fall back with it
+            join(reason)
         fn.release()
     refused = f"restore from {snapshot_dir} failed at {failed} ({reason})"
     cold = _fallback_function(make_fn, fallback, snapshot_dir, refused)

@@ -384,28 +384,25 @@ class WorkerRuntime:
 
 def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest, Any]:
     """A tensor- or expert-parallel LLM: this process is rank 0 (it serves), the other ranks
-    are started here (`python -m snapfn.handler.llm.follower`, `ranks.py`); every rank runs the
-    cold init, then rank 0's service drives the others in lock step (`lockstep.py`). Leaving
-    the group stops them."""
+    are started here (`python -m snapfn.handler.llm.follower`, `ranks.py`); every rank comes up
+    the same way (`recipes/ranks_start.py`: the snapshot restored, or a cold init that writes
+    it), then rank 0's service drives the others in lock step (`lockstep.py`). Leaving the
+    group stops them."""
     import dataclasses
     from contextlib import ExitStack
 
     from snapfn.handler.llm.embedded import embedded_model_dir
     from snapfn.handler.llm.lockstep import Lockstep
     from snapfn.handler.llm.ranks import parallel_ranks
-    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.recipes.ranks_start import start_rank
     from snapfn.handler.llm.service import LLMService
-    from snapfn.snapshot.runtime import cold_init
 
-    config = target.init_config
-    if target.snapshot_dir is not None:
-        raise BadRequest(
-            f"tp_size={config.tp_size} x ep_size={config.ep_size} with --snapshot: a snapshot of"
-            " several ranks is not written or restored yet; drop --snapshot (each start is a"
-            " cold init of every rank)"
-        )
-    model_dir = Path(target.model_dir or embedded_model_dir())
-    command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir)]
+    config, snapshot = target.init_config, target.snapshot_dir
+    model_dir = target.model_dir
+    if model_dir is None and not _holds_files(snapshot):
+        model_dir = embedded_model_dir()
+    command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir or "-")]
+    command += [str(snapshot)] if snapshot is not None else []
     stack = ExitStack()
     try:
         parallel, device = stack.enter_context(
@@ -418,13 +415,13 @@ def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest
                 extra_env=config.to_env(),
             )
         )
-        fn = LLMFunction(dataclasses.replace(config, device=device), model_dir, parallel=parallel)
-        startup = cold_init(fn, log)
+        config = dataclasses.replace(config, device=device)
+        path = Path(model_dir) if model_dir is not None else None
+        fn, startup = start_rank(config, path, Path(snapshot) if snapshot else None, parallel, log)
         service = LLMService(fn.engine, lockstep=Lockstep(parallel), on_close=stack.close)
     except BaseException:
         stack.close()
         raise
-    startup.info["parallel"] = {"tp_size": parallel.tp_size, "ep_size": parallel.ep_size}
     return service, startup, fn
 
 

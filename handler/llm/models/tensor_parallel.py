@@ -113,6 +113,23 @@ def min_over_ranks(value: int, parallel: ParallelConfig) -> int:
     return int(t.item())
 
 
+def all_gather_texts(text: str, parallel: ParallelConfig) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank (UTF-8 over the gloo group: no pickle)."""
+    import torch.distributed as dist
+
+    groups(parallel)
+    data = text.encode()
+    world = parallel.tp_size * parallel.ep_size
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=cpu_group())
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(parts, mine, group=cpu_group())
+    return [bytes(p[: int(s.item())].numpy()).decode() for p, s in zip(parts, sizes, strict=True)]
+
+
 _CPU_GROUPS: dict[int, object] = {}
 
 

@@ -38,6 +38,15 @@ def add_init_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir", type=Path, default=None, help="compile caches (default ~/.cache/snapfn)"
     )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks, one process each (started here): a snapshot of each rank",
+    )
+    p.add_argument(
+        "--ep-size", type=int, default=None, help="expert-parallel ranks (times --tp-size)"
+    )
 
 
 def init_config_from_args(args: argparse.Namespace) -> InitConfig:
@@ -91,6 +100,8 @@ def run_init(args: argparse.Namespace) -> int:
         )
         for fallback in startup.fallbacks:
             print(f"snapfn init: no process image: {fallback['reason']}", file=sys.stderr)
+    elif config.world_size > 1:
+        startup = _init_ranks(config, model_dir, args.snapshot)
     elif config.tier == "process":
         startup = _init_process(config, model_dir, args.snapshot)
     elif config.tier == "portable":
@@ -101,6 +112,37 @@ def run_init(args: argparse.Namespace) -> int:
     written = "portable" if startup.tier == "cold" else startup.tier  # a tier-0 init's own tier
     print(f"snapshot ({written}) written to {args.snapshot}")
     return 0
+
+
+def _init_ranks(config: InitConfig, model_dir: Path, dest: Path):
+    """A snapshot of every rank of a tensor/expert-parallel model (tier 0): this process is
+    rank 0 and starts the others (`ranks.py`); all cold-init, then write it together."""
+    import dataclasses
+
+    from snapfn.handler.llm.lockstep import Lockstep
+    from snapfn.handler.llm.ranks import parallel_ranks
+    from snapfn.handler.llm.recipes.ranks_start import start_rank
+    from snapfn.snapshot.stages import stderr_log
+
+    if config.tier == "process":
+        raise BadRequest(
+            f"--tier process with tp_size={config.tp_size} x ep_size={config.ep_size}: a process"
+            " snapshot of several ranks is not made yet; use --tier portable"
+        )
+    command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir), str(dest)]
+    ranks = parallel_ranks(
+        config.tp_size,
+        config.ep_size,
+        config.ep_dispatch,
+        config.device,
+        command=[*command, "init"],
+        extra_env=config.to_env(),
+    )
+    with ranks as (parallel, device):
+        config = dataclasses.replace(config, device=device)
+        _, startup = start_rank(config, Path(model_dir), Path(dest), parallel, stderr_log, True)
+        Lockstep(parallel).send({"stop": True})  # the others wait to follow: they are done
+    return startup
 
 
 def _init_process(config: InitConfig, model_dir: Path, dest: Path):

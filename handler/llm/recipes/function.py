@@ -13,9 +13,19 @@ reads is checked before use (section.py); `build_model` checks it against the mo
 
 Snapshot contents (under the snapshot directory):
     weights/rank0.bin   restore layout: every parameter in its final dtype/layout, 2 MiB aligned
+    weights/rankK.bin   rank K's, for a snapshot of several tensor/expert-parallel ranks
     model/              config.json, generation_config.json, tokenizer files
     caches/<name>/      compile caches used at init (triton, inductor, flashinfer, deepgemm)
 and the "llm" section of manifest.json (memory plan, buckets, tensor table, health record).
+
+Several ranks (`parallel.tp_size * ep_size > 1`, every rank an `LLMFunction` in its own
+process, `handler/llm/ranks.py`): rank 0 writes the snapshot; every rank writes its own weights
+file into rank 0's staging folder (its path broadcast) and sends rank 0 its layout and memory
+plan, which the section lists under "ranks" beside "parallel" (`section.py`). At restore every
+rank streams its own file; rank 0 alone restores the compile caches (one folder on the machine).
+A rank whose restore fails before the collective stages (validation, its weights) tells the
+others at `ranks_agree` (or, failing before it, in `join_failed_restore`), and every rank falls
+back together.
 """
 
 from __future__ import annotations
@@ -74,7 +84,6 @@ class LLMFunction:
     """Holds the engine once up. Build with a model folder (init) and/or a snapshot (restore)."""
 
     name = "llm"
-    world_size = 1
 
     def __init__(
         self,
@@ -91,6 +100,10 @@ class LLMFunction:
 
         self.config = config
         self.parallel = parallel or ParallelConfig(ep_dispatch=config.ep_dispatch)
+        self.world_size = self.parallel.tp_size * self.parallel.ep_size  # the compat key's
+        self.rank = self.parallel.ep_rank * self.parallel.tp_size + self.parallel.tp_rank
+        self.weights_file = f"weights/rank{self.rank}.bin"
+        self._agreed = False  # this restore's ranks_agree ran (several ranks)
         self.device = config.device
         self.source = Path(model_dir) if model_dir is not None else None
         self.expected_content_hash = expected_content_hash
@@ -307,6 +320,11 @@ class LLMFunction:
         writer.register_chunked(
             WEIGHTS_FILE, layout.chunk_bytes, layout.chunk_sha256, layout.file_sha256
         )
+        ranks = self._write_ranks(root, layout) if self.world_size > 1 else None
+        for k, entry in enumerate(ranks or []):
+            file = entry.pop("file")  # rank 0's is registered above
+            if k:
+                writer.register_chunked(f"weights/rank{k}.bin", *file)
         folder = self.source if self.source is not None else self._restored_from / "model"
         copy_model_files(folder, root / "model")
         caches = compile_caches.save_caches(self.config.cache_dir, root / "caches")
@@ -320,7 +338,37 @@ class LLMFunction:
             "layout": layout.to_json(),
             "health": self.health,
             "compile_caches": caches,
+            **({"parallel": self._parallel_json(), "ranks": ranks} if ranks else {}),
         }
+
+    def write_rank_files(self) -> None:
+        """Another rank's part of rank 0's `write_snapshot`: its weights file, written into the
+        staging folder rank 0 names."""
+        self._write_ranks(None, None)
+
+    def _write_ranks(self, root: Path | None, layout: Any) -> list[dict[str, Any]]:
+        """Every rank's weights file under rank 0's `root` (rank 0 passes its own `layout`, the
+        others None and write theirs); on every rank, each rank's {"layout", "memory_plan",
+        "file": (chunk_bytes, chunk_sha256, file_sha256)} in rank order."""
+        import json
+
+        from snapfn.handler.llm.models.tensor_parallel import all_gather_texts
+        from snapfn.snapshot.layout.writer import write_restore_layout
+
+        root = Path(all_gather_texts(str(root or ""), self.parallel)[0])
+        if layout is None:
+            layout = write_restore_layout(root / self.weights_file, self.model.named_parameters())
+        mine = {
+            "model_content_hash": model_content_hash(self._model_config.raw, layout),
+            "layout": layout.to_json(),
+            "memory_plan": self.plan.to_json(),
+            "file": [layout.chunk_bytes, layout.chunk_sha256, layout.file_sha256],
+        }
+        return [json.loads(t) for t in all_gather_texts(json.dumps(mine), self.parallel)]
+
+    def _parallel_json(self) -> dict[str, Any]:
+        p = self.parallel
+        return {"tp_size": p.tp_size, "ep_size": p.ep_size, "ep_dispatch": p.ep_dispatch}
 
     def _source_fields(self) -> dict[str, Any]:
         """Where this model came from, for a fallback to verify by content hash: the folder of a
@@ -334,8 +382,11 @@ class LLMFunction:
 
     # ---- restore -------------------------------------------------------------------------------
     def check_manifest(self, snapshot_dir: Path, manifest: dict[str, Any]) -> None:
-        """The validate stage's last check: the "llm" section's fields (section.py)."""
-        self._checked = check_section(manifest["llm"], manifest["files"], self.config)
+        """The validate stage's last check: the "llm" section's fields (section.py), this
+        rank's where there are several."""
+        self._checked = check_section(
+            manifest["llm"], manifest["files"], self.config, self.rank, self._parallel_json()
+        )
 
     def restore_stages(self, snapshot_dir: Path, manifest: dict[str, Any]) -> list[Stage]:
         if self._checked is None:
@@ -345,16 +396,38 @@ class LLMFunction:
         self._recorded_source = {
             k: section[k] for k in ("source_model_dir", "source_embedded") if k in section
         }
+        agree = [("ranks_agree", self.stage_ranks_agree)] if self.world_size > 1 else []
         return [
             ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
             ("stream_weights", self.stage_stream_weights),
+            *agree,
             ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
             ("warmup", self.stage_warmup),
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
             ("health_check", lambda f: self.stage_replay_check(f, self._checked.health)),
         ]
+
+    def stage_ranks_agree(self, figures: Figures) -> None:
+        """Several ranks: every rank got this far (the stages after this one are collectives)."""
+        failed = self._ranks_agree("")
+        figures["ranks"] = self.world_size
+        if failed:
+            raise RestoreFailed(f"rank {failed[0][0]} could not restore: {failed[0][1]}")
+
+    def join_failed_restore(self, reason: str) -> None:
+        """This rank's restore failed before `ranks_agree`: the others hear it there, and every
+        rank falls back together (the runtime calls this before its fallback)."""
+        if self.world_size > 1 and not self._agreed:
+            self._ranks_agree(reason or "failed")
+
+    def _ranks_agree(self, reason: str) -> list[tuple[int, str]]:
+        from snapfn.handler.llm.models.tensor_parallel import all_gather_texts
+
+        self._agreed = True
+        reasons = all_gather_texts(reason, self.parallel)
+        return [(k, r) for k, r in enumerate(reasons) if r]
 
     def prepare_runtime(self, figures: Figures) -> None:
         """A restore's first stage (before validation): the same environment as a cold init."""
@@ -363,7 +436,9 @@ class LLMFunction:
     def stage_restore_caches(
         self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
     ) -> None:
-        if self.cache_drift is None:
+        if self.rank > 0:  # one cache folder on the machine: rank 0 restores it
+            figures["restored_cache_files"] = "by rank 0"
+        elif self.cache_drift is None:
             caches = compile_caches.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
             figures["restored_cache_files"] = caches
         else:  # made for another GPU, driver or library: compiled again here
@@ -374,7 +449,7 @@ class LLMFunction:
         from snapfn.handler.llm.tokenizer import load_tokenizer
 
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore")
-        self._streamer = pool.submit(self._open_streamer, snapshot_dir / WEIGHTS_FILE)
+        self._streamer = pool.submit(self._open_streamer, snapshot_dir / self.weights_file)
         self._tokenizer = pool.submit(load_tokenizer, snapshot_dir / "model")
         pool.shutdown(wait=False)
 
@@ -405,7 +480,9 @@ class LLMFunction:
         except ValueError as exc:
             raise RestoreFailed(f"the snapshot's model/config.json is {exc}") from None
         self._model_config = ModelConfig.from_hf(doc)
-        self.model = build_model(self._model_config, self.config.engine_options())
+        self.model = build_model(
+            self._model_config, self.config.engine_options(parallel=self.parallel)
+        )
         check_against_model(self._checked, self._model_config, self.model)
         self._adopt_parameters(figures)
         figures["parameters"] = sum(1 for _ in self.model.parameters())

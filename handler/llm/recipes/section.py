@@ -13,8 +13,14 @@ it before any stage uses a value from it.
       "graph_buckets": [1, 2, 4, ...],         # captured at init (for `inspect`)
       "layout": "<the restore layout's table, as JSON text>",   # layout/table.py
       "health": {"prompt_ids": [...], "token": 42, "logprob": -0.01},
-      "compile_caches": {...}                  # what caches/ holds (for `inspect`)
+      "compile_caches": {...},                 # what caches/ holds (for `inspect`)
+      "parallel": {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"},  # several ranks:
+      "ranks": [{"layout": "...", "memory_plan": {...}}, ...]  # rank K's, weights/rankK.bin
     }
+
+With several ranks, `check_section` checks the rank it is asked for: its layout against its
+weights file and its plan, as rank 0's are checked without them; the rank layout recorded in
+"parallel" must be the restore's (another split of the same number of ranks is refused).
 
 `check_section` (the validate stage, before the model is built): the types and ranges of every
 field a restore reads; the layout's table against the weights file the manifest lists (the
@@ -66,16 +72,24 @@ class CheckedSection:
     content_hash: str
 
 
-def check_section(section: dict[str, Any], files: dict[str, Any], config: Any) -> CheckedSection:
-    """The section's fields a restore uses, checked (see the module docstring); BadSnapshot."""
+def check_section(
+    section: dict[str, Any],
+    files: dict[str, Any],
+    config: Any,
+    rank: int = 0,
+    parallel: dict[str, Any] | None = None,
+) -> CheckedSection:
+    """The section's fields a restore uses, checked (see the module docstring), those of
+    `rank` of a restore laid out as `parallel` (None: one rank); BadSnapshot."""
     content_hash = section.get("model_content_hash")
     if not isinstance(content_hash, str) or not _HEX64.fullmatch(content_hash):
         raise _refuse(f"model_content_hash {content_hash!r:.80} is not 64 lowercase hex digits")
     model_type = section.get("model_type")
     if not isinstance(model_type, str) or not 0 < len(model_type) <= 64:
         raise _refuse(f"model_type {model_type!r:.80} is not a model type")
-    layout = _checked_layout(section.get("layout"), files)
-    plan = _checked_plan(section.get("memory_plan"), layout, section.get("init_config"), config)
+    entry = _rank_entry(section, rank, parallel)
+    layout = _checked_layout(entry.get("layout"), files, f"weights/rank{rank}.bin")
+    plan = _checked_plan(entry.get("memory_plan"), layout, section.get("init_config"), config)
     health = _checked_health(section.get("health"))
     return CheckedSection(layout, plan, health, model_type, content_hash)
 
@@ -119,23 +133,46 @@ def check_against_model(checked: CheckedSection, model_config: Any, model: Any) 
         )
 
 
-def _checked_layout(text: Any, files: dict[str, Any]) -> Any:
+def _rank_entry(section: dict[str, Any], rank: int, parallel: dict[str, Any] | None) -> dict:
+    """Where rank `rank`'s layout and plan are: the section itself for one rank, else its
+    entry of "ranks", once the recorded rank layout is the restore's."""
+    one = {"tp_size": 1, "ep_size": 1, "ep_dispatch": "replicated"}
+    recorded, wanted = section.get("parallel", one), parallel or one
+    if not isinstance(recorded, dict) or set(recorded) != set(one):
+        raise _refuse(f"parallel {recorded!r:.120} is not a rank layout")
+    if recorded != wanted:
+        split = lambda p: f"tp {p['tp_size']} x ep {p['ep_size']} ({p['ep_dispatch']})"  # noqa: E731
+        raise _refuse(f"made for {split(recorded)}, this restore runs {split(wanted)}")
+    world = recorded["tp_size"] * recorded["ep_size"]
+    if world == 1:
+        return section
+    ranks = section.get("ranks")
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != world
+        or not all(isinstance(r, dict) for r in ranks)
+    ):
+        raise _refuse(f"ranks is not a list of {world} rank entries")
+    return ranks[rank]
+
+
+def _checked_layout(text: Any, files: dict[str, Any], weights_file: str = WEIGHTS_FILE) -> Any:
     from snapfn.snapshot.layout.table import RestoreLayout
 
     if not isinstance(text, str):
         raise _refuse("layout is not a restore layout table (JSON text)")
-    entry = files.get(WEIGHTS_FILE)
+    entry = files.get(weights_file)
     if entry is None:
-        raise _refuse(f"{WEIGHTS_FILE} is not listed")
+        raise _refuse(f"{weights_file} is not listed")
     try:
         layout = RestoreLayout.from_json(text)
         layout.validate(entry["size"])
     except BadSnapshot as exc:
         raise _refuse(str(exc)) from None
     if entry.get("chunk_bytes") != layout.chunk_bytes or entry.get("chunks") != layout.chunk_sha256:
-        raise _refuse(f"the restore layout's chunk digests are not those listed for {WEIGHTS_FILE}")
+        raise _refuse(f"the restore layout's chunk digests are not those listed for {weights_file}")
     if entry.get("sha256") not in (None, layout.file_sha256):
-        raise _refuse(f"the restore layout's file sha256 is not the one listed for {WEIGHTS_FILE}")
+        raise _refuse(f"the restore layout's file sha256 is not the one listed for {weights_file}")
     return layout
 
 

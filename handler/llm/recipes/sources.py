@@ -33,28 +33,33 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def llm_fallback(
-    config: InitConfig, named: Path | None, releasable: bool = False
+    config: InitConfig, named: Path | None, releasable: bool = False, parallel=None
 ) -> Callable[[dict[str, Any] | None], LLMFunction]:
-    """The `fallback` for `runtime.restore`: the LLMFunction a cold init after a refusal runs."""
+    """The `fallback` for `runtime.restore`: the LLMFunction a cold init after a refusal runs
+    (`parallel`: this rank's place, for one of several)."""
 
     def make(recorded: dict[str, Any] | None) -> LLMFunction:
         if named is not None:
-            return LLMFunction(config, named, releasable)
-        folder, content_hash = recorded_source(recorded)
-        return LLMFunction(config, folder, releasable, expected_content_hash=content_hash)
+            return LLMFunction(config, named, releasable, parallel=parallel)
+        folder, content_hash = recorded_source(recorded, parallel)
+        return LLMFunction(
+            config, folder, releasable, expected_content_hash=content_hash, parallel=parallel
+        )
 
     return make
 
 
-def recorded_source(recorded: dict[str, Any] | None) -> tuple[Path, str]:
+def recorded_source(recorded: dict[str, Any] | None, parallel: Any = None) -> tuple[Path, str]:
     """(candidate folder, the content hash it must load as) from a shape-checked manifest;
-    NoTrustedSource (one line) when it names none that could be checked."""
+    NoTrustedSource (one line) when it names none that could be checked. A rank of several
+    (`parallel`) loads its share of the model: the hash is that rank's, recorded under "ranks"
+    by a snapshot of the same rank layout; none other can check it."""
     if recorded is None:
         raise NoTrustedSource(f"its manifest cannot be read, so it names no source; {NAME_ONE}")
     section = recorded.get("llm")
     if not isinstance(section, dict):
         raise NoTrustedSource(f"its manifest has no llm section naming a source; {NAME_ONE}")
-    content_hash = section.get("model_content_hash")
+    content_hash = _rank_content_hash(section, parallel)
     if not isinstance(content_hash, str) or not _HEX64.fullmatch(content_hash):
         raise NoTrustedSource(
             f"its manifest records no content hash to check a source against; {NAME_ONE}"
@@ -74,3 +79,27 @@ def recorded_source(recorded: dict[str, Any] | None) -> tuple[Path, str]:
             f"{NAME_ONE}"
         )
     return folder, content_hash
+
+
+def _rank_content_hash(section: dict[str, Any], parallel: Any) -> Any:
+    one = {"tp_size": 1, "ep_size": 1, "ep_dispatch": "replicated"}
+    ours = (
+        one
+        if parallel is None
+        else {
+            "tp_size": parallel.tp_size,
+            "ep_size": parallel.ep_size,
+            "ep_dispatch": parallel.ep_dispatch,
+        }
+    )
+    if section.get("parallel", one) != ours:
+        raise NoTrustedSource(
+            f"its recorded content hash is of another rank layout ({section.get('parallel', one)!r:.100}"
+            f", this start runs {ours}); {NAME_ONE}"
+        )
+    if ours == one:
+        return section.get("model_content_hash")
+    rank = parallel.ep_rank * parallel.tp_size + parallel.tp_rank
+    ranks = section.get("ranks")
+    entry = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
+    return entry.get("model_content_hash") if isinstance(entry, dict) else None
