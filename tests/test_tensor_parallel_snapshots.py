@@ -1,0 +1,132 @@
+"""Tier-0 snapshots of two CPU ranks (tensor parallel over gloo): `snapfn init --tp-size 2`
+writes one weights file per rank; a two-rank restore streams each rank's own and answers what
+one rank's cold init does; a corrupt rank-1 file fails the restore on every rank, which fall
+back together and rewrite the snapshot; another rank count is refused at validation with the
+reason; a process snapshot of several ranks is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snapfn.handler.function.runtime import WorkerRuntime
+from snapfn.handler.function.target import ServeTarget
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes.section import check_section
+from snapfn.snapshot.errors import BadSnapshot
+from snapfn.snapshot.portable.format import read_manifest, validate_snapshot
+from snapfn.snapshot.stages import Readiness
+
+pytestmark = pytest.mark.slow
+EVENT = {"prompt_ids": [5, 17, 3, 9, 12], "max_tokens": 8}
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return {**env, "SNAPFN_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _init(model: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "init", "--model", str(model)]
+    return subprocess.run(
+        [*argv, "--snapshot", str(dest), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(dest.parent),
+    )
+
+
+def _answer(snapshot: Path | None, tp: int, model: Path | None = None):
+    config = InitConfig(tp_size=tp, cache_dir=(snapshot or model).parent / "cache")
+    runtime = WorkerRuntime(ServeTarget(model_dir=model, snapshot_dir=snapshot, init_config=config))
+    runtime.start(background=False)
+    try:
+        assert runtime.wait_ready(120) is Readiness.UP, runtime.readiness.reason
+        return runtime.invoke(dict(EVENT))["token_ids"], runtime.startup
+    finally:
+        runtime.close()
+
+
+@pytest.fixture(scope="module")
+def two_rank_snapshot(tiny_llama_dir, tmp_path_factory):
+    dest = tmp_path_factory.mktemp("tp-snap") / "snap"
+    done = _init(tiny_llama_dir, dest, "--tp-size", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dest
+
+
+@pytest.fixture(scope="module")
+def one_rank_answer(tiny_llama_dir):
+    return _answer(None, 1, tiny_llama_dir)[0]
+
+
+def test_init_writes_a_weights_file_per_rank_and_lists_each_ranks_layout(two_rank_snapshot):
+    manifest = validate_snapshot(two_rank_snapshot, verify="full")
+    assert {"weights/rank0.bin", "weights/rank1.bin"} <= set(manifest["files"])
+    section = manifest["llm"]
+    assert section["parallel"] == {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"}
+    assert manifest["compat"]["world_size"] == 2
+    hashes = [r["model_content_hash"] for r in section["ranks"]]
+    assert hashes[0] == section["model_content_hash"] and hashes[0] != hashes[1]
+
+
+def test_two_ranks_restore_their_own_files_and_answer_like_one_rank(
+    two_rank_snapshot, one_rank_answer
+):
+    ids, startup = _answer(two_rank_snapshot, 2)
+    assert startup.tier == "portable" and not startup.fallbacks, startup.fallbacks
+    names = [s.name for s in startup.stages]
+    assert names.index("stream_weights") < names.index("ranks_agree") < names.index("kv_pool")
+    assert ids == one_rank_answer
+
+
+def test_a_corrupt_rank_file_makes_every_rank_fall_back_and_rewrite(
+    two_rank_snapshot, one_rank_answer, tmp_path
+):
+    snap = shutil.copytree(two_rank_snapshot, tmp_path / "snap")
+    with open(snap / "weights" / "rank1.bin", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x55" * 64)
+    ids, startup = _answer(snap, 2)
+    assert startup.tier == "cold (fallback)"
+    (fallback,) = startup.fallbacks
+    assert fallback["step"] == "ranks_agree" and "rank 1 could not restore" in fallback["reason"]
+    assert "rank1.bin" in fallback["reason"] and ids == one_rank_answer
+    validate_snapshot(snap, verify="full")  # rewritten whole by both ranks
+    again, startup = _answer(snap, 2)
+    assert startup.tier == "portable" and not startup.fallbacks and again == one_rank_answer
+
+
+def test_another_rank_count_is_refused_at_validation(two_rank_snapshot, tiny_llama_dir, tmp_path):
+    snap = shutil.copytree(two_rank_snapshot, tmp_path / "snap")
+    ids, startup = _answer(snap, 1, tiny_llama_dir)
+    (fallback,) = startup.fallbacks
+    assert fallback["step"] == "validate" and "world_size" in fallback["reason"]
+    assert read_manifest(snap)["compat"]["world_size"] == 1  # rewritten for one rank
+
+
+def test_another_split_of_the_same_ranks_is_refused(two_rank_snapshot):
+    manifest = read_manifest(two_rank_snapshot)
+    config = InitConfig(tp_size=2)
+    check_section(manifest["llm"], manifest["files"], config, 1, manifest["llm"]["parallel"])
+    other = {"tp_size": 1, "ep_size": 2, "ep_dispatch": "replicated"}
+    with pytest.raises(BadSnapshot, match=r"made for tp 2 x ep 1 .*this restore runs tp 1 x ep 2"):
+        check_section(manifest["llm"], manifest["files"], config, 1, other)
+    edited = json.loads(json.dumps(manifest["llm"]))
+    edited["ranks"] = edited["ranks"][:1]
+    with pytest.raises(BadSnapshot, match="ranks is not a list of 2 rank entries"):
+        check_section(edited, manifest["files"], config, 1, manifest["llm"]["parallel"])
+
+
+def test_a_process_snapshot_of_several_ranks_is_refused(tiny_llama_dir, tmp_path):
+    done = _init(tiny_llama_dir, tmp_path / "snap", "--tp-size", "2", "--tier", "process")
+    assert done.returncode == 2
+    assert "a process snapshot of several ranks is not made yet" in done.stderr
+    assert not (tmp_path / "snap").exists()
