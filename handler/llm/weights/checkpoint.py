@@ -62,8 +62,11 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def read(self, names: list[str], device: str = "cpu") -> dict[str, torch.Tensor]:
-        """Read tensors grouped by shard, one open per shard."""
+    def read(
+        self, names: list[str], device: str = "cpu", bounds: dict[str, tuple] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Read tensors grouped by shard, one open per shard; a name in `bounds` reads only
+        that slice of its tensor (a tensor-parallel rank's part: the rest is never read)."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name].file, []).append(name)
@@ -71,7 +74,8 @@ class Checkpoint:
         for path, file_names in by_file.items():
             with safe_open(path, framework="pt", device=device) as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(name)
+                    part = (bounds or {}).get(name)
+                    out[name] = f.get_tensor(name) if part is None else f.get_slice(name)[part]
         return out
 
 

@@ -20,7 +20,7 @@ import torch
 from snapfn.handler.llm.models.base import CausalLM, WeightTarget
 from snapfn.handler.llm.weights.checkpoint import Checkpoint, _names
 from snapfn.handler.llm.weights.quant import FP8_DTYPE
-from snapfn.handler.llm.weights.sharding import placement_for, shard_tensor
+from snapfn.handler.llm.weights.sharding import placement_for, shard_slice_bounds, shard_tensor
 from snapfn.snapshot.errors import CheckpointError
 
 FP8_SAFETENSORS_DTYPES = {"F8_E4M3"}
@@ -83,9 +83,15 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, batch_bytes: int = 1 << 30) 
     report = LoadReport(not_loaded=skipped)
     filled: set[tuple[str, int | None, tuple[int, int] | None]] = set()
     params = dict(model.named_parameters())
+    parallel = model.parallel.tp_size * model.parallel.ep_size > 1
     for names in _batches(targets, ckpt, batch_bytes):
-        for name, tensor in ckpt.read(names).items():
-            _fill(model, params, name, tensor, targets[name], filled, report)
+        bounds = None
+        if parallel:  # a rank reads its slices only, and not the experts of other ranks
+            bounds = {n: _slice(model, ckpt, n) for n in names}
+            report.other_rank += [n for n in names if bounds[n] is None]
+            names = [n for n in names if bounds[n] is not None]
+        for name, tensor in ckpt.read(names, bounds=bounds).items():
+            _fill(model, params, name, tensor, targets[name], filled, report, sliced=parallel)
     _check_all_filled(params, filled, model.fused_targets())
     report.seconds = time.perf_counter() - start
     return report
@@ -106,18 +112,37 @@ def _batches(
         yield batch
 
 
-def _fill(model, params, name, tensor, target, filled, report) -> None:
-    placement = placement_for(model.config.arch, name)
+def _slice(model: CausalLM, ckpt: Checkpoint, name: str) -> tuple | None:
+    """This rank's bounds of checkpoint tensor `name` (None: another ep rank's expert)."""
+    info = ckpt.tensors[name]
     moe = model.config.moe
-    num_experts = moe.n_routed_experts if moe else None
-    local = shard_tensor(
-        name,
-        tensor,
-        placement,
+    return shard_slice_bounds(
+        info.shape,
+        placement_for(model.config.arch, name),
         model.parallel,
-        num_experts=num_experts,
+        name=name,
+        fp8=info.dtype in FP8_SAFETENSORS_DTYPES,
+        num_experts=moe.n_routed_experts if moe else None,
         num_kv_heads=model.config.num_kv_heads,
     )
+
+
+def _fill(model, params, name, tensor, target, filled, report, sliced: bool = False) -> None:
+    """`tensor` into its target: this rank's part of it (`sliced`: read as that part)."""
+    if sliced:
+        local = tensor
+    else:
+        placement = placement_for(model.config.arch, name)
+        moe = model.config.moe
+        num_experts = moe.n_routed_experts if moe else None
+        local = shard_tensor(
+            name,
+            tensor,
+            placement,
+            model.parallel,
+            num_experts=num_experts,
+            num_kv_heads=model.config.num_kv_heads,
+        )
     if local is None:  # an expert owned by another ep rank
         report.other_rank.append(name)
         return
