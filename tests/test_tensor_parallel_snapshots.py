@@ -2,7 +2,8 @@
 writes one weights file per rank; a two-rank restore streams each rank's own and answers what
 one rank's cold init does; a corrupt rank-1 file fails the restore on every rank, which fall
 back together and rewrite the snapshot; another rank count is refused at validation with the
-reason; a process snapshot of several ranks is refused before anything starts."""
+reason. Tier 1 (real criu): a process image of each rank restores, its communicators made
+again, and answers the same; a bad image of one rank falls back to tier 0 on every rank."""
 
 from __future__ import annotations
 
@@ -125,8 +126,68 @@ def test_another_split_of_the_same_ranks_is_refused(two_rank_snapshot):
         check_section(edited, manifest["files"], config, 1, manifest["llm"]["parallel"])
 
 
-def test_a_process_snapshot_of_several_ranks_is_refused(tiny_llama_dir, tmp_path):
-    done = _init(tiny_llama_dir, tmp_path / "snap", "--tp-size", "2", "--tier", "process")
-    assert done.returncode == 2
-    assert "a process snapshot of several ranks is not made yet" in done.stderr
+def test_a_process_snapshot_of_several_cuda_ranks_is_refused(tiny_llama_dir, tmp_path):
+    from snapfn.handler.llm.recipes.process_ranks import init_process_ranks
+    from snapfn.snapshot.errors import BadRequest
+
+    config = InitConfig(device="cuda", tp_size=2, tier="process", cache_dir=tmp_path / "c")
+    with pytest.raises(BadRequest, match="runs on CPU ranks only"):
+        init_process_ranks(config, tiny_llama_dir, tmp_path / "snap", log=None)
     assert not (tmp_path / "snap").exists()
+
+
+# ---- tier 1: a process image of each rank (real criu) ----------------------------------------
+def _workers() -> set[int]:
+    """The pids of process-snapshot workers running now."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and b"snapfn.snapshot.process.worker" in (proc / "cmdline").read_bytes()
+            ):
+                found.add(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_rank_process_snapshot(tiny_llama_dir, tmp_path_factory, criu_config):
+    dest = tmp_path_factory.mktemp("tp-process") / "snap"
+    done = _init(tiny_llama_dir, dest, "--tp-size", "2", "--tier", "process")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dest
+
+
+def test_a_process_image_of_each_rank_restores_with_its_communicators(
+    two_rank_process_snapshot, one_rank_answer
+):
+    manifest = validate_snapshot(two_rank_process_snapshot, verify="full")
+    assert manifest["tier"] == "process"
+    assert [m["images"] for m in [manifest["process"], *manifest["process_ranks"]]] == [
+        "process",
+        "process-rank1",
+    ]
+    assert "close_communicators" in manifest["process"]["hooks"]
+    before = _workers()
+    ids, startup = _answer(two_rank_process_snapshot, 2)
+    assert startup.tier == "process" and not startup.fallbacks, startup.fallbacks
+    names = [s.name for s in startup.stages]
+    assert names.index("worker.communicators") < names.index("worker.stream_weights")
+    assert ids == one_rank_answer
+    assert _workers() == before  # both ranks' workers stopped with the runtime
+
+
+def test_a_bad_rank_image_falls_back_to_tier_0_on_every_rank(
+    two_rank_process_snapshot, one_rank_answer, tmp_path
+):
+    snap = shutil.copytree(two_rank_process_snapshot, tmp_path / "snap")
+    manifest = json.loads((snap / "manifest.json").read_text())
+    manifest["process_ranks"][0]["inherit"]["ctl"] = "socket:[1]"  # rank 1's image only
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    ids, startup = _answer(snap, 2)
+    assert startup.tier == "portable", startup.fallbacks
+    (fallback,) = startup.fallbacks
+    assert fallback["from"] == "process" and "rank 1" in fallback["reason"]
+    assert ids == one_rank_answer

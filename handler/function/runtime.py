@@ -394,10 +394,22 @@ def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest
     from snapfn.handler.llm.embedded import embedded_model_dir
     from snapfn.handler.llm.lockstep import Lockstep
     from snapfn.handler.llm.ranks import parallel_ranks
+    from snapfn.handler.llm.recipes.process_restore import process_restore_enabled
     from snapfn.handler.llm.recipes.ranks_start import start_rank
     from snapfn.handler.llm.service import LLMService
 
     config, snapshot = target.init_config, target.snapshot_dir
+    failed = None
+    if process_restore_enabled(snapshot):
+        from snapfn.handler.llm.recipes.process_ranks import restore_process_ranks
+
+        try:
+            service, startup, _ = restore_process_ranks(Path(snapshot), config, log)
+            return service, startup, None
+        except RestoreFailed as exc:
+            failed = exc
+            if log is not None:
+                log(f"{exc}; falling back to the portable snapshot on every rank")
     model_dir = target.model_dir
     if model_dir is None and not _holds_files(snapshot):
         model_dir = embedded_model_dir()
@@ -422,6 +434,8 @@ def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest
     except BaseException:
         stack.close()
         raise
+    if failed is not None:
+        startup.add_failed_process_restore(failed, "portable", first=True)
     return service, startup, fn
 
 

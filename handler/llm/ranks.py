@@ -122,7 +122,7 @@ def _start_ranks(
 ) -> tuple[dict[str, str], list[subprocess.Popen]]:
     """Start ranks 1 … world-1 running `argv`; this process's environment as rank 0."""
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
-    base["MASTER_PORT"] = str(_free_port())
+    base["MASTER_PORT"] = str(free_port())
     theirs = {SPAWNED_BY: str(os.getpid()), **extra_env}
     started = []
     print(f"[snapfn] starting ranks 1-{world - 1} of {world} ({device})", file=sys.stderr)
@@ -134,7 +134,7 @@ def _start_ranks(
     return {**base, "RANK": "0", "LOCAL_RANK": "0"}, started
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -16,6 +16,13 @@ The manifest gains: "tier": "process", "process": {images, inherit, uses_cuda, h
 image_bytes, memory (what moved to memory.bin, or null), regions, private_memory, seconds, host},
 "replay": the greedy tokens + logprobs recorded at init.
 
+Several ranks (`ranks` > 1: one worker per rank, e.g. the tensor-parallel LLM's): every worker
+is spawned with its "rank", all initialise together, all are checkpointed at once (their
+before-snapshot hooks meet, e.g. to close their communicators) into one image folder each
+(`process`, `process-rank1`, …); "process_ranks" lists ranks 1… as "process" lists rank 0, and
+`restore_process_snapshot(…, rank=K)` restores rank K's. Any rank's failed checkpoint publishes
+the snapshot without a process image.
+
 What a restore uses of the process section is checked before criu, the prefetch helper or the
 validation stage use it (`process_section_problem`): `images` a plain folder name whose files
 are listed; `inherit` one `pipe:[inode]` for each of the worker's pipes (what criu is handed as
@@ -30,6 +37,7 @@ from __future__ import annotations
 import functools
 import re
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,63 +80,112 @@ def init_process_snapshot(
     dest: Path,
     config: process.ProcessConfig,
     log: Log | None,
+    ranks: int = 1,
 ) -> tuple[StartupManifest, dict[str, Any]]:
     """Build and publish a snapshot at `dest`; its tier is "process" unless the checkpoint failed.
 
-    `args` are the host's; "root" (where the tier-0 files go) is added here.
+    `args` are the host's; "root" (where the tier-0 files go) is added here, and "rank" where
+    there are several `ranks` (rank 0's init reports the snapshot's section and files).
     """
     from snapfn.snapshot.portable.publish import SnapshotWriter  # not needed to restore
 
     dest = Path(dest)
     with SnapshotWriter(dest) as writer:
-        worker = process.spawn(host, {**args, "root": str(writer.root)}, config, log)
+        extra = [{"rank": k} if ranks > 1 else {} for k in range(ranks)]
+        workers = []
         try:
-            init = worker.wait_event("initialized", config.init_timeout_s)
+            for more in extra:
+                spawn_args = {**args, **more, "root": str(writer.root)}
+                workers.append(process.spawn(host, spawn_args, config, log))
+            inits = [w.wait_event("initialized", config.init_timeout_s) for w in workers]
         except BaseException:
-            worker.kill()
+            for worker in workers:
+                worker.kill()
             raise
+        init = inits[0]
         startup = StartupManifest.from_json(init["startup"])
         for relpath, chunk_bytes, chunks, sha in init.get("registered", []):
             writer.register_chunked(relpath, chunk_bytes, chunks, sha)
         runner = StageRunner(startup, log=log, offset_s=startup.total_s)
-        meta = _checkpoint_or_fall_back(worker, writer.root / IMAGES, config, runner, log)
-        if meta:
+        folders = [writer.root / rank_images(k) for k in range(ranks)]
+        metas = _checkpoint_or_fall_back(workers, folders, config, runner, log)
+        for meta, folder in zip(metas or [], folders, strict=False):
             from_worker = meta.pop("registered", [])  # e.g. a function's device memory image
-            _register_images(writer, writer.root / IMAGES, skip={r[0] for r in from_worker})
+            _register_images(writer, folder, skip={r[0] for r in from_worker})
             for relpath, chunk_bytes, chunks, sha in from_worker:
                 writer.register_chunked(relpath, chunk_bytes, chunks, sha)
         name = init["function"]
         manifest: dict[str, Any] = {
-            "tier": "process" if meta else "portable",
+            "tier": "process" if metas else "portable",
             "function": name,
             "compat": init["compat"],
             "startup": startup.to_json(),
             name: init.get("section", {}),
         }
-        if meta:
-            manifest.update(process={**meta, "host": host}, replay=init.get("replay"))
+        if metas:
+            manifest.update(process={**metas[0], "host": host}, replay=init.get("replay"))
+            if ranks > 1:
+                manifest["process_ranks"] = [{**m, "host": host} for m in metas[1:]]
         runner.run("publish", lambda f: writer.publish(manifest))
     startup.tier = manifest["tier"]
     return startup, manifest
 
 
-def _checkpoint_or_fall_back(worker, images: Path, config, runner, log) -> dict[str, Any] | None:
+def rank_images(rank: int) -> str:
+    """Rank `rank`'s image folder: `process` (rank 0, or the only one), `process-rankK`."""
+    return IMAGES if rank == 0 else f"{IMAGES}-rank{rank}"
+
+
+def _checkpoint_or_fall_back(
+    workers, folders: list[Path], config, runner, log
+) -> list[dict[str, Any]] | None:
+    """Every worker checkpointed at once (their hooks may meet: communicators closed
+    together), or None with every worker killed and the reason recorded."""
     found = criu.check(config.criu)
     try:
         if not found.ok:
             raise RestoreFailed(found.reason)
-        return runner.run("checkpoint", lambda f: _checkpoint(worker, images, config, log, f))
+        if len(workers) == 1:
+            check = lambda f: [_checkpoint(workers[0], folders[0], config, log, f)]  # noqa: E731
+            return runner.run("checkpoint", check)
+        return runner.run("checkpoint", lambda f: _checkpoint_all(workers, folders, config, log, f))
     except RestoreFailed as exc:
-        worker.kill()
-        shutil.rmtree(images, ignore_errors=True)
+        for worker in workers:
+            worker.kill()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
         runner.manifest.add_fallback("process", "portable", "checkpoint", str(exc))
         if log is not None:
             log(f"no process image ({exc}); publishing the portable snapshot only")
         return None
 
 
-def _checkpoint(worker, images: Path, config, log, figures: dict) -> dict[str, Any]:
-    meta = process.checkpoint(worker, images, config, log)
+def _checkpoint_all(workers, folders: list[Path], config, log, figures: dict) -> list[dict]:
+    """Each worker's checkpoint on its own thread; the first failure's RestoreFailed after all
+    ended (a worker whose checkpoint failed is killed, so the others' hooks never wait on it
+    past its death)."""
+    ranks, lock = [{} for _ in workers], threading.Lock()
+    with ThreadPoolExecutor(len(workers), thread_name_prefix="snapfn-checkpoint") as pool:
+        jobs = [
+            pool.submit(_checkpoint, w, folder, config, log, ranks[k], lock)
+            for k, (w, folder) in enumerate(zip(workers, folders, strict=True))
+        ]
+        done, errors = [], []
+        for job in jobs:
+            try:
+                done.append(job.result())
+            except RestoreFailed as exc:
+                errors.append(exc)
+                for worker in workers:  # its peers would wait in their hooks for it
+                    worker.kill()
+    if errors:
+        raise errors[0]
+    figures.update(ranks[0], ranks=len(workers))
+    return done
+
+
+def _checkpoint(worker, images: Path, config, log, figures: dict, lock=None) -> dict[str, Any]:
+    meta = process.checkpoint(worker, images, config, log, lock)
     figures.update(meta["seconds"], image_bytes=meta["image_bytes"], **meta["worker"])
     if meta["memory"]:  # what left criu's image for memory.bin (snapshot/process/image_memory.py)
         figures.update(
@@ -182,13 +239,18 @@ def restore_process_snapshot(
     world_size: int = 1,
     accept: Callable[[dict[str, Any]], None] | None = None,
     aside: Callable[[], None] | None = None,
+    rank: int = 0,
+    on_restored: Callable[[int], None] | None = None,
 ) -> tuple[process.Worker, StartupManifest, dict[str, Any]]:
-    """Restore the worker; RestoreFailed (its manifest in `.startup`) on any failure.
+    """Restore the worker (`rank`'s, of a snapshot of several); RestoreFailed (its manifest
+    in `.startup`) on any failure.
 
     `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
     another function) raises there. `aside()` is called once criu has restored the worker, to
     start the caller's own work beside the CUDA restore and the worker's resume (after criu,
     because Python work started earlier holds the GIL while the restore is being launched).
+    `on_restored(pid)` is told the restored worker's pid then (a restore of several ranks kills
+    them all when one fails, before they wait for each other).
     Validation runs beside the criu restore (it took 0.1 s of an 8B restore on the H200) once
     the image files have their recorded sizes (else criu waits for it); the restored worker
     resumes only once it passed (stage "gate"), and a failure is reported as the validate
@@ -201,8 +263,9 @@ def restore_process_snapshot(
     # only if it matches.
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
-    validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept))
-    unchecked = _read_manifest(snapshot_dir)  # what criu and the helper start on, unvalidated
+    validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept, rank))
+    # what criu and the helper start on, unvalidated
+    unchecked = rank_view(_read_manifest(snapshot_dir), rank)
     prefetching = None
     if device.startswith("cuda"):  # NOTE: beside criu too (spawning took 0.04 s)
         prefetch = functools.partial(_start_prefetch, unchecked, snapshot_dir, config)
@@ -218,6 +281,8 @@ def restore_process_snapshot(
         meta = _process_meta(unchecked, snapshot_dir) or validated.result()["process"]
 
         def gate(figures: dict) -> None:
+            if on_restored is not None:
+                on_restored(runner.manifest.stage("criu_restore").figures["pid"])
             if aside is not None:
                 aside()
             manifest = validated.result()
@@ -426,8 +491,20 @@ def _current_compat(device: str, world_size: int, config: process.ProcessConfig)
     return key
 
 
-def _validate(snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None) -> dict:
-    manifest = validate_snapshot(snapshot_dir, None, verify="sizes")
+def rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """`manifest` with rank `rank`'s process section as its "process" (rank 0's is); a rank the
+    manifest has no image for reads as none (`process_section_problem` says so)."""
+    if rank == 0 or not manifest:
+        return manifest
+    ranks = manifest.get("process_ranks")
+    entry = ranks[rank - 1] if isinstance(ranks, list) and 0 < rank <= len(ranks) else None
+    return {**manifest, "process": entry, "tier": manifest.get("tier") if entry else None}
+
+
+def _validate(
+    snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None, rank: int = 0
+) -> dict:
+    manifest = rank_view(validate_snapshot(snapshot_dir, None, verify="sizes"), rank)
     problem = process_section_problem(manifest)
     if problem is not None:
         raise bad_snapshot(snapshot_dir, problem)

@@ -197,10 +197,19 @@ def spawn(
     return Worker(pid, PipeChannel(rep[0], ctl[1]), out[0], log, own_pid_namespace=own)
 
 
-def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log | None) -> dict:
+def checkpoint(
+    worker: Worker,
+    images_dir: Path,
+    config: ProcessConfig,
+    log: Log | None,
+    dump_lock: threading.Lock | None = None,
+) -> dict:
     """Before-snapshot hooks, CUDA lock + checkpoint, criu dump (which ends the worker).
 
     Returns the process section of the manifest. The worker is killed on any failure.
+    `dump_lock`: held around the criu dump, so that workers checkpointed at once (their hooks
+    meeting) are dumped one at a time (two criu dumps at once failed now and then on CPU with
+    "Can't create a directory (-17)").
     """
     seconds: dict[str, float] = {}
     try:
@@ -218,7 +227,8 @@ def checkpoint(worker: Worker, images_dir: Path, config: ProcessConfig, log: Log
             memory["after_cuda_checkpoint"] = smaps.census_or_reason(worker.pid)
         net_namespace = _own_namespace(worker.pid, "net")
         options = criu.TreeOptions(mount_namespace=mount_namespace, net_namespace=net_namespace)
-        dumped = criu.dump(worker.pid, images_dir, config=config.criu, options=options)
+        with dump_lock or contextlib.nullcontext():
+            dumped = criu.dump(worker.pid, images_dir, config=config.criu, options=options)
         seconds["criu_dump"] = dumped.elapsed_s
     except BaseException:
         worker.kill()

@@ -133,6 +133,13 @@ def all_gather_texts(text: str, parallel: ParallelConfig) -> list[str]:
 _CPU_GROUPS: dict[int, object] = {}
 
 
+def forget_groups() -> None:
+    """Drop the groups made for the process group that was just destroyed (a rank about to be
+    checkpointed closes its communicators; after its restore they are made again)."""
+    _GROUPS.clear()
+    _CPU_GROUPS.clear()
+
+
 def cpu_group():
     """A gloo group of the whole world, for host values (the default group is NCCL on CUDA);
     made the first time, by every rank at the same point."""

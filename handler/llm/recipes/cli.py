@@ -115,8 +115,9 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def _init_ranks(config: InitConfig, model_dir: Path, dest: Path):
-    """A snapshot of every rank of a tensor/expert-parallel model (tier 0): this process is
-    rank 0 and starts the others (`ranks.py`); all cold-init, then write it together."""
+    """A snapshot of every rank of a tensor/expert-parallel model. Tier 0: this process is
+    rank 0 and starts the others (`ranks.py`); all cold-init, then write it together. Tier 1:
+    a checkpointable worker per rank (`process_ranks.py`)."""
     import dataclasses
 
     from snapfn.handler.llm.lockstep import Lockstep
@@ -125,10 +126,9 @@ def _init_ranks(config: InitConfig, model_dir: Path, dest: Path):
     from snapfn.snapshot.stages import stderr_log
 
     if config.tier == "process":
-        raise BadRequest(
-            f"--tier process with tp_size={config.tp_size} x ep_size={config.ep_size}: a process"
-            " snapshot of several ranks is not made yet; use --tier portable"
-        )
+        from snapfn.handler.llm.recipes.process_ranks import init_process_ranks
+
+        return init_process_ranks(config, model_dir, dest, stderr_log)
     command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir), str(dest)]
     ranks = parallel_ranks(
         config.tp_size,

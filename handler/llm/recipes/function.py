@@ -341,10 +341,10 @@ class LLMFunction:
             **({"parallel": self._parallel_json(), "ranks": ranks} if ranks else {}),
         }
 
-    def write_rank_files(self) -> None:
+    def write_rank_files(self) -> list[dict[str, Any]]:
         """Another rank's part of rank 0's `write_snapshot`: its weights file, written into the
-        staging folder rank 0 names."""
-        self._write_ranks(None, None)
+        staging folder rank 0 names; every rank's entry (`_write_ranks`)."""
+        return self._write_ranks(None, None)
 
     def _write_ranks(self, root: Path | None, layout: Any) -> list[dict[str, Any]]:
         """Every rank's weights file under rank 0's `root` (rank 0 passes its own `layout`, the

@@ -28,7 +28,6 @@ from snapfn.snapshot.stages import StageRunner, StartupManifest
 # prefill + 1 decode step: the eager path and a decode graph both exercised (each decode step
 # more cost ~0.01 s of the 8B's restore on the H200; the count recorded is the count replayed)
 REPLAY_TOKENS = 2
-WEIGHTS_FILE = "weights/rank0.bin"  # the restore layout, relative to the snapshot
 ADOPT_TIMEOUT_S = 60.0  # for the restorer's regions (it may still be filling them)
 
 
@@ -90,7 +89,7 @@ class LLMProcessHost:
         section = self.fn.write_snapshot(writer, startup.to_json())
         self.layout = RestoreLayout.from_json(section["layout"])
         if self.keep_ring:
-            self.streamer = self._new_streamer(Path(self.args["root"]) / "weights" / "rank0.bin")
+            self.streamer = self._new_streamer(Path(self.args["root"]) / self.fn.weights_file)
         return {
             "function": self.fn.name,
             "startup": startup.to_json(),
@@ -102,7 +101,8 @@ class LLMProcessHost:
 
     def before_snapshot(self) -> list[str]:
         hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])
-        self.region_specs = self.fn.memory.region_specs(WEIGHTS_FILE)  # a restorer may fill them
+        # what a restorer may make and fill
+        self.region_specs = self.fn.memory.region_specs(self.fn.weights_file)
         released = self.fn.memory.release()
         if self.uses_cuda:
             import torch
@@ -137,17 +137,25 @@ class LLMProcessHost:
         return hooks
 
     def after_restore(self, resume: dict[str, Any]) -> dict[str, Any]:
-        from snapfn.handler.llm.service import LLMService
-
         runner = StageRunner(StartupManifest(kind="restore", tier="process"), clock=time.time)
         t0 = time.time()
         if self.uses_cuda:  # NOTE: the first driver call waits for the CUDA restore to finish
             runner.run("cuda_ready", lambda f: self.stack.restore())  # before any kernel runs
+        self.restored_stages(runner, resume)
         if not (resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume))):
-            self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / WEIGHTS_FILE)
+            self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / self.fn.weights_file)
         runner.run("replay_check", self._replay_check)
-        self.service = LLMService(self.fn.engine)
+        self.start_serving()
         return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
+
+    def restored_stages(self, runner: StageRunner, resume: dict[str, Any]) -> None:
+        """Stages of a restore before the weights come back (a rank of several: its
+        communicators); none here."""
+
+    def start_serving(self) -> None:
+        from snapfn.handler.llm.service import LLMService
+
+        self.service = LLMService(self.fn.engine)
 
     def _remap_and_stream(self, runner: StageRunner, weights: Path) -> None:
         """Without the restorer's regions: map fresh memory at the regions' addresses and stream

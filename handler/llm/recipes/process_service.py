@@ -74,6 +74,7 @@ class ProcessLLMService:
     def __init__(self, client: ProcessClient, tokenizer: Any) -> None:
         """`tokenizer`: the model's (`load_tokenizer`), or None for a model without one."""
         self.client = client
+        self.on_close = None  # run after the worker was closed (several ranks: the others')
         self.stats = ServiceStats()
         self._tokenizer = tokenizer
         self._max_req_input_len = int(self.info()["max_req_input_len"])
@@ -124,6 +125,8 @@ class ProcessLLMService:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.client.close()
+        if self.on_close is not None:
+            self.on_close()
 
 
 def _top(pairs) -> tuple[tuple[int, float], ...]:
