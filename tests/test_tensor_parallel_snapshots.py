@@ -191,3 +191,15 @@ def test_a_bad_rank_image_falls_back_to_tier_0_on_every_rank(
     (fallback,) = startup.fallbacks
     assert fallback["from"] == "process" and "rank 1" in fallback["reason"]
     assert ids == one_rank_answer
+
+
+@pytest.mark.parametrize("tier", ["portable", "process"])
+def test_generate_restores_a_snapshot_of_two_ranks(tier, request, one_rank_answer):
+    fixture = "two_rank_snapshot" if tier == "portable" else "two_rank_process_snapshot"
+    snap = request.getfixturevalue(fixture)
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "generate", "--snapshot", str(snap)]
+    argv += ["--tp-size", "2", "--prompt-ids", "5,17,3,9,12", "--max-new-tokens", "8", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env(snap.parent))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["token_ids"] == one_rank_answer
+    assert f"({tier}) on cpu" in done.stderr

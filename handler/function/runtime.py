@@ -165,7 +165,7 @@ class WorkerRuntime:
 
         t, config = self.target, self.target.init_config
         if config.world_size > 1:
-            return _init_llm_ranks(t, log)
+            return init_llm_ranks(t, log)
         if _holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
             return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction
@@ -382,7 +382,7 @@ class WorkerRuntime:
         self.llm = self._llm_function = self._handler = self._llm_handler = None
 
 
-def _init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest, Any]:
+def init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest, Any]:
     """A tensor- or expert-parallel LLM: this process is rank 0 (it serves), the other ranks
     are started here (`python -m snapfn.handler.llm.follower`, `ranks.py`); every rank comes up
     the same way (`recipes/ranks_start.py`: the snapshot restored, or a cold init that writes

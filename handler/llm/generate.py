@@ -152,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
     ).validate()
     snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
     if args.ep_size * args.tp_size != 1 and snapshot is not None:
-        raise BadRequest("--tp-size/--ep-size with --snapshot: parallel ranks load the model")
+        if "RANK" in os.environ:
+            raise BadRequest(
+                "--snapshot with --tp-size/--ep-size under torchrun: let snapfn start the ranks"
+                " (run it without torchrun)"
+            )
+        return _run_restored_service(args, snapshot, params)
     if process_restore_enabled(snapshot):
         return _run_restored_service(args, snapshot, params)
     from snapfn.handler.llm.build import EngineOptions, build_engine
@@ -201,15 +206,30 @@ def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:
 
 
 def _run_restored_service(args: argparse.Namespace, snapshot: Path, params) -> int:
-    """A snapshot with a process image: restore it (tier 1, falling back to tier 0 → cold)
-    and generate through the service, as the front doors do."""
+    """A snapshot with a process image, or one of several ranks: restore it (tier 1, falling
+    back to tier 0 → cold; several ranks started here) and generate through the service, as the
+    front doors do."""
     from snapfn.handler.llm.init_config import InitConfig
     from snapfn.handler.llm.recipes.process_restore import restore_llm
     from snapfn.snapshot.runtime import summary
 
-    config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
+    config = InitConfig.from_env(
+        os.environ,
+        device=args.device,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        ep_dispatch=args.ep_dispatch,
+    )
     t0 = time.perf_counter()
-    service, startup, _ = restore_llm(snapshot, config, args.model, log=None)
+    if config.world_size > 1:  # this process is rank 0 and starts the others
+        from snapfn.handler.function.runtime import init_llm_ranks
+        from snapfn.handler.function.target import ServeTarget
+
+        target = ServeTarget(model_dir=args.model, snapshot_dir=snapshot, init_config=config)
+        service, startup, _ = init_llm_ranks(target, log=None)
+    else:
+        service, startup, _ = restore_llm(snapshot, config, args.model, log=None)
     load_s = time.perf_counter() - t0
     print(summary(startup), file=sys.stderr)
     try:
