@@ -67,3 +67,34 @@ def test_a_cancelled_stream_leaves_both_ranks_serving(tp_server):
     assert next(r.iter_lines()).startswith(b"data: ")
     r.close()  # the server cancels it on both ranks
     assert len(_completion(tp_server.url, "hello world", stream=False, n=6)) == 6
+
+
+def test_a_rank_that_dies_is_reported_on_health(llama_with_tokenizer, tmp_path):
+    """Rank 1 killed: rank 0 stops serving, and /health says which rank died and how."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    args = ["--model", str(llama_with_tokenizer), "--kv-cache-mb", "4", "--tp-size", "2"]
+    server = Server(args, tmp_path)
+    try:
+        assert health_statuses(server.url)[-1] == 200, server.log_path.read_text()[-3000:]
+        (worker,) = server.workers()
+        (rank1,) = [
+            int(p) for p in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+        ]
+        os.kill(rank1, signal.SIGKILL)
+        deadline, health = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            health = requests.get(f"{server.url}/health", timeout=10)
+            if health.status_code != 200:
+                break
+            time.sleep(0.2)
+        assert health.status_code == 503, health.text
+        assert f"rank 1 exited with status {-signal.SIGKILL}: the group is down" in health.text
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=40)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.proc.pid, 0)  # nothing of the server left

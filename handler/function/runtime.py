@@ -165,7 +165,7 @@ class WorkerRuntime:
 
         t, config = self.target, self.target.init_config
         if config.world_size > 1:
-            return init_llm_ranks(t, log)
+            return init_llm_ranks(t, log, self._ranks_down)
         if _holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
             return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction
@@ -182,6 +182,12 @@ class WorkerRuntime:
         from snapfn.handler.llm.service import LLMService
 
         return LLMService(fn.engine), startup, fn
+
+    def _ranks_down(self, reason: str) -> None:
+        """A rank of this tensor-parallel runtime died (the others are stopped)."""
+        if self._log is not None:
+            self._log(f"the {self.function_name} ranks are down: {reason}")
+        self.readiness.set(Readiness.FAILED, reason)
 
     def _worker_exited(self, reason: str) -> None:
         """A restored process-snapshot worker died: this runtime can no longer serve."""
@@ -382,7 +388,9 @@ class WorkerRuntime:
         self.llm = self._llm_function = self._handler = self._llm_handler = None
 
 
-def init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest, Any]:
+def init_llm_ranks(
+    target: ServeTarget, log: Log, on_rank_exit: Callable[[str], None] | None = None
+) -> tuple[Any, StartupManifest, Any]:
     """A tensor- or expert-parallel LLM: this process is rank 0 (it serves), the other ranks
     are started here (`python -m snapfn.handler.llm.follower`, `ranks.py`); every rank comes up
     the same way (`recipes/ranks_start.py`: the snapshot restored, or a cold init that writes
@@ -425,6 +433,7 @@ def init_llm_ranks(target: ServeTarget, log: Log) -> tuple[Any, StartupManifest,
                 config.device,
                 command=command,
                 extra_env=config.to_env(),
+                on_rank_exit=on_rank_exit,
             )
         )
         config = dataclasses.replace(config, device=device)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -56,10 +56,14 @@ def parallel_ranks(
     environ: Mapping[str, str] | None = None,
     command: list[str] | None = None,
     extra_env: Mapping[str, str] | None = None,
+    on_rank_exit: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[ParallelConfig, str]]:
     """(this process's `ParallelConfig`, its device), inside the process group of all ranks
     (left afterwards). One rank: no group, `device` as given. `command`: what the ranks this
-    process starts run (default: this command again), with `extra_env` in their environment."""
+    process starts run (default: this command again), with `extra_env` in their environment.
+    `on_rank_exit(reason)`: what a rank's death does once the others are stopped (a server
+    marks itself failed, its /health saying why); by default this process exits with the reason.
+    """
     environ = os.environ if environ is None else environ
     for name, size in (("--tp-size", tp_size), ("--ep-size", ep_size)):
         if size < 1:
@@ -76,7 +80,7 @@ def parallel_ranks(
     parallel = rank_layout(tp_size, ep_size, rank, ep_dispatch)
     if device == "cuda":
         device = f"cuda:{local}"
-    watcher = _watch(started) if started else None
+    watcher = _watch(started, on_rank_exit) if started else None
     try:
         _join_group(environ, device, world, rank)
         try:
@@ -143,9 +147,9 @@ def free_port() -> int:
 class _Watcher(threading.Thread):
     """Rank 0's watch over the ranks it started: one that exits with an error stops them all."""
 
-    def __init__(self, started: list[subprocess.Popen]) -> None:
+    def __init__(self, started: list[subprocess.Popen], on_exit) -> None:
         super().__init__(daemon=True, name="snapfn-rank-watch")
-        self.started = started
+        self.started, self.on_exit = started, on_exit
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -153,7 +157,10 @@ class _Watcher(threading.Thread):
             reason = self._first_dead()
             if reason is not None and not self.done.is_set():
                 print(f"[snapfn] {reason}", file=sys.stderr, flush=True)
-                os._exit(1)
+                if self.on_exit is None:
+                    os._exit(1)
+                self.done.set()
+                self.on_exit(reason)
 
     def dead(self, wait_s: float) -> str | None:
         """Why the group is down (a rank that exited with an error, the others stopped), waiting
@@ -175,8 +182,8 @@ class _Watcher(threading.Thread):
         return None
 
 
-def _watch(started: list[subprocess.Popen]) -> _Watcher:
-    watcher = _Watcher(started)
+def _watch(started: list[subprocess.Popen], on_exit) -> _Watcher:
+    watcher = _Watcher(started, on_exit)
     watcher.start()
     return watcher
 

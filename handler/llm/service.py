@@ -101,7 +101,11 @@ class LLMService:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self.lockstep is not None:
-                self._lockstep_changes()
+                try:
+                    self._lockstep_changes()
+                except Exception as exc:  # a rank is gone: nothing can step any more
+                    self._fail_all(exc)
+                    return
             if not self.engine.has_work():
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
