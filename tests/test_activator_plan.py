@@ -115,3 +115,11 @@ print(json.dumps({"torch": sorted(m for m in sys.modules if m.split(".")[0] == "
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"torch": [], "max_instances": 2}
+
+
+def test_ranks_are_forwarded_on_cpu_and_refused_on_one_gpu_per_instance(tmp_path):
+    plan = plan_for("--model", str(tmp_path), "--tp-size", "2")
+    argv = list(plan.instance_argv)
+    assert argv[argv.index("--tp-size") + 1] == "2"
+    with pytest.raises(BadRequest, match="gives each instance one GPU"):
+        plan_for("--model", str(tmp_path), "--tp-size", "2", "--device", "cuda", gpus=("0", "1"))

@@ -35,6 +35,7 @@ from snapfn.snapshot.unix_socket import default_dir
 FORWARDED_FLAGS = (
     ("model", "snapshot", "cache_max_bytes", "function", "function_dir")  # what to serve
     + ("device", "dtype", "max_model_len", "max_running_requests", "kv_cache_mb")  # engine
+    + ("tp_size", "ep_size")  # each instance's ranks
     + ("workers", "threads", "model_name", "max_body_bytes")  # each instance's server
     + ("startup_queue_size", "startup_wait_s", "failed_start_exit_s")
     + ("function_errors", "access_log")  # how each instance answers and logs
@@ -90,6 +91,12 @@ class ActivatorPlan:
                 "each instance gets one GPU"
             )
         device = args.device or environ.get("SNAPFN_DEVICE") or ""
+        ranks = (getattr(args, "tp_size", None) or 1) * (getattr(args, "ep_size", None) or 1)
+        if gpus and ranks > 1 and device.startswith("cuda"):
+            raise BadRequest(
+                f"--tp-size/--ep-size ({ranks} ranks) with --idle-timeout on CUDA: the activator"
+                " gives each instance one GPU; serve the ranks without --idle-timeout"
+            )
         if gpus and device.startswith("cuda:") and device != "cuda:0":
             raise BadRequest(
                 f"device {device!r}: each instance sees one GPU (CUDA_VISIBLE_DEVICES), "
