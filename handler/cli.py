@@ -214,6 +214,7 @@ def _torch_has_cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)  # what ranks run again
     if not getattr(args, "run", None):
         parser.print_help()
         return EXIT_USAGE

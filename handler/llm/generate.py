@@ -164,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     from snapfn.handler.llm.embedded import embedded_model_dir
 
     model_dir = args.model or embedded_model_dir()
-    ranks = parallel_ranks(args.tp_size, args.ep_size, args.ep_dispatch, args.device)
+    again = getattr(args, "command_line", None)  # set by the CLI: what the other ranks run
+    command = [sys.executable, "-m", "snapfn.handler.cli", *again] if again else None
+    ranks = parallel_ranks(args.tp_size, args.ep_size, args.ep_dispatch, args.device, None, command)
     with ranks as (parallel, device):
         t0 = time.perf_counter()
         if snapshot is not None:
@@ -182,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
         source = args.snapshot or model_dir
         if parallel.ep_size > 1:
             _say_experts_held(engine.model, parallel, model_dir)
-        if parallel.ep_size * parallel.tp_size > 1:
-            source = f"{model_dir} (tp {parallel.tp_size}, ep {parallel.ep_size}"
-            source += f", {parallel.ep_dispatch})" if parallel.ep_size > 1 else ")"
+        parts = [f"tp {parallel.tp_size}"] if parallel.tp_size > 1 else []
+        if parallel.ep_size > 1:
+            parts.append(f"ep {parallel.ep_size}, {parallel.ep_dispatch}")
+        if parts:
+            source = f"{model_dir} ({', '.join(parts)})"
         ids = _prompt_ids(args, engine.tokenizer)
         timing = _timed_generate(engine, [ids] * args.batch_size, params)
         result = timing.pop("results")[0]

@@ -3,7 +3,7 @@
 Under torchrun (RANK and WORLD_SIZE set) a process is the rank torchrun gave it. Otherwise the
 process the user started is rank 0 and starts the others itself, as vLLM's
 `--tensor-parallel-size` does: `snapfn generate` runs its own command line again
-(`sys.orig_argv`); a server or queue worker, which serves as rank 0, starts
+(`python -m snapfn.handler.cli` with the arguments it was given); a server or queue worker, which serves as rank 0, starts
 `python -m snapfn.handler.llm.follower` (`command`). Each gets its rank in its environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: torchrun's names), its output on rank
 0's stderr, none on stdout. The ranks meet over NCCL on CUDA (`cuda:LOCAL_RANK` each) and gloo
@@ -60,7 +60,8 @@ def parallel_ranks(
 ) -> Iterator[tuple[ParallelConfig, str]]:
     """(this process's `ParallelConfig`, its device), inside the process group of all ranks
     (left afterwards). One rank: no group, `device` as given. `command`: what the ranks this
-    process starts run (default: this command again), with `extra_env` in their environment.
+    process starts run (`snapfn generate`: its own command line again), with `extra_env` in
+    their environment; None outside torchrun is refused.
     `on_rank_exit(reason)`: what a rank's death does once the others are stopped (a server
     marks itself failed, its /health saying why); by default this process exits with the reason.
     """
@@ -74,8 +75,12 @@ def parallel_ranks(
         return
     started: list[subprocess.Popen] = []
     if "RANK" not in environ:
-        argv = command or [sys.executable, *sys.orig_argv[1:]]
-        environ, started = _start_ranks(world, device, argv, dict(extra_env or {}))
+        if command is None:
+            raise BadRequest(
+                f"{world} ranks: RANK and WORLD_SIZE are not set (torchrun sets them) and no"
+                " command was given for the ranks to start"
+            )
+        environ, started = _start_ranks(world, device, command, dict(extra_env or {}))
     rank, local = _rank_from(environ, world, tp_size, ep_size)
     parallel = rank_layout(tp_size, ep_size, rank, ep_dispatch)
     if device == "cuda":
