@@ -69,7 +69,7 @@ def _check_ranks(model_dir: Path, tmp_path: Path, tp: int, ep: int = 1) -> None:
     one = generate(model_dir, ParallelConfig())
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(tp * ep)]
     for got in ranks:
-        assert got["greedy"]["vocab_rows"] == one["vocab_rows"] // tp  # its share only
+        assert got["greedy"]["vocab_rows"] == -(-one["vocab_rows"] // tp)  # its share only
         for mine, theirs in zip(got["greedy"]["runs"], one["runs"], strict=True):
             assert mine["tokens"] == theirs["tokens"]
             for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True):
@@ -80,6 +80,20 @@ def _check_ranks(model_dir: Path, tmp_path: Path, tp: int, ep: int = 1) -> None:
 
 
 @pytest.fixture(scope="module")
+def odd_llama_dir(tmp_path_factory):
+    """transformers' own test sizes: a vocabulary of 99 (no split divides it) and one k/v
+    head (multi-query attention: replicated on every rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import save_tiny
+
+    return save_tiny(
+        tmp_path_factory, "odd", 4, LlamaConfig, LlamaForCausalLM,
+        vocab_size=99, num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory):
     return save_tiny_glm(tmp_path_factory.mktemp("tp") / "glm", seed=3)
 
@@ -87,6 +101,13 @@ def glm_dir(tmp_path_factory):
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_two_tensor_parallel_ranks_generate_what_one_rank_does(fixture, request, tmp_path):
     _check_ranks(request.getfixturevalue(fixture), tmp_path, tp=2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_vocabulary_no_split_divides_and_one_kv_head(odd_llama_dir, tmp_path, tp):
+    """99 tokens over 2 or 4 ranks: blocks of 50 or 25, the last short and zero-padded (its
+    padding's logits dropped); the single k/v head on every rank."""
+    _check_ranks(odd_llama_dir, tmp_path, tp=tp)
 
 
 @pytest.mark.slow
@@ -180,3 +201,12 @@ def test_a_rank_that_dies_takes_the_group_down(tiny_llama_dir):
     assert proc.returncode in (1, 2), err[-2000:]  # RankFailed (2), or the watch's exit (1)
     assert f"rank 1 exited with status {-signal.SIGKILL}: the group is down" in err
     assert "Traceback" not in err
+
+
+def test_the_vocabulary_splits_in_blocks_the_last_short_or_empty():
+    from snapfn.handler.llm.weights.sharding import vocab_split
+
+    assert [vocab_split(99, 4, r) for r in range(4)] == [
+        (0, 25, 25), (25, 25, 25), (50, 25, 25), (75, 24, 25)
+    ]  # fmt: skip
+    assert [vocab_split(5, 4, r)[:2] for r in range(4)] == [(0, 2), (2, 2), (4, 1), (5, 0)]

@@ -21,7 +21,12 @@ from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.kernels.base import Backend
 from snapfn.handler.llm.models.layers import Linear, RMSNorm, is_quantized
-from snapfn.handler.llm.models.tensor_parallel import RowLinear, VocabEmbedding, gather_vocab
+from snapfn.handler.llm.models.tensor_parallel import (
+    RowLinear,
+    VocabEmbedding,
+    gather_vocab,
+    vocab_rows,
+)
 from snapfn.handler.llm.parallel import ParallelConfig
 from snapfn.handler.llm.weights.quant import FP8_BLOCK
 
@@ -192,7 +197,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.not_loaded = (*self.not_loaded, r"lm_head\.weight")
         else:
-            rows = cfg.vocab_size // self.parallel.tp_size  # VocabEmbedding refused a remainder
+            _, rows = vocab_rows(cfg.vocab_size, self.parallel)  # this rank's block, padded
             self.lm_head = self.linear("lm_head", cfg.hidden_size, rows)
 
     def final_logits(

@@ -13,7 +13,8 @@ The seed's rules (../shared/seeds/glm-5.3-first-request.txt), and sglang's and v
 - row-parallel ones (`RowLinear`: o_proj, down_proj) hold their input rows: each rank's product
   is a partial sum, all-reduced over the tp group, the bias added once after;
 - the embedding and `lm_head` are vocab-parallel (`VocabEmbedding`, `gather_vocab`): a rank
-  holds `vocab / tp` rows; a lookup outside them gives zeros and the all-reduce fills it in,
+  holds `ceil(vocab / tp)` rows (the last rank's past the vocabulary zero); a lookup outside
+  them gives zeros and the all-reduce fills it in,
   and each rank's logits are all-gathered into the whole vocabulary, identical on every rank.
 At tp 1 none of this runs: the layers are the plain ones.
 """
@@ -152,13 +153,13 @@ def cpu_group():
 
 
 def vocab_rows(vocab_size: int, parallel: ParallelConfig) -> tuple[int, int]:
-    """`(start, rows)` of this tp rank's slice of the vocabulary; BadRequest when it does not
-    divide (the sharding rules split evenly)."""
-    tp = parallel.tp_size
-    if vocab_size % tp:
-        raise BadRequest(f"vocab_size={vocab_size} does not divide across tp_size={tp}")
-    rows = vocab_size // tp
-    return parallel.tp_rank * rows, rows
+    """`(start, rows)` of this tp rank's block of the vocabulary (`sharding.vocab_split`),
+    `rows` padded: a vocabulary that does not divide by tp ends in zero rows on the last rank,
+    whose logits `gather_vocab` drops."""
+    from snapfn.handler.llm.weights.sharding import vocab_split
+
+    start, _, padded = vocab_split(vocab_size, parallel.tp_size, parallel.tp_rank)
+    return start, padded
 
 
 class RowLinear(Linear):

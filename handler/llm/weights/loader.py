@@ -152,6 +152,10 @@ def _fill(model, params, name, tensor, target, filled, report, sliced: bool = Fa
             f"{name}: maps to parameter {target.param}, which the model does not have"
         )
     dest = target.dest(param.data)
+    if local.shape[0] < dest.shape[0] and placement_for(model.config.arch, name).kind == "vocab":
+        with torch.no_grad():  # the last rank's short block of the vocabulary: zero padding
+            dest[local.shape[0] :].zero_()
+        dest = dest[: local.shape[0]]
     _check_compatible(name, local, dest)
     key = (target.param, target.index, target.rows)
     if key in filled:

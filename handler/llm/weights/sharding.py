@@ -6,7 +6,8 @@ Every checkpoint tensor name (Hugging Face spelling) matches exactly one rule gi
 - `column`: split the output dim (dim 0 of an `nn.Linear` weight, and its bias).
 - `row`: split the input dim (dim 1). A row-parallel layer's bias is `replicated`: the model adds
   it once, after the all-reduce.
-- `vocab`: split the rows (dim 0) of the embedding and of `lm_head`.
+- `vocab`: split the rows (dim 0) of the embedding and of `lm_head` in blocks of
+  `ceil(vocab / tp)` (`vocab_split`: the last rank's block may be short; the model pads it).
 - `replicated`: every rank holds the whole tensor.
 - `expert`: a routed expert's linear. Whole experts go to ep ranks in contiguous blocks (rank `r`
   owns experts `[r*E/ep, (r+1)*E/ep)`). When `ep_size > 1` ep replaces tp for experts: an owned
@@ -281,7 +282,23 @@ def _bounds(
             return _whole(shape)
     if placement.dim is None or parallel.tp_size == 1:
         return _whole(shape)
+    if placement.kind == "vocab":
+        return _vocab_split(shape, parallel)
     return _even_split(name, shape, placement.dim, parallel, block)
+
+
+def vocab_split(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """`(start, rows, padded)`: tp rank `tp_rank`'s rows of a vocabulary of `vocab_size` split
+    in `ceil(vocab / tp)` blocks (the last may be short, even empty: `rows`) and the rows it
+    holds (`padded`, every rank the same; the rows past `rows` are zero)."""
+    padded = -(-vocab_size // tp_size)
+    start = min(tp_rank * padded, vocab_size)
+    return start, min(padded, vocab_size - start), padded
+
+
+def _vocab_split(shape: Sequence[int], parallel: ParallelConfig) -> tuple[slice, ...]:
+    start, rows, _ = vocab_split(shape[0], parallel.tp_size, parallel.tp_rank)
+    return (slice(start, start + rows), *_whole(shape)[1:])
 
 
 def _owns_expert(name: str, parallel: ParallelConfig, num_experts: int | None) -> bool:
