@@ -413,6 +413,16 @@ def field_edits() -> dict:
     }
     for label, change in weights.items():
         cases[f"files {WEIGHTS} {label}"] = lambda d, change=change: change(d["files"][WEIGHTS])
+    # a rank layout this one-rank restore is not, or none at all
+    two = {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"}
+    for label, value in {
+        "of two ranks": two,
+        "of one rank by another dispatch": {**two, "tp_size": 1, "ep_dispatch": "all_to_all"},
+        "a string": "tp2",
+        "with an extra key": {**two, "tp_size": 1, "pp_size": 1},
+        "null": None,
+    }.items():
+        cases[f"parallel {label}"] = lambda d, value=value: d["llm"].update(parallel=value)
     cases["function user_function"] = section_edit("function", lambda v: "user_function")
     cases["section a list"] = section_edit("llm", lambda v: [v])
     return cases

@@ -203,3 +203,47 @@ def test_generate_restores_a_snapshot_of_two_ranks(tier, request, one_rank_answe
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["token_ids"] == one_rank_answer
     assert f"({tier}) on cpu" in done.stderr
+
+
+RANK_EDITS = {
+    "rank 1's plan off by a page": lambda m: m["llm"]["ranks"][1]["memory_plan"].update(
+        num_pages=m["llm"]["ranks"][1]["memory_plan"]["num_pages"] + 1
+    ),
+    "rank 1's entry a string": lambda m: m["llm"]["ranks"].__setitem__(1, "rank1"),
+    "one rank entry": lambda m: m["llm"].update(ranks=m["llm"]["ranks"][:1]),
+    "rank 1's layout rank 0's": lambda m: m["llm"]["ranks"][1].update(
+        layout=m["llm"]["ranks"][0]["layout"]
+    ),
+    "rank1.bin unlisted": lambda m: m["files"].pop("weights/rank1.bin"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RANK_EDITS))
+def test_an_edited_rank_entry_is_refused_on_every_rank(
+    two_rank_snapshot, one_rank_answer, tmp_path, case
+):
+    snap = shutil.copytree(two_rank_snapshot, tmp_path / "snap")
+    manifest = json.loads((snap / "manifest.json").read_text())
+    RANK_EDITS[case](manifest)
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    if case in NO_RECORDED_SOURCE:  # a rank's content hash went with its entry
+        with pytest.raises(AssertionError, match="rank 1: its manifest records no content hash"):
+            _answer(snap, 2)
+        return
+    ids, startup = _answer(snap, 2)
+    assert startup.tier == "cold (fallback)", startup.fallbacks
+    assert startup.fallbacks[0]["to"] == "cold" and ids == one_rank_answer
+
+
+NO_RECORDED_SOURCE = {"rank 1's entry a string", "one rank entry"}
+
+
+def test_an_edited_rank_entry_with_the_model_named_falls_back_on_every_rank(
+    two_rank_snapshot, one_rank_answer, tiny_llama_dir, tmp_path
+):
+    snap = shutil.copytree(two_rank_snapshot, tmp_path / "snap")
+    manifest = json.loads((snap / "manifest.json").read_text())
+    RANK_EDITS["one rank entry"](manifest)
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    ids, startup = _answer(snap, 2, tiny_llama_dir)
+    assert startup.tier == "cold (fallback)" and ids == one_rank_answer

@@ -181,12 +181,19 @@ class LLMFunction:
 
         got = loaded_content_hash(self._model_config.raw, self.model.named_parameters())
         figures.update(content_hash=got, expected=self.expected_content_hash)
+        problem = ""
         if got != self.expected_content_hash:
-            raise NoTrustedSource(
+            problem = (
                 f"it holds another model (content hash {got[:16]}.., the snapshot recorded "
                 f"{self.expected_content_hash[:16]}..; or this configuration loads it with "
                 "another dtype)"
             )
+        if self.world_size > 1:  # one rank's answer is every rank's
+            from snapfn.handler.llm.recipes.sources import first_rank_problem
+
+            problem = first_rank_problem(problem, self.parallel)
+        if problem:
+            raise NoTrustedSource(problem)
         self.source_trusted = True
 
     def stage_memory_profile(self, figures: Figures) -> None:

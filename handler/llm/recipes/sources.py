@@ -41,7 +41,14 @@ def llm_fallback(
     def make(recorded: dict[str, Any] | None) -> LLMFunction:
         if named is not None:
             return LLMFunction(config, named, releasable, parallel=parallel)
-        folder, content_hash = recorded_source(recorded, parallel)
+        try:
+            folder, content_hash, problem = *recorded_source(recorded, parallel), ""
+        except NoTrustedSource as exc:
+            problem = str(exc)
+        if parallel is not None and parallel.tp_size * parallel.ep_size > 1:
+            problem = first_rank_problem(problem, parallel)  # every rank falls back, or none
+        if problem:
+            raise NoTrustedSource(problem)
         return LLMFunction(
             config, folder, releasable, expected_content_hash=content_hash, parallel=parallel
         )
@@ -79,6 +86,14 @@ def recorded_source(recorded: dict[str, Any] | None, parallel: Any = None) -> tu
             f"{NAME_ONE}"
         )
     return folder, content_hash
+
+
+def first_rank_problem(problem: str, parallel: Any) -> str:
+    """The first rank's `problem` ("" where none has one), on every rank."""
+    from snapfn.handler.llm.models.tensor_parallel import all_gather_texts
+
+    found = [(k, p) for k, p in enumerate(all_gather_texts(problem, parallel)) if p]
+    return f"rank {found[0][0]}: {found[0][1]}" if found else ""
 
 
 def _rank_content_hash(section: dict[str, Any], parallel: Any) -> Any:
