@@ -74,6 +74,10 @@ def test_init_writes_a_weights_file_per_rank_and_lists_each_ranks_layout(two_ran
     section = manifest["llm"]
     assert section["parallel"] == {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"}
     assert manifest["compat"]["world_size"] == 2
+    (warmup,) = [s for s in manifest["startup"]["stages"] if s["name"] == "warmup"]
+    assert set(warmup["figures"]["collectives"]) == {
+        "tp_all_reduce_s", "vocab_all_gather_s", "cpu_broadcast_s"
+    }  # fmt: skip
     hashes = [r["model_content_hash"] for r in section["ranks"]]
     assert hashes[0] == section["model_content_hash"] and hashes[0] != hashes[1]
 

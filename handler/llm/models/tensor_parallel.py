@@ -104,6 +104,36 @@ def broadcast_tokens(tokens: list[int], parallel: ParallelConfig, device) -> lis
     return t.tolist()
 
 
+def warm_collectives(model, rows: int) -> dict[str, float]:
+    """Run each collective a step runs once, at its decode shapes, before any graph captures
+    one (the seed's rule: a communicator's set-up is the init's, never a request's); the
+    seconds each took, as figures."""
+    import time
+
+    import torch.distributed as dist
+
+    parallel, cfg = model.parallel, model.config
+    figures = {}
+
+    def timed(name: str, fn) -> None:
+        start = time.perf_counter()
+        fn()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        figures[f"{name}_s"] = round(time.perf_counter() - start, 4)
+
+    h = torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=model.device)
+    if parallel.tp_size > 1:
+        timed("tp_all_reduce", lambda: all_reduce_tp(h, parallel))
+        _, vocab = vocab_rows(cfg.vocab_size, parallel)
+        logits = torch.zeros(rows, vocab, dtype=torch.float32, device=model.device)
+        timed("vocab_all_gather", lambda: gather_vocab(logits, parallel, cfg.vocab_size))
+    if parallel.ep_size > 1 and parallel.ep_dispatch == "replicated":
+        timed("ep_all_reduce", lambda: dist.all_reduce(h, group=groups(parallel)[1]))
+    timed("cpu_broadcast", lambda: dist.broadcast(torch.zeros(1), src=0, group=cpu_group()))
+    return figures
+
+
 def min_over_ranks(value: int, parallel: ParallelConfig) -> int:
     """The least `value` over every rank of the world (the memory plan's page count)."""
     import torch.distributed as dist

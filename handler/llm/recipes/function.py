@@ -261,6 +261,10 @@ class LLMFunction:
             chunks = tuple(dict.fromkeys((*self.config.chunk_sizes, *SHORT_PREFILLS)))
         else:  # the CPU path compiles nothing: touch each code path once, cheaply
             decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
+        if self.world_size > 1:  # every communicator made and run before graphs capture them
+            from snapfn.handler.llm.models.tensor_parallel import warm_collectives
+
+            figures["collectives"] = warm_collectives(self.model, max(self.buckets()))
         with compile_caches.compiles_counted(self.config.cache_dir, figures):
             figures.update(warmup(self.model, self.engine.kv, decode, chunks))
 
