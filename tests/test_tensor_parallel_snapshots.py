@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,9 @@ def test_a_process_image_of_each_rank_restores_with_its_communicators(
     names = [s.name for s in startup.stages]
     assert names.index("worker.communicators") < names.index("worker.stream_weights")
     assert ids == one_rank_answer
+    deadline = time.monotonic() + 20
+    while _workers() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _workers() == before  # both ranks' workers stopped with the runtime
 
 
