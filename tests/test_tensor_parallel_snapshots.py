@@ -255,3 +255,12 @@ def test_an_edited_rank_entry_with_the_model_named_falls_back_on_every_rank(
     (snap / "manifest.json").write_text(json.dumps(manifest))
     ids, startup = _answer(snap, 2, tiny_llama_dir)
     assert startup.tier == "cold (fallback)" and ids == one_rank_answer
+
+
+def test_inspect_names_the_ranks_and_their_images(two_rank_process_snapshot):
+    from snapfn.handler.llm.recipes.cli import format_table, load_startup
+
+    text = format_table(*load_startup(two_rank_process_snapshot))
+    assert "ranks: tp 2 x ep 1 (replicated), each its own weights: weights/rank0.bin, " in text
+    assert "a process image per rank: process, process-rank1" in text
+    assert "restore chain here: tier 1 (process image)" in text

@@ -214,6 +214,13 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
             f"({plan['kv_bytes'] / 2**20:.1f} MiB KV, {plan['weights_bytes'] / 2**20:.1f} MiB weights, {plan['source']})"
         )
         lines.append(f"graph buckets: {llm['graph_buckets'] or 'none (eager decode)'}")
+        parallel = llm.get("parallel")
+        if isinstance(parallel, dict) and isinstance(llm.get("ranks"), list):
+            files = ", ".join(f"weights/rank{k}.bin" for k in range(len(llm["ranks"])))
+            lines.append(
+                f"ranks: tp {parallel.get('tp_size')} x ep {parallel.get('ep_size')}"
+                f" ({parallel.get('ep_dispatch')}), each its own weights: {files}"
+            )
         lines.append(f"compile caches saved: {llm['compile_caches'] or 'none'}")
     process = manifest.get("process")
     if isinstance(process, dict):
@@ -231,6 +238,13 @@ def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
                 f" {moved['pieces']} mappings of {moved['file']}, mapped at restore"
             )
         lines += _process_memory_lines(process)
+        ranks = manifest.get("process_ranks")
+        if isinstance(ranks, list) and ranks:
+            folders = [
+                process.get("images"),
+                *(r.get("images") for r in ranks if isinstance(r, dict)),
+            ]
+            lines.append(f"  a process image per rank: {', '.join(map(str, folders))}")
     if "compat" in manifest:
         lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
         lines.append(restore_chain(manifest))
