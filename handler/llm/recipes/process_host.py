@@ -77,17 +77,16 @@ class LLMProcessHost:
             start_recording()
 
     def init(self) -> dict[str, Any]:
-        from snapfn.handler.llm.recipes.function import LLMFunction
         from snapfn.snapshot.layout.table import RestoreLayout
         from snapfn.snapshot.portable.compat import compat_key
         from snapfn.snapshot.runtime import cold_init
 
-        self.fn = LLMFunction(self.config, Path(self.args["model_dir"]), releasable=True)
-        startup = cold_init(self.fn, log)
+        self.fn = self.make_function()
+        startup = cold_init(self.fn, self.log)
         self.replay = self.fn.generate_one(REPLAY_TOKENS)
         writer = FilesWriter(Path(self.args["root"]))
-        section = self.fn.write_snapshot(writer, startup.to_json())
-        self.layout = RestoreLayout.from_json(section["layout"])
+        section, layout = self.write_files(writer, startup.to_json())
+        self.layout = RestoreLayout.from_json(layout)
         if self.keep_ring:
             self.streamer = self._new_streamer(Path(self.args["root"]) / self.fn.weights_file)
         return {
@@ -98,6 +97,19 @@ class LLMProcessHost:
             "compat": compat_key(self.fn.device, self.fn.world_size),
             "replay": self.replay,
         }
+
+    def make_function(self):
+        from snapfn.handler.llm.recipes.function import LLMFunction
+
+        return LLMFunction(self.config, Path(self.args["model_dir"]), releasable=True)
+
+    def log(self, line: str) -> None:
+        log(line)
+
+    def write_files(self, writer: FilesWriter, startup: dict[str, Any]) -> tuple[dict, str]:
+        """The tier-0 files through `writer`: (the manifest's section, this worker's layout)."""
+        section = self.fn.write_snapshot(writer, startup)
+        return section, section["layout"]
 
     def before_snapshot(self) -> list[str]:
         hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.handler.llm.recipes.process_host import REPLAY_TOKENS, FilesWriter, LLMProcessHost, log
+from snapfn.handler.llm.recipes.process_host import FilesWriter, LLMProcessHost, log
 from snapfn.snapshot.errors import BadRequest, RestoreFailed
 
 HOST = "snapfn.handler.llm.recipes.process_ranks:make"
@@ -48,32 +48,21 @@ class LLMRankHost(LLMProcessHost):
         self.parallel = rank_layout(c.tp_size, c.ep_size, self.rank, c.ep_dispatch)
         self._follow: threading.Thread | None = None
 
-    def init(self) -> dict[str, Any]:
+    def make_function(self):
         from snapfn.handler.llm.recipes.function import LLMFunction
-        from snapfn.snapshot.layout.table import RestoreLayout
-        from snapfn.snapshot.portable.compat import compat_key
-        from snapfn.snapshot.runtime import cold_init
 
-        self._join(int(self.args["master_port"]))
+        self._join(int(self.args["master_port"]))  # the cold init's forwards are collectives
         model_dir = Path(self.args["model_dir"])
-        self.fn = LLMFunction(self.config, model_dir, releasable=True, parallel=self.parallel)
-        startup = cold_init(self.fn, _rank_log(self.rank))
-        self.replay = self.fn.generate_one(REPLAY_TOKENS)  # every rank: one collective forward
-        writer = FilesWriter(Path(self.args["root"]))
+        return LLMFunction(self.config, model_dir, releasable=True, parallel=self.parallel)
+
+    def log(self, line: str) -> None:
+        log(f"rank {self.rank}: {line}")
+
+    def write_files(self, writer: FilesWriter, startup: dict[str, Any]) -> tuple[dict, str]:
+        """Rank 0 writes the snapshot's files, the others their weights (`_write_ranks`)."""
         if self.rank == 0:
-            section = self.fn.write_snapshot(writer, startup.to_json())
-            layout = section["layout"]
-        else:
-            section, layout = {}, self.fn.write_rank_files()[self.rank]["layout"]
-        self.layout = RestoreLayout.from_json(layout)
-        return {
-            "function": self.fn.name,
-            "startup": startup.to_json(),
-            "section": section,
-            "registered": writer.registered,
-            "compat": compat_key(self.fn.device, self.fn.world_size),
-            "replay": self.replay,
-        }
+            return super().write_files(writer, startup)
+        return {}, self.fn.write_rank_files()[self.rank]["layout"]
 
     def before_snapshot(self) -> list[str]:
         import torch.distributed as dist
@@ -125,10 +114,6 @@ class LLMRankHost(LLMProcessHost):
         if self.rank != 0:
             raise BadRequest(f"rank {self.rank} follows rank 0: send requests to rank 0")
         super().handle(message, send)
-
-
-def _rank_log(rank: int) -> Log:
-    return lambda line: log(f"rank {rank}: {line}")
 
 
 def make(args: dict[str, Any]) -> LLMRankHost:
