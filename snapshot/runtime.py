@@ -52,6 +52,12 @@ class NoTrustedSource(InitFailed):
     code = "no_trusted_source"
 
 
+def holds_files(folder: Path | None) -> bool:
+    """Whether `folder` is a folder with something in it (a snapshot to restore, not one to
+    write)."""
+    return folder is not None and Path(folder).is_dir() and any(Path(folder).iterdir())
+
+
 def cold_init(
     fn: SnapshotFunction, log: Log | None = stderr_log, startup: StartupManifest | None = None
 ) -> StartupManifest:

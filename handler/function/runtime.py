@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from snapfn.handler.api import Context, Handler, LoadedFunction, call_handler
 from snapfn.handler.function.target import NotReady, ServeTarget
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
+from snapfn.snapshot.runtime import holds_files
 from snapfn.snapshot.stages import Readiness, ReadinessState, StageRunner, StartupManifest
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class WorkerRuntime:
         self.readiness.set(Readiness.FAILED, reason)
 
     def _planned_startup(self) -> tuple[str, str]:
-        if _holds_files(self.target.snapshot_dir):
+        if holds_files(self.target.snapshot_dir):
             from snapfn.snapshot.process.snapshot import has_process_image
 
             return "restore", "process" if has_process_image(
@@ -166,7 +167,7 @@ class WorkerRuntime:
         t, config = self.target, self.target.init_config
         if config.world_size > 1:
             return init_llm_ranks(t, log, self._ranks_down)
-        if _holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
+        if holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
             return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction
         from snapfn.snapshot.runtime import cold_init
@@ -200,7 +201,7 @@ class WorkerRuntime:
         from snapfn.snapshot.process.snapshot import has_process_image
 
         snapshot = self.target.snapshot_dir
-        if not _holds_files(snapshot):
+        if not holds_files(snapshot):
             return self._cold_start_function(log)
         failed = None
         if has_process_image(snapshot):
@@ -419,7 +420,7 @@ def init_llm_ranks(
             if log is not None:
                 log(f"{exc}; falling back to the portable snapshot on every rank")
     model_dir = target.model_dir
-    if model_dir is None and not _holds_files(snapshot):
+    if model_dir is None and not holds_files(snapshot):
         model_dir = embedded_model_dir()
     command = [sys.executable, "-m", "snapfn.handler.llm.follower", str(model_dir or "-")]
     command += [str(snapshot)] if snapshot is not None else []
@@ -446,10 +447,6 @@ def init_llm_ranks(
     if failed is not None:
         startup.add_failed_process_restore(failed, "portable", first=True)
     return service, startup, fn
-
-
-def _holds_files(folder: Path | None) -> bool:
-    return folder is not None and Path(folder).is_dir() and any(Path(folder).iterdir())
 
 
 def _write_snapshot(fn: LLMFunction, dest: Path, startup: StartupManifest, log: Log) -> None:

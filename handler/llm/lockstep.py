@@ -16,7 +16,6 @@ in a collective past the group's timeout. A `{"stop": true}` message ends `follo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -25,20 +24,6 @@ import torch
 from snapfn.handler.llm.engine.engine import Engine
 from snapfn.handler.llm.engine.request import SamplingParams
 from snapfn.handler.llm.parallel import ParallelConfig
-
-_TUPLES = {"stop", "stop_token_ids"}
-
-
-def params_to_json(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
-
-
-def params_from_json(doc: dict[str, Any]) -> SamplingParams:
-    values = dict(doc)
-    for name in _TUPLES:
-        values[name] = tuple(values[name])
-    values["logit_bias"] = tuple((int(t), float(b)) for t, b in values["logit_bias"])
-    return SamplingParams(**values)
 
 
 class Lockstep:
@@ -77,7 +62,7 @@ def apply(engine: Engine, changes: list[list[Any]]) -> None:
     for change in changes:
         if change[0] == "add":
             _, request_id, prompt_ids, params = change
-            engine.add_request(prompt_ids, params_from_json(params), request_id=request_id)
+            engine.add_request(prompt_ids, SamplingParams.from_json(params), request_id=request_id)
         elif change[0] == "cancel":
             engine.cancel(change[1])
         else:

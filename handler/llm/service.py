@@ -59,11 +59,9 @@ class LLMService:
             if self.lockstep is None:
                 request_id = self.engine.add_request(list(prompt_ids), params)
             else:
-                from snapfn.handler.llm.lockstep import params_to_json
-
                 self.engine.check_request(list(prompt_ids), params)
                 request_id = f"req-{uuid.uuid4().hex}"
-                self._changes.append(["add", request_id, list(prompt_ids), params_to_json(params)])
+                self._changes.append(["add", request_id, list(prompt_ids), params.to_json()])
             stream = Stream(self, request_id, list(prompt_ids))
             self._streams[request_id] = stream
             self.stats.requests += 1

@@ -145,9 +145,6 @@ def _checkpoint_or_fall_back(
     try:
         if not found.ok:
             raise RestoreFailed(found.reason)
-        if len(workers) == 1:
-            check = lambda f: [_checkpoint(workers[0], folders[0], config, log, f)]  # noqa: E731
-            return runner.run("checkpoint", check)
         return runner.run("checkpoint", lambda f: _checkpoint_all(workers, folders, config, log, f))
     except RestoreFailed as exc:
         for worker in workers:
@@ -180,7 +177,7 @@ def _checkpoint_all(workers, folders: list[Path], config, log, figures: dict) ->
                     worker.kill()
     if errors:
         raise errors[0]
-    figures.update(ranks[0], ranks=len(workers))
+    figures.update(ranks[0], **({"ranks": len(workers)} if len(workers) > 1 else {}))
     return done
 
 

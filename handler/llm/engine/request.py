@@ -14,6 +14,7 @@ are of the model's raw distribution whatever the penalties (vLLM's default).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -51,6 +52,19 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     top_logprobs: int = 0  # alternatives reported per generated token
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's, k alternatives
+
+    def to_json(self) -> dict:
+        """These params as JSON (a restored worker's channel, the lock-step messages)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> SamplingParams:
+        """`to_json`'s output back; a missing sequence field takes its default."""
+        raw = dict(doc)
+        for key in ("stop", "stop_token_ids"):
+            raw[key] = tuple(raw.get(key, ()))
+        raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ()))
+        return cls(**raw)
 
     def validate(self) -> SamplingParams:
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -269,11 +269,8 @@ class LLMProcessHost:
     def _generate(self, message: dict[str, Any], send) -> None:
         from snapfn.handler.llm.engine.request import SamplingParams
 
-        raw = dict(message["params"])
-        for key in ("stop", "stop_token_ids"):
-            raw[key] = tuple(raw.get(key, ()))
-        raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ()))
-        stream = self.service.submit(list(message["prompt_ids"]), SamplingParams(**raw))
+        params = SamplingParams.from_json(message["params"])
+        stream = self.service.submit(list(message["prompt_ids"]), params)
         rid = message["id"]
         send({"id": rid, "event": "accepted", "request_id": stream.request_id})
         for out in stream:

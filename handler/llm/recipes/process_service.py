@@ -8,7 +8,6 @@ model folder, so prompts are encoded without a round trip. No torch import.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
 from typing import Any
@@ -97,7 +96,7 @@ class ProcessLLMService:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RemoteStream:
         """Queue a request in the worker; BadRequest (the worker's message) if it refused it."""
-        wire = dataclasses.asdict(params)
+        wire = params.to_json()
         replies = self.client.request(
             {"op": "generate", "prompt_ids": list(prompt_ids), "params": wire}
         )

@@ -33,11 +33,10 @@ def start_rank(
     `fresh` (`snapfn init`): a cold init that writes the snapshot whatever the folder holds."""
     from snapfn.handler.llm.recipes.function import LLMFunction
     from snapfn.handler.llm.recipes.sources import llm_fallback
-    from snapfn.snapshot.runtime import cold_init, restore, write_snapshot
+    from snapfn.snapshot.runtime import cold_init, holds_files, restore, write_snapshot
 
     rank0 = parallel.tp_rank == 0 and parallel.ep_rank == 0
-    holds = snapshot_dir is not None and snapshot_dir.is_dir() and any(snapshot_dir.iterdir())
-    if holds and not fresh:
+    if holds_files(snapshot_dir) and not fresh:
         fn, startup = restore(
             lambda: LLMFunction(config, model_dir, parallel=parallel),
             snapshot_dir,

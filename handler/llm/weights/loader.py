@@ -20,7 +20,7 @@ import torch
 from snapfn.handler.llm.models.base import CausalLM, WeightTarget
 from snapfn.handler.llm.weights.checkpoint import Checkpoint, _names
 from snapfn.handler.llm.weights.quant import FP8_DTYPE
-from snapfn.handler.llm.weights.sharding import placement_for, shard_slice_bounds, shard_tensor
+from snapfn.handler.llm.weights.sharding import placement_for, shard_slice_bounds
 from snapfn.snapshot.errors import CheckpointError
 
 FP8_SAFETENSORS_DTYPES = {"F8_E4M3"}
@@ -91,7 +91,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, batch_bytes: int = 1 << 30) 
             report.other_rank += [n for n in names if bounds[n] is None]
             names = [n for n in names if bounds[n] is not None]
         for name, tensor in ckpt.read(names, bounds=bounds).items():
-            _fill(model, params, name, tensor, targets[name], filled, report, sliced=parallel)
+            _fill(params, name, tensor, targets[name], filled, report, model.config.arch)
     _check_all_filled(params, filled, model.fused_targets())
     report.seconds = time.perf_counter() - start
     return report
@@ -127,32 +127,15 @@ def _slice(model: CausalLM, ckpt: Checkpoint, name: str) -> tuple | None:
     )
 
 
-def _fill(model, params, name, tensor, target, filled, report, sliced: bool = False) -> None:
-    """`tensor` into its target: this rank's part of it (`sliced`: read as that part)."""
-    if sliced:
-        local = tensor
-    else:
-        placement = placement_for(model.config.arch, name)
-        moe = model.config.moe
-        num_experts = moe.n_routed_experts if moe else None
-        local = shard_tensor(
-            name,
-            tensor,
-            placement,
-            model.parallel,
-            num_experts=num_experts,
-            num_kv_heads=model.config.num_kv_heads,
-        )
-    if local is None:  # an expert owned by another ep rank
-        report.other_rank.append(name)
-        return
+def _fill(params, name, local, target, filled, report, arch: str) -> None:
+    """`local` (this rank's part of checkpoint tensor `name`, as read) into its target."""
     param = params.get(target.param)
     if param is None:
         raise CheckpointError(
             f"{name}: maps to parameter {target.param}, which the model does not have"
         )
     dest = target.dest(param.data)
-    if local.shape[0] < dest.shape[0] and placement_for(model.config.arch, name).kind == "vocab":
+    if local.shape[0] < dest.shape[0] and placement_for(arch, name).kind == "vocab":
         with torch.no_grad():  # the last rank's short block of the vocabulary: zero padding
             dest[local.shape[0] :].zero_()
         dest = dest[: local.shape[0]]
