@@ -100,6 +100,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_keeper_arguments",
         "run",
     ),
+    "tune": (
+        "time the Triton kernels' configs for a model on this GPU; write them as a tuned table",
+        "snapfn.handler.llm.recipes.tune",
+        "add_arguments",
+        "run",
+    ),
     "make-model": (
         "write a synthetic checkpoint in the Hugging Face layout",
         "snapfn.handler.llm.make_model.cli",

@@ -423,6 +423,22 @@ def field_edits() -> dict:
         "null": None,
     }.items():
         cases[f"parallel {label}"] = lambda d, value=value: d["llm"].update(parallel=value)
+    # the kernels' configs a restore pins (CUDA inits record them; any snapshot may carry some)
+    choice = {"kernel": "_gemv_kernel", "key": "(4096,)", "config": "BLOCK_K=512,w4,s3"}
+    for label, value in {
+        "a string": "shipped",
+        "an object": choice,
+        "a list of numbers": [1, 2],
+        "an entry without config": [{k: v for k, v in choice.items() if k != "config"}],
+        "a kernel name with a space": [{**choice, "kernel": "gemv kernel"}],
+        "a kernel name of 200 characters": [{**choice, "kernel": "k" * 200}],
+        "an empty key": [{**choice, "key": ""}],
+        "a config of 600 characters": [{**choice, "config": "w" * 600}],
+        "a numeric config": [{**choice, "config": 4}],
+    }.items():
+        cases[f"kernel_choices {label}"] = lambda d, value=value: d["llm"].update(
+            kernel_choices=value
+        )
     cases["function user_function"] = section_edit("function", lambda v: "user_function")
     cases["section a list"] = section_edit("llm", lambda v: [v])
     return cases

@@ -68,12 +68,14 @@ def test_cuda_kernel_matches_reference(case):
     triton_checks.run_case(case, "cuda")
 
 
-def _tune_in_fresh_process(cache_dir: Path) -> Counter:
+def _tune_in_fresh_process(cache_dir: Path, mode: str = "init") -> Counter:
     """Each autotuned kernel called once (`triton_checks.run_autotuned_once`) in a new process
-    over `cache_dir`; returns how many configs each kernel timed (triton prints a line per
-    config it benchmarks with TRITON_PRINT_AUTOTUNING=1, none for a result read from disk)."""
+    over `cache_dir` under SNAPFN_KERNEL_TUNING=`mode`; returns how many configs each kernel
+    timed (triton prints a line per config it benchmarks with TRITON_PRINT_AUTOTUNING=1, none
+    for a result read from disk)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(cache_dir), "TRITON_PRINT_AUTOTUNING": "1"}
+    env |= {"SNAPFN_KERNEL_TUNING": mode}
     proc = subprocess.run(
         [sys.executable, "-m", "triton_checks", "--device", "cuda", "--autotune-once"],
         cwd=Path(__file__).parent,
@@ -104,6 +106,17 @@ def test_autotune_results_land_in_the_cache_and_a_restore_reuses_them(tmp_path):
     # a restore: the same cache in a new process times nothing and writes nothing
     assert not _tune_in_fresh_process(tmp_path), "re-tuned with the results on disk"
     assert _autotune_results(tmp_path) == results
+
+
+@pytest.mark.gpu
+@needs_cuda
+@compiles
+@needs_triton
+def test_the_default_tuning_times_nothing(tmp_path):
+    """SNAPFN_KERNEL_TUNING=shipped (the default): every kernel runs its shipped or default
+    config at once, so an empty cache is filled with compiles only, never with timings."""
+    assert not _tune_in_fresh_process(tmp_path, mode="shipped")
+    assert not _autotune_results(tmp_path)
 
 
 def test_registry_lists_triton():

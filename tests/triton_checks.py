@@ -1367,8 +1367,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autotune-once", action="store_true", help="see run_autotuned_once")
     args = parser.parse_args(argv)
-    if args.autotune_once:
+    if args.autotune_once:  # SNAPFN_KERNEL_TUNING decides whether configs are timed
+        from snapfn.handler.llm.kernels.triton import tuning
+
+        tuning.use_tuning(tuning.KernelTuning.from_env(os.environ))
         run_autotuned_once(args.device)
+        print(json.dumps({"kernel_choices": tuning.choice_counts()}), flush=True)
         return 0
     for case in CASES:
         try:

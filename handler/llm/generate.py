@@ -190,12 +190,23 @@ def run(args: argparse.Namespace) -> int:
         if parts:
             source = f"{model_dir} ({', '.join(parts)})"
         ids = _prompt_ids(args, engine.tokenizer)
+        if snapshot is None and engine.model.device.type == "cuda":
+            _warm_shapes(engine, args.batch_size, len(ids))
+            load_s = time.perf_counter() - t0
         timing = _timed_generate(engine, [ids] * args.batch_size, params)
         result = timing.pop("results")[0]
         if parallel.ep_rank == 0 and parallel.tp_rank == 0:  # one rank prints
             _report(args, source, model_type, engine, load_s, timing)
             _print_result(args, result, engine.tokenizer is not None)
     return 0
+
+
+def _warm_shapes(engine, batch_size: int, prompt_len: int) -> None:
+    """Run the prefill and decode shapes this generation takes once, before it is timed: their
+    kernels compile (and choose their configs) here, so the decode loop compiles nothing."""
+    from snapfn.handler.llm.engine.warmup import warmup
+
+    warmup(engine.model, engine.kv, [batch_size], (max(prompt_len, 1),))
 
 
 def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:

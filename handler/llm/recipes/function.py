@@ -30,6 +30,7 @@ back together.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -92,13 +93,16 @@ class LLMFunction:
         releasable: bool = False,
         expected_content_hash: str | None = None,
         parallel=None,
+        kernel_tuning=None,
     ) -> None:
         """`releasable`: weights and KV pool in releasable regions (for a process snapshot).
         `expected_content_hash`: the cold init verifies that `model_dir` loads as this model
-        (a source recorded by a snapshot, not named by the user) before going on."""
+        (a source recorded by a snapshot, not named by the user) before going on.
+        `kernel_tuning`: a `tuning.KernelTuning` (default: SNAPFN_KERNEL_TUNING's)."""
         from snapfn.handler.llm.parallel import ParallelConfig
 
         self.config = config
+        self.kernel_tuning = kernel_tuning
         self.parallel = parallel or ParallelConfig(ep_dispatch=config.ep_dispatch)
         self.world_size = self.parallel.tp_size * self.parallel.ep_size  # the compat key's
         self.rank = self.parallel.ep_rank * self.parallel.tp_size + self.parallel.tp_rank
@@ -146,7 +150,12 @@ class LLMFunction:
         ]
 
     def stage_runtime_env(self, figures: Figures) -> None:
+        from snapfn.handler.llm.kernels.triton.tuning import KernelTuning, use_tuning
+
         figures.update(compile_caches.prepare(self.config.cache_dir, self.device))
+        tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
+        use_tuning(tuning)
+        figures["kernel_tuning"] = tuning.mode
 
     def stage_prewarm(self, figures: Figures) -> None:
         from snapfn.handler.llm.weights.checkpoint import Checkpoint
@@ -303,6 +312,7 @@ class LLMFunction:
     def stage_health_check(self, figures: Figures) -> None:
         self.health = self.generate_one()
         figures.update(self.health)
+        _count_kernel_choices(figures)
 
     def generate_one(self, max_new_tokens: int = 1) -> dict[str, Any]:
         """One real greedy generation through the whole path (decode graphs when > 1 token)."""
@@ -349,6 +359,7 @@ class LLMFunction:
             "layout": layout.to_json(),
             "health": self.health,
             "compile_caches": caches,
+            **_kernel_choices(),
             **({"parallel": self._parallel_json(), "ranks": ranks} if ranks else {}),
         }
 
@@ -452,6 +463,10 @@ class LLMFunction:
         elif self.cache_drift is None:
             caches = compile_caches.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
             figures["restored_cache_files"] = caches
+        if self.cache_drift is None:  # the init's kernel configs (made for this GPU) again
+            from snapfn.handler.llm.kernels.triton.tuning import pin_choices
+
+            figures["pinned_kernel_choices"] = pin_choices(self._checked.kernel_choices)
         else:  # made for another GPU, driver or library: compiled again here
             figures.update(restored_cache_files=0, dropped=self.cache_drift)
         # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
@@ -530,6 +545,7 @@ class LLMFunction:
             close = drift <= REPLAY_LOGPROB_TOLERANCE
             figures["replay"] = f"tolerant (caches dropped): logprob off by {drift:.2e}"
         same = self.health["token"] == recorded["token"] and close
+        _count_kernel_choices(figures)
         if not same or self.health["prompt_ids"] != recorded["prompt_ids"]:
             raise RestoreFailed(
                 f"replay check failed: restored model answered token {self.health['token']} "
@@ -546,3 +562,20 @@ class LLMFunction:
             import torch
 
             torch.cuda.empty_cache()
+
+
+def _kernel_choices() -> dict[str, Any]:
+    """The snapshot section's `kernel_choices`: every autotuned kernel's config per key, as
+    chosen in this process (none on CPU)."""
+    from snapfn.handler.llm.kernels.triton.tuning import recorded_choices
+
+    choices = recorded_choices()
+    return {"kernel_choices": choices} if choices else {}
+
+
+def _count_kernel_choices(figures: Figures) -> None:
+    from snapfn.handler.llm.kernels.triton.tuning import choice_counts
+
+    counts = choice_counts()
+    if counts:
+        figures["kernel_choices"] = counts

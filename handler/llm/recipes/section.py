@@ -14,6 +14,10 @@ it before any stage uses a value from it.
       "layout": "<the restore layout's table, as JSON text>",   # layout/table.py
       "health": {"prompt_ids": [...], "token": 42, "logprob": -0.01},
       "compile_caches": {...},                 # what caches/ holds (for `inspect`)
+      "kernel_choices": [{"kernel": "_gemv_kernel", "key": "(4096, ...)",  # each autotuned
+                          "config": "BLOCK_K=512,BLOCK_N=8,w4,s3", "source": "shipped"}, ...],
+                                               # kernel's config per key at init (CUDA; pinned
+                                               # by a restore: kernels/triton/tuning.py)
       "parallel": {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"},  # several ranks:
       "ranks": [{"layout": "...", "memory_plan": {...}}, ...]  # rank K's, weights/rankK.bin
     }
@@ -34,7 +38,8 @@ own on CUDA) — an edited plan, or one that would not fit, is refused instead o
 OOM-killed.
 `check_against_model` (once the model is built from the snapshot's config): the model type,
 the plan's bytes per page and weights bytes, on CUDA this GPU's memory (the plan's total), and
-the health record's token ids inside the vocabulary. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
+the health record's token ids inside the vocabulary. `kernel_choices` is shape-checked here;
+a choice naming a config its kernel does not declare is refused when the kernel first runs. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class CheckedSection:
     health: dict[str, Any]
     model_type: str
     content_hash: str
+    kernel_choices: list[dict[str, str]]  # tuning.parse_choices'd; [] where none were recorded
 
 
 def check_section(
@@ -91,7 +97,17 @@ def check_section(
     layout = _checked_layout(entry.get("layout"), files, f"weights/rank{rank}.bin")
     plan = _checked_plan(entry.get("memory_plan"), layout, section.get("init_config"), config)
     health = _checked_health(section.get("health"))
-    return CheckedSection(layout, plan, health, model_type, content_hash)
+    choices = _checked_choices(section.get("kernel_choices", []))
+    return CheckedSection(layout, plan, health, model_type, content_hash, choices)
+
+
+def _checked_choices(value: Any) -> list[dict[str, str]]:
+    from snapfn.handler.llm.kernels.triton.tuning import parse_choices
+
+    try:
+        return parse_choices(value)
+    except BadSnapshot as exc:
+        raise _refuse(str(exc)) from None
 
 
 def check_against_model(checked: CheckedSection, model_config: Any, model: Any) -> None:

@@ -155,6 +155,7 @@ _decode_split_tuned = autotuned(
     _decode_split_kernel,
     [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 3)],
     key=["GROUP", "D", "DV"],
+    default=2,  # 4 warps, 1 stage
 )
 
 

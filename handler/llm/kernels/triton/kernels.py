@@ -14,12 +14,14 @@ because `import triton` takes seconds and the package must stay importable witho
 `TRITON_INTERPRET=1` must be set before this module is first imported for the kernels to run
 on CPU tensors (triton decides interpreted or compiled when `@triton.jit` runs).
 
-Every kernel here is autotuned on GPUs (`fp8_block_linear`'s output-tile width and pipeline
-depth per weight shape; through `autotuned`, the others' warps, and block sizes where they have
-a free one), with triton's results cache on: the timings land in `TRITON_CACHE_DIR`, which the
-init phase points into its cache and the snapshot saves, so a restore re-tunes nothing. Under
-the interpreter, which cannot time configs, each runs untuned with one fixed config
-(`tuned_or_fixed`; see docs/kernels.md).
+Every kernel here has several configs on GPUs (`fp8_block_linear`'s output-tile width and
+pipeline depth per weight shape; through `autotuned`, the others' warps, and block sizes where
+they have a free one). Which one a key runs is decided once, without timing anything by
+default (`tuning.py`: the init's choice on a restore, the shipped table for this GPU, else the
+kernel's default config; SNAPFN_KERNEL_TUNING=init times the configs at init instead, with
+triton's results cache on, in `TRITON_CACHE_DIR`, which the snapshot saves). Under the
+interpreter, which cannot time configs, each runs one fixed config (`tuned_or_fixed`; see
+docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -28,14 +30,60 @@ import torch
 import triton
 import triton.language as tl
 
+from snapfn.handler.llm.kernels.triton import tuning
 from snapfn.handler.llm.weights.quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 
 
+class TunedKernel(triton.runtime.Autotuner):
+    """triton's autotuner, deciding through `tuning.choose` which config the first call of
+    each key runs: pinned (a restore: the init's), shipped for this GPU, else timed (tuning
+    mode "init", triton's own autotuning, results cached on disk) or the default config (the
+    first of those the pruning keeps). Every choice is recorded (`tuning.record`)."""
+
+    def run(self, *args, **kwargs):
+        if len(self.configs) < 2:
+            return super().run(*args, **kwargs)
+        self.nargs = dict(zip(self.arg_names, args, strict=False))  # as triton: the positionals
+        key = self._tuning_key(kwargs)
+        if key not in self.cache:
+            candidates = {_config_id(c): c for c in self.prune_configs(kwargs)}
+            name, text = self.base_fn.__name__, repr(key)
+            chosen, source = tuning.choose(name, text, list(candidates), _gpu_name(args))
+            if chosen is None:  # timed by triton, which then launches the winner itself
+                out = super().run(*args, **kwargs)
+                self.cache[key] = self.best_config  # NOTE: whatever key triton filed it under
+                tuning.record(name, text, _config_id(self.best_config), source)
+                return out
+            self.cache[key] = candidates[chosen]
+            tuning.record(name, text, chosen, source)
+        config = self.best_config = self.cache[key]
+        self.nargs = None
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    def _tuning_key(self, kwargs: dict) -> tuple:
+        """triton's own tuning key: the `key` arguments' values, then every tensor's dtype."""
+        named = {k: v for k, v in {**self.nargs, **kwargs}.items() if k in self.arg_names}
+        key = [named[k] for k in self.keys if k in named]
+        key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+        return tuple(key)
+
+
+def _config_id(config: triton.Config) -> str:
+    return tuning.config_id(config.kwargs, config.num_warps, config.num_stages)
+
+
+def _gpu_name(args: tuple) -> str:
+    """The GPU the call's tensors are on (its shipped table's name), or "cpu" (interpreted)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    return torch.cuda.get_device_name(device) if device and device.type == "cuda" else "cpu"
+
+
 def autotuned(
-    kernel, configs: list[triton.Config], key: list[str], prune=None
-) -> triton.runtime.Autotuner:
-    """`kernel` timed over `configs` once per value of `key` (and of its tensors' dtypes), the
-    choice written to `TRITON_CACHE_DIR` so that a restored snapshot reuses it.
+    kernel, configs: list[triton.Config], key: list[str], prune=None, default: int = 0
+) -> TunedKernel:
+    """`kernel` over `configs`, one chosen per value of `key` (and of its tensors' dtypes) by
+    `TunedKernel`; `configs[default]` is the untuned choice (where the pruning keeps it; else
+    the first config it keeps).
 
     NOTE: `key` names only values fixed by the model's and the graph bucket's shapes, never a
     token count: tuning launches a kernel many times and syncs, so it must happen in warmup and
@@ -44,8 +92,18 @@ def autotuned(
     ours write fresh outputs, or (KV cache slots, each MoE pair's row) the same values each run.
     `prune(configs, named_args, **kwargs)`: the configs worth timing for a call (triton's
     `early_config_prune`), e.g. by a constexpr flag."""
+    configs = [configs[default], *(c for i, c in enumerate(configs) if i != default)]
     prune_by = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(configs, key=key, cache_results=True, prune_configs_by=prune_by)(kernel)
+    return TunedKernel(
+        kernel,
+        kernel.arg_names,
+        configs,
+        key,
+        reset_to_zero=None,
+        restore_value=None,
+        prune_configs_by=prune_by,
+        cache_results=True,
+    )
 
 
 def tuned_or_fixed(
@@ -100,7 +158,7 @@ def _rms_norm_kernel(
 
 
 _rms_norm_tuned = autotuned(
-    _rms_norm_kernel, warps_configs(1, 2, 4, 8, 16), key=["num_cols", "HAS_RESIDUAL"]
+    _rms_norm_kernel, warps_configs(1, 2, 4, 8, 16), key=["num_cols", "HAS_RESIDUAL"], default=2
 )
 
 
@@ -721,7 +779,7 @@ SILU_MUL_CONFIGS = [
     triton.Config({"BLOCK": block}, num_warps=warps)
     for block, warps in ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 8))
 ]
-_silu_mul_tuned = autotuned(_silu_mul_kernel, SILU_MUL_CONFIGS, key=["inter"])
+_silu_mul_tuned = autotuned(_silu_mul_kernel, SILU_MUL_CONFIGS, key=["inter"], default=2)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
