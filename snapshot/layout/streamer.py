@@ -10,6 +10,13 @@ scatters the bytes to the tensors, so what is checked is what landed in device m
 host sync at the end; "none" checks nothing. A mismatch raises `BadSnapshot` naming the chunk;
 the destination tensors then hold unverified bytes and must be discarded.
 `load_layout_tensors` allocates the table's tensors and streams the file into them.
+
+Following a download (`arrivals`, e.g. store/arrivals.py's `FileWaiter`): the file is still
+being written by a pull, each chunk verified before it is recorded; every reader calls
+`arrivals.wait_for(lo, hi)` before its `preadv` of bytes [lo, hi), which blocks until those
+chunks are there (or raises BadSnapshot, naming the chunk, if the pull failed). The seconds
+readers spent waiting, summed over readers, are the report's `download_wait_s`. Without
+`arrivals` (the default) the file is read as it is, with no wait.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -54,6 +62,14 @@ class StreamReport:
     num_chunks: int
     verify_mode: str  # "sha256", "device" or "none"
     ring_alloc_s: float = 0.0  # pinning the host ring in this call (see prepare), not in elapsed_s
+    download_wait_s: float = 0.0  # readers' seconds waiting on a download, summed (arrivals)
+
+
+class ByteArrivals(Protocol):
+    """Bytes of the file still arriving: `wait_for(lo, hi)` blocks until [lo, hi) is there and
+    returns the seconds it waited (store/arrivals.py's `FileWaiter`)."""
+
+    def wait_for(self, lo: int, hi: int) -> float: ...
 
 
 @contextmanager
@@ -82,7 +98,8 @@ class WeightStreamer:
     destination tensors' memory; "device" then computes sum64 over those bytes on the host.
 
     `verify`: "auto" (or True) is "device" on CUDA when the table has `chunk_sum64`, else
-    "sha256"; "none" (or False) checks nothing.
+    "sha256"; "none" (or False) checks nothing. `arrivals`: the file is still being downloaded;
+    each read waits for its bytes first (see the module docstring).
 
     NOTE: when `stream_into` raises BadSnapshot, the destination tensors hold partial or
     unverified bytes and must be discarded; never use them.
@@ -98,8 +115,12 @@ class WeightStreamer:
         ring_slots: int = 16,
         slot_bytes: int = 64 << 20,
         verify: str | bool = "auto",
+        arrivals: ByteArrivals | None = None,
     ) -> None:
         self.path, self.layout, self.device = Path(path), layout, torch.device(device)
+        self.arrivals = arrivals
+        self._waited_s = 0.0  # summed over readers, under _wait_lock
+        self._wait_lock = threading.Lock()
         self.num_threads, self.ring_slots = max(1, num_threads), ring_slots
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"WeightStreamer streams to cpu or cuda, not {self.device}")
@@ -159,6 +180,7 @@ class WeightStreamer:
         ring_alloc_s = self.prepare()
         weights = self._chunk_weights() if self.verify == "device" else None
         fd = os.open(self.path, os.O_RDONLY)
+        self._waited_s = 0.0
         try:
             self.layout.validate(os.fstat(fd).st_size)  # the file may have changed since init
             start = time.perf_counter()
@@ -171,7 +193,17 @@ class WeightStreamer:
             os.close(fd)
         num_bytes, n = self.layout.file_bytes, self.layout.num_chunks
         gbps = num_bytes / elapsed_s / 1e9 if elapsed_s > 0 else 0.0
-        return StreamReport(num_bytes, elapsed_s, gbps, sum(verify_s), n, self.verify, ring_alloc_s)
+        return StreamReport(
+            num_bytes, elapsed_s, gbps, sum(verify_s), n, self.verify, ring_alloc_s, self._waited_s
+        )
+
+    def _wait_for(self, unit: Unit) -> None:
+        """Following a download: block until the unit's chunks have arrived (see arrivals)."""
+        if self.arrivals is None:
+            return
+        waited_s = self.arrivals.wait_for(unit.file_lo, unit.file_hi)
+        with self._wait_lock:
+            self._waited_s += waited_s
 
     def _chunk_weights(self) -> torch.Tensor:
         """The odd weights of one chunk's words on the device, made on first use only."""
@@ -211,6 +243,7 @@ class WeightStreamer:
         self, fd: int, unit: Unit, dest: dict[str, memoryview]
     ) -> list[list[memoryview]]:
         views = [[piece_view(p, dest) for p in c.pieces] for c in unit.chunks]
+        self._wait_for(unit)
         preadv_exact(fd, [v for vs in views for v in vs], unit.file_lo, self._iov_max, LAYOUT)
         return views
 
@@ -265,6 +298,7 @@ class WeightStreamer:
         return checks
 
     def _read_into_slot(self, fd: int, unit: Unit, slot: memoryview) -> None:
+        self._wait_for(unit)
         preadv_exact(fd, [slot[: unit.file_hi - unit.file_lo]], unit.file_lo, self._iov_max, LAYOUT)
 
     def _refill(
