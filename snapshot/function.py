@@ -19,6 +19,9 @@ The runtime knows nothing about what a function does. A function hands it:
   it: a memory plan) do not fit this machine (compat.cache_drift). A function then restores
   without them: it compiles again, re-measures what it must, and checks its answer against
   the recorded one within the tolerance another GPU or library version allows.
+- `arriving`: set by the runtime before `restore_stages` when the snapshot is still being pulled
+  into `snapshot_dir` (runtime.py's `Arriving`, else left alone: None): a function that streams
+  a large file from it waits on `arriving.waiter(relpath)` before each read of it.
 """
 
 from __future__ import annotations

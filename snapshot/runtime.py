@@ -26,22 +26,51 @@ server should then stop (an orchestrator restarts it) rather than wait for a fix
 come. A fallback from a recorded source whose init fails before that source was verified (its
 `source_trusted` still False) raises `NoTrustedSource` the same way. The snapshot is
 rewritten only from the trustworthy source (`rewrite_on_fallback`).
+
+A snapshot still arriving (`arriving`, an `Arriving`: store/overlap.py's pull from S3 in
+flight) is restored while it is pulled into `snapshot_dir`: stage `download_files` waits until
+every file but the streamed ones is verified there, `validate` checks the snapshot against the
+manifest the pull fetched (manifest.json is written only when the pull publishes), the
+function's stages follow the pull (`fn.arriving` is set for them: a streamed file's reads wait
+on its verified chunks), and a last stage `download` waits until the pull has passed every
+check and published the snapshot. A failure of the pull fails the stage that waited on it, and
+the restore falls back as for any refusal; the pull's folder is never rewritten
+(`rewrite_on_fallback` does not apply).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from snapfn.snapshot.errors import InitFailed, SnapfnError, bad_snapshot, one_line
 from snapfn.snapshot.function import SnapshotFunction
 from snapfn.snapshot.portable.compat import LAYOUT_FIELDS, cache_drift, compat_key
-from snapfn.snapshot.portable.format import read_manifest, validate_snapshot
+from snapfn.snapshot.portable.format import parse_manifest, read_manifest, validate_snapshot
 from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
 
 Fallback = Callable[[dict[str, Any] | None], SnapshotFunction]
+
+
+class Arriving(Protocol):
+    """A snapshot being pulled into the folder a restore reads (store/overlap.py)."""
+
+    uri: str  # where it is pulled from
+    manifest_bytes: bytes  # the manifest.json the pull fetched, not yet in the folder
+
+    def wait_files(self, figures: dict[str, Any]) -> None:
+        """Block until every file but the streamed ones is verified in the folder."""
+
+    def waiter(self, relpath: str) -> Any:
+        """`wait_for(lo, hi)` on a streamed file's bytes (layout/streamer.py's `arrivals`)."""
+
+    def finish(self, figures: dict[str, Any]) -> None:
+        """Stop reading the folder; block until the pull has published (or raise its error)."""
+
+    def release(self) -> None:
+        """Stop reading the folder (a failed restore): the pull goes on without its reader."""
 
 
 class NoTrustedSource(InitFailed):
@@ -110,11 +139,13 @@ def restore(
     fallback: Fallback | None = None,
     rewrite_on_fallback: bool = True,
     log: Log | None = stderr_log,
+    arriving: Arriving | None = None,
 ) -> tuple[SnapshotFunction, StartupManifest]:
     """Restore from `snapshot_dir`, or fall back to a cold init recording the reason.
 
     `fallback(recorded)` makes the function the fallback cold-initialises (see the module
     docstring); by default `make_fn()`, whose `source` the caller named (None: no fallback).
+    `arriving`: the snapshot is still being pulled into `snapshot_dir` (module docstring).
     Raises NoTrustedSource when the restore failed and there is nothing trustworthy to fall
     back to.
     """
@@ -122,44 +153,53 @@ def restore(
     fn = make_fn()
     runner = StageRunner(StartupManifest(kind="restore", tier="portable"), log=log)
     runner.manifest.info["versions"] = _versions()
+    raw = arriving.manifest_bytes if arriving is not None else None
     try:
         # NOTE: the environment (CUDA_MODULE_LOADING, compile-cache dirs) is set before the
         # validation below, whose compat key is the first thing to import torch.
         runner.run("runtime_env", fn.prepare_runtime)
-        manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn))
+        if arriving is not None:
+            runner.run("download_files", arriving.wait_files)
+            fn.arriving = arriving
+        manifest = runner.run("validate", lambda f: _validate(f, snapshot_dir, fn, raw))
         if fn.cache_drift is not None:  # set by _validate
             runner.manifest.add_fallback(
                 "portable", "portable, caches dropped", "validate", fn.cache_drift
             )
         for name, stage in fn.restore_stages(snapshot_dir, manifest):
             runner.run(name, stage)
+        if arriving is not None:
+            runner.run("download", arriving.finish)
         return fn, runner.finish(ok=True)
     except Exception as exc:  # any failure of any stage: never serve from this snapshot
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if arriving is not None:
+            arriving.release()
         join = getattr(fn, "join_failed_restore", None)
         if join is not None:  # one rank of several: the others fall back with it
             join(reason)
         fn.release()
     refused = f"restore from {snapshot_dir} failed at {failed} ({reason})"
-    cold = _fallback_function(make_fn, fallback, snapshot_dir, refused)
+    cold = _fallback_function(make_fn, fallback, _recorded_manifest(snapshot_dir, raw), refused)
     if log is not None:
         log(f"{refused}; falling back to a cold init from {_source(cold)}")
     startup = _cold_init_instead(cold, refused, log)
     startup.tier = "cold (fallback)"
     startup.add_fallback("portable", "cold", failed, reason)
     startup.info["failed_restore"] = runner.manifest.to_json()
-    if rewrite_on_fallback:
+    if rewrite_on_fallback and arriving is None:
         _rewrite(cold, snapshot_dir, startup, log)
     return cold, startup
 
 
-def _fallback_function(make_fn, fallback, snapshot_dir, refused) -> SnapshotFunction:
-    """The function to cold-init from a trustworthy source; NoTrustedSource (one line, the
-    refusal and why no source is trustworthy) when there is none."""
+def _fallback_function(make_fn, fallback, recorded, refused) -> SnapshotFunction:
+    """The function to cold-init from a trustworthy source (`recorded`: the refused snapshot's
+    manifest, or None); NoTrustedSource (one line, the refusal and why no source is
+    trustworthy) when there is none."""
     try:
         if fallback is not None:
-            return fallback(_recorded_manifest(snapshot_dir))
+            return fallback(recorded)
         fn = make_fn()
         if getattr(fn, "source", None) is None:
             raise NoTrustedSource("no source was named to cold-init from")
@@ -169,10 +209,11 @@ def _fallback_function(make_fn, fallback, snapshot_dir, refused) -> SnapshotFunc
         raise NoTrustedSource(one_line(message)) from None
 
 
-def _recorded_manifest(snapshot_dir: Path) -> dict[str, Any] | None:
-    """The manifest, shape-checked, for a fallback to verify a recorded source against."""
+def _recorded_manifest(snapshot_dir: Path, raw: bytes | None) -> dict[str, Any] | None:
+    """The manifest (`raw`, else the folder's), shape-checked, for a fallback to verify a
+    recorded source against."""
     try:
-        return read_manifest(snapshot_dir)
+        return read_manifest(snapshot_dir) if raw is None else parse_manifest(snapshot_dir, raw)
     except SnapfnError:
         return None
 
@@ -194,13 +235,18 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction) -> dict:
+def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction, raw: bytes | None) -> dict:
     from snapfn.snapshot.portable.signature import configured
 
     key = configured()
     compat = compat_key(fn.device, fn.world_size)
     manifest = validate_snapshot(
-        snapshot_dir, compat, verify="sizes", key=key, compat_fields=LAYOUT_FIELDS
+        snapshot_dir,
+        compat,
+        verify="sizes",
+        key=key,
+        compat_fields=LAYOUT_FIELDS,
+        manifest_bytes=raw,
     )
     fn.cache_drift = cache_drift(manifest["compat"], compat)
     figures["files"] = len(manifest["files"])

@@ -222,8 +222,12 @@ def validate_snapshot(
     num_threads: int | None = None,
     key: Any = CONFIGURED,
     compat_fields: Iterable[str] | None = None,
+    manifest_bytes: bytes | None = None,
 ) -> dict[str, Any]:
     """Return the manifest of a snapshot that passes every check; raise (one line) otherwise.
+
+    `manifest_bytes`: the manifest to check the directory against, instead of its own
+    manifest.json (a snapshot still being pulled into it, which has none yet: store/overlap.py).
 
     `compat_fields`: the compat key's fields that must match `current_compat` (default: all;
     a portable restore passes compat.LAYOUT_FIELDS and drops the caches on the rest).
@@ -236,7 +240,7 @@ def validate_snapshot(
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     root = Path(snapshot_dir)
-    raw = read_manifest_bytes(root)
+    raw = read_manifest_bytes(root) if manifest_bytes is None else manifest_bytes
     check_signature(root, configured(key), raw)
     manifest = parse_manifest(root, raw)
     if current_compat is not None:

@@ -20,12 +20,20 @@ Whole-file sha256s are checked, manifest.json is written last, the directory pas
 replace. Any refusal (a manifest that does not parse, a missing object, an object of another
 size, bytes that do not match) is a one-line BadSnapshot, and `dest` is left as it was.
 A `dest` that already holds this exact manifest (and passes the size checks) is not fetched.
+
+A restore may follow a pull (store/overlap.py): with `arrivals` (store/arrivals.py) every
+range is recorded there once it is verified, fdatasync'ed and journaled (those an earlier run
+journaled, at the start), the files named in `last` are fetched after every other file, each
+in file order, and `before_publish` is called once every check has passed, before manifest.json
+is written and the directory installed (the follower stops reading from the staging paths).
+manifest.sig, when the snapshot has one, is written into the staging dir at the start.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,7 @@ from snapfn.snapshot.portable.signature import (
     signature_bytes,
 )
 from snapfn.snapshot.stages import Log, stderr_log
+from snapfn.snapshot.store.arrivals import Arrivals
 from snapfn.snapshot.store.pull_staging import PullStaging
 from snapfn.snapshot.store.s3 import (
     S3Location,
@@ -140,12 +149,16 @@ def pull(
     manifest_bytes: bytes | None = None,
     log: Log | None = stderr_log,
     key: Any = CONFIGURED,
+    arrivals: Arrivals | None = None,
+    last: Collection[str] = (),
+    before_publish: Callable[[], None] | None = None,
 ) -> Path:
     """Fetch the snapshot at `uri` into `dest`, verified, resumable, published atomically.
 
     `manifest_bytes`: the manifest.json already fetched from `uri` (the cache has it). With a
     snapshot key (`key`, by default the configured one: portable/signature.py) the manifest's
-    signature is checked before any of its digests is trusted.
+    signature is checked before any of its digests is trusted. `arrivals`, `last` and
+    `before_publish`: for a restore that follows the pull (module docstring).
     """
     where, dest = S3Location.parse(uri), Path(dest).absolute()
     client = client or make_s3_client(endpoint_url, num_threads)
@@ -164,13 +177,15 @@ def pull(
                 f"refusing to pull into {dest}: it exists and holds no snapshot"
             ) from None
     with PullStaging(dest, hashlib.sha256(raw).hexdigest()) as staging:
-        progress, num_skipped = _fetch_files(client, where, manifest, staging, num_threads, log)
+        _write_signature(staging.files, signature)
+        fetch = _Fetch(client, where, manifest, num_threads, log, arrivals, last)
+        progress, num_skipped = fetch.files(staging)
         # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
         # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
         verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
         check_listing(staging.files, manifest["files"])
-        if signature is not None:
-            write_durably(staging.files / SIGNATURE, signature)
+        if before_publish is not None:
+            before_publish()
         write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
         install_snapshot(staging.files, dest)
         staging.remove()
@@ -268,44 +283,77 @@ def _s3_call(where: S3Location, relpath: str, call, **kwargs) -> Any:
         raise SnapfnError(one_line(f"push to {where}: {relpath!r} failed: {exc}")) from None
 
 
-def _fetch_files(client, where, manifest, staging, num_threads, log):
-    """Fetch and verify every range not journaled yet; (progress, ranges skipped)."""
-    files = manifest["files"]
-    ranges = [r for relpath in sorted(files) for r in _fetch_ranges(relpath, files[relpath])]
-    verified = staging.verified()
-    todo = [r for r in ranges if _journal_key(r) not in verified]
-    progress = TransferProgress(f"pull {where}", sum(r.length for r in todo), log)
-    fds = {}
-    try:
-        for relpath in sorted(files):
-            try:
-                fds[relpath] = staging.open_file(relpath, files[relpath]["size"])
-            except OSError as e:  # e.g. the manifest lists both "a" and "a/b"
-                raise bad_snapshot(where, f"cannot create {relpath!r}: {e.strerror}") from None
+def _write_signature(files: Path, signature: bytes | None) -> None:
+    """manifest.sig into the staging dir (a dir without manifest.json is no snapshot yet)."""
+    path = files / SIGNATURE
+    if signature is not None:
+        write_durably(path, signature)
+    elif path.exists():
+        path.unlink()  # an earlier run's, of a snapshot no longer signed
 
-        def fetch(r: DigestRange) -> None:
-            key, fd = where.key(r.relpath), fds[r.relpath]
-            if r.length:
-                span = (r.offset, r.length, files[r.relpath]["size"])
-                got = read_range_into(client, where, key, span, fd, progress)
-            else:
-                got = hashlib.sha256(b"").hexdigest()
-            if got != r.sha256:
-                raise bad_snapshot(
-                    where,
-                    f"object {key!r}: {r.describe()} sha256 mismatch "
-                    f"(expected {r.sha256[:16]}.., got {got[:16]}..)",
-                )
-            os.fdatasync(fd)
-            staging.record(_journal_key(r))
 
-        run_parallel(fetch, todo, num_threads)
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return progress, len(ranges) - len(todo)
+class _Fetch:
+    """One pull's ranged GETs: every range not journaled yet, fetched, verified, journaled."""
+
+    def __init__(self, client, where, manifest, num_threads, log, arrivals, last) -> None:
+        self.client, self.where, self.files_of = client, where, manifest["files"]
+        self.num_threads, self.log, self.arrivals, self.last = num_threads, log, arrivals, last
+
+    def files(self, staging: PullStaging) -> tuple[TransferProgress, int]:
+        """Fetch and verify every range not journaled yet; (progress, ranges skipped)."""
+        files = self.files_of
+        ranges = _fetch_order(
+            [r for relpath in sorted(files) for r in _fetch_ranges(relpath, files[relpath])],
+            self.last,
+        )
+        verified = staging.verified()
+        todo = [r for r in ranges if _journal_key(r) not in verified]
+        progress = TransferProgress(f"pull {self.where}", sum(r.length for r in todo), self.log)
+        fds = {}
+        try:
+            for relpath in sorted(files):
+                try:
+                    fds[relpath] = staging.open_file(relpath, files[relpath]["size"])
+                except OSError as e:  # e.g. the manifest lists both "a" and "a/b"
+                    reason = f"cannot create {relpath!r}: {e.strerror}"
+                    raise bad_snapshot(self.where, reason) from None
+            self._arrived([r for r in ranges if _journal_key(r) in verified])
+            run_parallel(
+                lambda r: self.one(r, fds[r.relpath], staging, progress), todo, self.num_threads
+            )
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return progress, len(ranges) - len(todo)
+
+    def one(self, r: DigestRange, fd: int, staging: PullStaging, progress) -> None:
+        key, size = self.where.key(r.relpath), self.files_of[r.relpath]["size"]
+        if r.length:
+            got = read_range_into(
+                self.client, self.where, key, (r.offset, r.length, size), fd, progress
+            )
+        else:
+            got = hashlib.sha256(b"").hexdigest()
+        if got != r.sha256:
+            raise bad_snapshot(
+                self.where,
+                f"object {key!r}: {r.describe()} sha256 mismatch "
+                f"(expected {r.sha256[:16]}.., got {got[:16]}..)",
+            )
+        os.fdatasync(fd)
+        staging.record(_journal_key(r))
+        self._arrived([r])
+
+    def _arrived(self, ranges: list[DigestRange]) -> None:
+        for r in ranges if self.arrivals is not None else ():
+            self.arrivals.record(r.relpath, r.offset)
+
+
+def _fetch_order(ranges: list[DigestRange], last: Collection[str]) -> list[DigestRange]:
+    """Every other file's ranges first, then those of `last` (each in file order)."""
+    return sorted(ranges, key=lambda r: (r.relpath in last, r.relpath, r.offset))
 
 
 def _fetch_ranges(relpath: str, entry: dict[str, Any]) -> list[DigestRange]:
