@@ -3,9 +3,23 @@
     config = SnapshotCacheConfig.from_env(os.environ)
     path = cached_snapshot("s3://bucket/snapshots/llama", config)   # pulls on a miss
 
+    opened = open_snapshot(uri, config, streamed=("weights/rank0.bin",))
+    restore(make_fn, opened.path, arriving=opened.pull)             # a miss: restored as it pulls
+
 Settings: `root` from SNAPFN_SNAPSHOT_CACHE (default `$XDG_CACHE_HOME/snapfn/snapshots`, else
 `~/.cache/snapfn/snapshots`); `max_bytes` from SNAPFN_SNAPSHOT_CACHE_MAX_BYTES (default 100 GiB;
-`parse_byte_count` reads `20G`, `512MiB`, plain bytes). Flags override both.
+`parse_byte_count` reads `20G`, `512MiB`, plain bytes); `overlap` from
+SNAPFN_SNAPSHOT_CACHE_OVERLAP (`on`, the default, or `off`). Flags override them.
+
+Overlapped restore (`open_snapshot`): on a miss, with `overlap` on, a portable snapshot that
+lists the `streamed` files is pulled on a thread (store/overlap.py) and `opened.path` is the
+pull's staging folder, which the restore reads as it fills; a hit, `overlap` off, a process
+snapshot (its image is restored whole) or no streamed file listed: pulled whole first, as
+`cached_snapshot` does, and `opened.pull` is None. The cache-wide flock is then held by the
+pull's thread until the pull ends (published or failed), so the rules below hold as for a whole
+pull; the entry's last use is marked when it ends. An overlapped restore that falls back does
+not rewrite the entry: the pull publishes what S3 holds, verified, or leaves its resumable
+staging dir and no snapshot.
 
 Layout: `ROOT/<key>/<name>/` is one snapshot, `key` the first 32 hex digits of
 sha256(uri + "\\n" + sha256(manifest.json)) and `name` the URI's last part (a served model keeps
@@ -33,7 +47,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.portable.format import MANIFEST, parse_manifest
@@ -43,7 +57,17 @@ from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.store.s3 import S3Location, format_bytes, make_s3_client
 from snapfn.snapshot.store.transfer import DEFAULT_NUM_THREADS, fetch_manifest, pull
 
-__all__ = ["DEFAULT_MAX_BYTES", "SnapshotCacheConfig", "cached_snapshot", "parse_byte_count"]
+if TYPE_CHECKING:
+    from snapfn.snapshot.store.overlap import OverlappedPull
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "OpenedSnapshot",
+    "SnapshotCacheConfig",
+    "cached_snapshot",
+    "open_snapshot",
+    "parse_byte_count",
+]
 
 DEFAULT_MAX_BYTES = 100 << 30
 _LOCK = ".lock"
@@ -54,6 +78,7 @@ _BYTE_COUNT = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
 class SnapshotCacheConfig:
     root: Path
     max_bytes: int = DEFAULT_MAX_BYTES
+    overlap: bool = True  # a miss is restored while it is pulled (open_snapshot)
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0:
@@ -66,13 +91,23 @@ class SnapshotCacheConfig:
         *,
         root: str | os.PathLike[str] | None = None,
         max_bytes: str | int | None = None,
+        overlap: bool | None = None,
     ) -> SnapshotCacheConfig:
-        """Defaults, then SNAPFN_SNAPSHOT_CACHE(_MAX_BYTES), then the arguments (CLI flags)."""
+        """Defaults, then SNAPFN_SNAPSHOT_CACHE(_MAX_BYTES, _OVERLAP), then the arguments (CLI
+        flags)."""
         if root is None:
             root = environ.get("SNAPFN_SNAPSHOT_CACHE") or _default_root(environ)
         if max_bytes is None:
             max_bytes = environ.get("SNAPFN_SNAPSHOT_CACHE_MAX_BYTES", DEFAULT_MAX_BYTES)
-        return cls(Path(root), parse_byte_count(max_bytes))
+        if overlap is None:
+            overlap = _on_or_off(environ.get("SNAPFN_SNAPSHOT_CACHE_OVERLAP", "on"))
+        return cls(Path(root), parse_byte_count(max_bytes), overlap)
+
+
+def _on_or_off(value: str) -> bool:
+    if value.strip().lower() not in ("on", "off"):
+        raise BadRequest(f"SNAPFN_SNAPSHOT_CACHE_OVERLAP must be on or off, not {value!r}")
+    return value.strip().lower() == "on"
 
 
 def parse_byte_count(value: str | int) -> int:
@@ -85,6 +120,28 @@ def parse_byte_count(value: str | int) -> int:
     return int(match.group(1)) << (10 * " kmgt".index(match.group(2).lower() or " "))
 
 
+@dataclass(frozen=True)
+class OpenedSnapshot:
+    """Where to restore an s3:// snapshot from: its cache entry's folder, published; or, on an
+    overlapped miss, the folder `pull` is filling (pass `pull` as the restore's `arriving`)."""
+
+    path: Path
+    pull: OverlappedPull | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    where: S3Location
+    raw: bytes  # the remote manifest.json
+    manifest: dict[str, Any]
+    entry: Path  # ROOT/<key>
+    dest: Path  # ROOT/<key>/<name>: the snapshot once published
+
+    @property
+    def need_bytes(self) -> int:
+        return sum(f["size"] for f in self.manifest["files"].values()) + len(self.raw)
+
+
 def cached_snapshot(
     uri: str,
     config: SnapshotCacheConfig,
@@ -94,29 +151,115 @@ def cached_snapshot(
     log: Log | None = stderr_log,
 ) -> Path:
     """The local folder of the snapshot at `uri`: from the cache, or pulled into it first."""
-    where = S3Location.parse(uri)
     client = client or make_s3_client(endpoint_url, DEFAULT_NUM_THREADS)
+    found = _find_entry(uri, config, client)
+    with _locked(config.root / _LOCK):
+        _pull_or_hit(found, config, client, log)
+        _mark_used(config.root, found.entry)
+    return found.dest
+
+
+def open_snapshot(
+    uri: str,
+    config: SnapshotCacheConfig,
+    *,
+    streamed: tuple[str, ...] = (),
+    endpoint_url: str | None = None,
+    client: Any = None,
+    log: Log | None = stderr_log,
+) -> OpenedSnapshot:
+    """`cached_snapshot`, except that a miss is pulled on a thread while the caller restores
+    from `OpenedSnapshot.path` (module docstring: when it is, and what it keeps true)."""
+    from snapfn.snapshot.store.overlap import OverlappedPull
+
+    client = client or make_s3_client(endpoint_url, DEFAULT_NUM_THREADS)
+    found = _find_entry(uri, config, client)
+    fd = _lock(config.root / _LOCK)
+    try:
+        if not _overlaps(found, config, streamed):
+            _pull_or_hit(found, config, client, log)
+            _mark_used(config.root, found.entry)
+            return OpenedSnapshot(found.dest)
+        _make_room(found, config, log)
+
+        def on_exit() -> None:
+            _mark_used(config.root, found.entry)
+            os.close(fd)
+
+        pull = OverlappedPull(
+            str(found.where),
+            found.dest,
+            found.raw,
+            streamed=streamed,
+            client=client,
+            num_threads=DEFAULT_NUM_THREADS,
+            log=log,
+            on_exit=on_exit,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    if log is not None:
+        log(f"snapshot cache miss: restoring {found.where} while it is pulled into {found.dest}")
+    return OpenedSnapshot(pull.files, pull.start())
+
+
+def overlapped_miss(
+    uri: str,
+    config: SnapshotCacheConfig,
+    *,
+    streamed: tuple[str, ...],
+    endpoint_url: str | None = None,
+    client: Any = None,
+) -> Path | None:
+    """The folder `open_snapshot(uri, …)` would publish into if it would overlap its pull with
+    the restore now (a miss, and the rest: module docstring), else None; fetches, pulls and
+    locks nothing else. A front door that forks its workers asks this before the fork, so that
+    the worker that restores is the process that pulls."""
+    client = client or make_s3_client(endpoint_url, DEFAULT_NUM_THREADS)
+    found = _find_entry(uri, config, client)
+    return found.dest if _overlaps(found, config, streamed) else None
+
+
+def _find_entry(uri: str, config: SnapshotCacheConfig, client: Any) -> _Entry:
+    """The cache entry of `uri`'s current manifest (one GET)."""
+    where = S3Location.parse(uri)
     raw = fetch_manifest(client, where)
     manifest = parse_manifest(where, raw)
     key = hashlib.sha256(f"{where}\n{hashlib.sha256(raw).hexdigest()}".encode()).hexdigest()
     entry = config.root / key[:32]
-    dest = entry / where.name
     config.root.mkdir(parents=True, exist_ok=True)
-    with _locked(config.root / _LOCK):
-        if not (dest / MANIFEST).is_file():
-            need = sum(f["size"] for f in manifest["files"].values()) + len(raw)
-            _evict(config, keep=entry, room_bytes=need, log=log)
-            entry.mkdir(exist_ok=True)
-            pull(uri, dest, client=client, manifest_bytes=raw, log=log)
-            if log is not None and configured() is None:
-                log(
-                    f"snapshot cache: {where} is trusted on its own digests only (its compile "
-                    "caches run as code): set SNAPFN_SNAPSHOT_KEY to require signed snapshots"
-                )
-        elif log is not None:
-            log(f"snapshot cache hit: {where} is at {dest}")
-        _mark_used(config.root, entry)
-    return dest
+    return _Entry(where, raw, manifest, entry, entry / where.name)
+
+
+def _overlaps(found: _Entry, config: SnapshotCacheConfig, streamed: tuple[str, ...]) -> bool:
+    """Whether a restore should follow the pull: a miss, overlap on, a portable snapshot that
+    lists a streamed file."""
+    if not config.overlap or (found.dest / MANIFEST).is_file():
+        return False
+    listed = any(p in found.manifest["files"] for p in streamed)
+    return listed and found.manifest.get("tier", "portable") != "process"
+
+
+def _pull_or_hit(found: _Entry, config: SnapshotCacheConfig, client: Any, log: Log | None):
+    """A hit logs itself; a miss is pulled whole into the entry (the lock is held)."""
+    if (found.dest / MANIFEST).is_file():
+        if log is not None:
+            log(f"snapshot cache hit: {found.where} is at {found.dest}")
+        return
+    _make_room(found, config, log)
+    pull(str(found.where), found.dest, client=client, manifest_bytes=found.raw, log=log)
+
+
+def _make_room(found: _Entry, config: SnapshotCacheConfig, log: Log | None) -> None:
+    """Evict for the entry, make its folder (the lock is held)."""
+    _evict(config, keep=found.entry, room_bytes=found.need_bytes, log=log)
+    found.entry.mkdir(exist_ok=True)
+    if log is not None and configured() is None:
+        log(
+            f"snapshot cache: {found.where} is trusted on its own digests only (its compile "
+            "caches run as code): set SNAPFN_SNAPSHOT_KEY to require signed snapshots"
+        )
 
 
 def _mark_used(root: Path, entry: Path) -> None:
@@ -175,9 +318,19 @@ def _default_root(environ: Mapping[str, str]) -> Path:
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created if missing), waiting for it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _lock(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+def _lock(path: Path) -> int:
+    """An fd of `path` (created if missing) holding an exclusive flock; closing it unlocks."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
