@@ -12,7 +12,9 @@ Bring-up by kind:
   (tier 1: the engine runs in the restored worker, `runtime.llm` is a ProcessLLMService), else
   or on any failure its portable tier (tier 0, in this process), else a cold init that rewrites
   the snapshot — every fallback recorded in the startup manifest; `snapshot_dir` empty or
-  missing → cold init, then write the snapshot there; no `snapshot_dir` → cold init only. The
+  missing → cold init, then write the snapshot there; no `snapshot_dir` → cold init only;
+  `snapshot_uri` (an s3:// snapshot that missed the cache at the fork) → pulled here, tier 0
+  restored as it arrives (llm/recipes/s3_restore.py), a hit by now restored as above. The
   engine runs under an `LLMService` (`runtime.llm`, which the OpenAI endpoints use) and `invoke`
   calls an `LLMHandler` bound to it.
 - "function": `snapshot_dir` holds a snapshot (`snapfn init --function`): its process image
@@ -143,6 +145,8 @@ class WorkerRuntime:
         self.readiness.set(Readiness.FAILED, reason)
 
     def _planned_startup(self) -> tuple[str, str]:
+        if self.target.snapshot_uri is not None:
+            return "restore", "portable"
         if holds_files(self.target.snapshot_dir):
             from snapfn.snapshot.process.snapshot import has_process_image
 
@@ -167,6 +171,13 @@ class WorkerRuntime:
         t, config = self.target, self.target.init_config
         if config.world_size > 1:
             return init_llm_ranks(t, log, self._ranks_down)
+        if t.snapshot_uri is not None:  # a cache miss at the fork: pulled here as it restores
+            from snapfn.handler.llm.recipes.s3_restore import restore_llm_from_s3
+
+            cache, named = t.snapshot_cache, t.model_dir
+            return restore_llm_from_s3(
+                t.snapshot_uri, cache, config, named, log, self._worker_exited
+            )
         if holds_files(t.snapshot_dir):  # the fallback: t.model_dir, or a verified record
             return restore_llm(Path(t.snapshot_dir), config, t.model_dir, log, self._worker_exited)
         from snapfn.handler.llm.recipes.function import LLMFunction

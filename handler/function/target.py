@@ -14,6 +14,7 @@ from snapfn.snapshot.errors import BadRequest, SnapfnError
 
 if TYPE_CHECKING:
     from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.snapshot.store.cache import SnapshotCacheConfig
 
 KINDS = ("llm", "function")
 DEFAULT_TIMEOUT_S = 900.0  # Lambda's longest function timeout
@@ -41,6 +42,10 @@ class ServeTarget:
     init_config: InitConfig = field(default_factory=_default_init_config)
     function_dir: Path | None = None  # function: searched first for its module (Lambda task root)
     timeout_s: float = DEFAULT_TIMEOUT_S  # an invocation's deadline unless invoke() gives one
+    # llm: an s3:// snapshot that missed the cache: the worker pulls it into `snapshot_dir`
+    # (its cache entry's folder) with `snapshot_cache`, restoring as it arrives
+    snapshot_uri: str | None = None
+    snapshot_cache: SnapshotCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +56,8 @@ class ServeTarget:
             parse_function_spec(self.function)
         elif self.function is not None:
             raise BadRequest(f'function={self.function!r} needs kind="function"')
+        if (self.snapshot_uri is None) != (self.snapshot_cache is None):
+            raise BadRequest("snapshot_uri and snapshot_cache go together")
         if not self.timeout_s > 0:
             raise BadRequest(f"timeout_s must be > 0, got {self.timeout_s}")
 

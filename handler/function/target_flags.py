@@ -8,7 +8,12 @@ Contract:
   starts: `--function` excludes `--model` (with `--snapshot`: the function's process snapshot,
   made by `snapfn init --function`); with none of the three, the embedded model must be built
   here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot cache
-  (snapshot/store/cache.py) by `snapshot_path(args)`, in the master, before any fork. Engine settings
+  (snapshot/store/cache.py) by `snapshot_path(args)`, in the master, before any fork — except a
+  cache miss of a one-rank LLM's portable snapshot with overlap on (SNAPFN_SNAPSHOT_CACHE_OVERLAP,
+  default on): the target then names the URI (`snapshot_uri`) and the cache entry's folder, and
+  the worker that restores pulls it, restoring as it arrives (llm/recipes/s3_restore.py). A
+  one-process command that restores in the same process opens it with `opened_snapshot(args)`.
+  Engine settings
   are `InitConfig.from_env(os.environ)` overridden by the flags given. `check_target_flags(args)`
   is the part of that validation that imports nothing heavy (the activator runs it without torch).
 
@@ -60,10 +65,42 @@ def snapshot_path(args: argparse.Namespace) -> Path | None:
 
     if args.snapshot is None or not is_s3_uri(args.snapshot):
         return None if args.snapshot is None else Path(args.snapshot)
-    from snapfn.snapshot.store.cache import SnapshotCacheConfig, cached_snapshot
+    from snapfn.snapshot.store.cache import cached_snapshot
 
-    config = SnapshotCacheConfig.from_env(os.environ, max_bytes=args.cache_max_bytes)
-    return cached_snapshot(args.snapshot, config)
+    return cached_snapshot(args.snapshot, snapshot_cache_config(args))
+
+
+def opened_snapshot(args: argparse.Namespace, streamed: tuple[str, ...]) -> Any:
+    """`--snapshot` opened for a restore in this process (a cache `OpenedSnapshot`, or None):
+    an s3:// cache miss is being pulled, its `pull` to be followed (store/cache.py)."""
+    from snapfn.snapshot.store.cache import OpenedSnapshot, open_snapshot
+    from snapfn.snapshot.store.s3 import is_s3_uri
+
+    if args.snapshot is None or not is_s3_uri(args.snapshot):
+        return None if args.snapshot is None else OpenedSnapshot(Path(args.snapshot))
+    return open_snapshot(args.snapshot, snapshot_cache_config(args), streamed=streamed)
+
+
+def snapshot_cache_config(args: argparse.Namespace) -> Any:
+    from snapfn.snapshot.store.cache import SnapshotCacheConfig
+
+    return SnapshotCacheConfig.from_env(os.environ, max_bytes=args.cache_max_bytes)
+
+
+def _llm_snapshot(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """The LLM target's snapshot fields: `snapshot_dir`, and for an overlapped cache miss the
+    URI and cache its worker pulls with (nothing is pulled here, before the fork)."""
+    from snapfn.snapshot.store.s3 import is_s3_uri
+
+    if world_size == 1 and is_s3_uri(args.snapshot):
+        from snapfn.handler.llm.recipes.s3_restore import STREAMED
+        from snapfn.snapshot.store.cache import overlapped_miss
+
+        cache = snapshot_cache_config(args)
+        folder = overlapped_miss(args.snapshot, cache, streamed=STREAMED)
+        if folder is not None:
+            return {"snapshot_dir": folder, "snapshot_uri": args.snapshot, "snapshot_cache": cache}
+    return {"snapshot_dir": snapshot_path(args)}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,8 +151,8 @@ def serve_target(args: argparse.Namespace) -> Any:
         raise BadRequest(
             f"--tp-size and --ep-size must be >= 1, got {init_config.tp_size} and {init_config.ep_size}"
         )
-    snapshot_dir = snapshot_path(args)
-    return ServeTarget(model_dir=args.model, snapshot_dir=snapshot_dir, init_config=init_config)
+    snapshot = _llm_snapshot(args, init_config.world_size)
+    return ServeTarget(model_dir=args.model, init_config=init_config, **snapshot)
 
 
 def check_target_flags(args: argparse.Namespace) -> None:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapfn.handler.function.target_flags import add_snapshot_arguments, snapshot_path
+from snapfn.handler.function.target_flags import add_snapshot_arguments, opened_snapshot
 from snapfn.handler.llm.engine.request import MAX_PENALTY, MAX_TEMPERATURE
 from snapfn.handler.llm.parallel import EP_DISPATCHES, ParallelConfig
 from snapfn.handler.llm.ranks import parallel_ranks
@@ -150,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         repetition_penalty=args.repetition_penalty,
     ).validate()
-    snapshot = snapshot_path(args)  # NOTE: an s3:// snapshot is pulled first, then checked
+    # NOTE: an s3:// cache miss of one rank is restored as it is pulled (recipes/s3_restore.py);
+    # any other is pulled first, then checked
+    opened = opened_snapshot(args, _streamed(args))
+    snapshot, pull = (opened.path, opened.pull) if opened is not None else (None, None)
     if args.ep_size * args.tp_size != 1 and snapshot is not None:
         if "RANK" in os.environ:
             raise BadRequest(
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     with ranks as (parallel, device):
         t0 = time.perf_counter()
         if snapshot is not None:
-            engine, model_type = _restore(args, snapshot)
+            engine, model_type = _restore(args, snapshot, pull)
         else:
             opts = EngineOptions(
                 device=device,
@@ -323,16 +326,29 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
-def _restore(args: argparse.Namespace, snapshot: Path):
-    """Restore the LLM function from a snapshot (tier 0), falling back to a cold init from
-    `--model`, else from the snapshot's recorded source once its content hash matches; with
-    neither, NoTrustedSource (the CLI prints its one line and exits non-zero)."""
+def _streamed(args: argparse.Namespace) -> tuple[str, ...]:
+    """What a restore of an s3:// snapshot streams as it is pulled (several ranks: nothing)."""
+    from snapfn.handler.llm.recipes.s3_restore import STREAMED
+
+    return STREAMED if args.tp_size * args.ep_size == 1 else ()
+
+
+def _restore(args: argparse.Namespace, snapshot: Path, pull=None):
+    """Restore the LLM function from a snapshot (tier 0; `pull`: an s3:// one still arriving,
+    followed), falling back to a cold init from `--model`, else from the snapshot's recorded
+    source once its content hash matches; with neither, NoTrustedSource (the CLI prints its one
+    line and exits non-zero)."""
     from snapfn.handler.llm.init_config import InitConfig
     from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.handler.llm.recipes.s3_restore import restore_following
     from snapfn.handler.llm.recipes.sources import llm_fallback
-    from snapfn.snapshot.runtime import restore
+    from snapfn.snapshot.runtime import restore, stderr_log
 
     config = InitConfig.from_env(os.environ, device=args.device, dtype=args.dtype)
+    if pull is not None:
+        fn, startup = restore_following(pull, config, args.model, stderr_log)
+        _print_outcome(startup)
+        return fn.engine, fn.engine.model.config.model_type
     fallback = llm_fallback(config, args.model)
     fn, startup = restore(lambda: LLMFunction(config, args.model), snapshot, fallback=fallback)
     _print_outcome(startup)  # NOTE: its stages were printed as they ran

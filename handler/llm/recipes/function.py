@@ -113,6 +113,7 @@ class LLMFunction:
         self.expected_content_hash = expected_content_hash
         self.source_trusted = expected_content_hash is None  # the runtime reads it (fallback)
         self.cache_drift: str | None = None  # set by the runtime's validate (snapshot/function.py)
+        self.arriving = None  # set by the runtime: the snapshot is still being pulled (runtime.py)
         self._checked: CheckedSection | None = None
         self._recorded_source: dict[str, Any] = {}
         self.engine = None
@@ -485,12 +486,15 @@ class LLMFunction:
         layout = self._checked.layout
         layout.validate(path.stat().st_size)
         c = self.config
+        # NOTE: a snapshot still arriving: each read waits for its chunks to be verified
+        following = self.arriving.waiter(self.weights_file) if self.arriving is not None else None
         streamer = WeightStreamer(
             path,
             layout,
             device=self.device,
             num_threads=c.stream_threads,
             ring_slots=c.stream_ring_slots,
+            arrivals=following,
         )
         streamer.prepare()
         return streamer
@@ -524,6 +528,8 @@ class LLMFunction:
         finally:
             streamer.close()
         figures.update(report_fields(report))
+        if self.arriving is not None:
+            figures["source"] = f"{self.arriving.uri} (overlapped with its pull)"
 
     def stage_plan_kv(self, figures: Figures, section: dict[str, Any]) -> None:
         from snapfn.handler.llm.engine.memory import MemoryPlan
