@@ -65,7 +65,14 @@ from snapfn.snapshot.store.s3 import (
     s3_refusal,
 )
 
-__all__ = ["DEFAULT_MULTIPART_BYTES", "DEFAULT_NUM_THREADS", "fetch_manifest", "pull", "push"]
+__all__ = [
+    "DEFAULT_MULTIPART_BYTES",
+    "DEFAULT_NUM_THREADS",
+    "fetch_manifest",
+    "fetch_ranges",
+    "pull",
+    "push",
+]
 
 DEFAULT_NUM_THREADS = 16
 DEFAULT_MULTIPART_BYTES = 64 << 20  # files above this go up in parts of this size
@@ -303,7 +310,7 @@ class _Fetch:
         """Fetch and verify every range not journaled yet; (progress, ranges skipped)."""
         files = self.files_of
         ranges = _fetch_order(
-            [r for relpath in sorted(files) for r in _fetch_ranges(relpath, files[relpath])],
+            [r for relpath in sorted(files) for r in fetch_ranges(relpath, files[relpath])],
             self.last,
         )
         verified = staging.verified()
@@ -356,7 +363,7 @@ def _fetch_order(ranges: list[DigestRange], last: Collection[str]) -> list[Diges
     return sorted(ranges, key=lambda r: (r.relpath in last, r.relpath, r.offset))
 
 
-def _fetch_ranges(relpath: str, entry: dict[str, Any]) -> list[DigestRange]:
+def fetch_ranges(relpath: str, entry: dict[str, Any]) -> list[DigestRange]:
     """What one GET fetches and checks: each chunk, or the whole of a file without chunks."""
     ranges = digest_ranges(relpath, entry)
     if "chunks" in entry:

@@ -88,6 +88,44 @@ def mode_restore(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "startup": startup.to_json(), "fallbacks": startup.fallbacks}
 
 
+def mode_restore_s3(args: argparse.Namespace) -> dict[str, Any]:
+    """(h) tier-0 restore of `--snapshot s3://…` into an empty snapshot cache (its place and
+    SNAPFN_SNAPSHOT_CACHE_OVERLAP from the environment): pulled whole, then restored (off), or
+    restored while it is pulled (on). `s3_total_s`: the cache lookup → the restore's end."""
+    from snapfn.handler.llm.recipes.s3_restore import STREAMED, restore_following
+    from snapfn.snapshot.runtime import restore
+    from snapfn.snapshot.store.cache import SnapshotCacheConfig, open_snapshot
+
+    start = time.perf_counter()
+    cache = SnapshotCacheConfig.from_env(os.environ)
+    opened = open_snapshot(args.snapshot, cache, streamed=STREAMED, log=None)
+    opened_s = time.perf_counter() - start
+    if opened.pull is None:
+        fn, startup = restore(lambda: _function(args, None), opened.path, log=None)
+    else:
+        fn, startup = restore_following(opened.pull, _config(args), None, log=None)
+    total_s = time.perf_counter() - start
+    result = {"ready_s": since(args.t0), **_first_token(fn.engine, args)}
+    return {
+        **result,
+        "overlapped": opened.pull is not None,
+        "opened_s": round(opened_s, 4),  # off: the whole pull; on: the lookup, the pull started
+        "s3_total_s": round(total_s, 4),
+        "startup": startup.to_json(),
+        "fallbacks": startup.fallbacks,
+    }
+
+
+def mode_s3_floor(args: argparse.Namespace) -> dict[str, Any]:
+    """(h)'s floor: the GETs a pull of `--snapshot s3://…` makes, into memory (store/floor.py)."""
+    from snapfn.snapshot.store.floor import measure_get_floor
+    from snapfn.snapshot.store.s3 import make_s3_client
+    from snapfn.snapshot.store.transfer import DEFAULT_NUM_THREADS
+
+    client = make_s3_client(None, DEFAULT_NUM_THREADS)
+    return measure_get_floor(args.snapshot, client, DEFAULT_NUM_THREADS)
+
+
 def mode_init_process(args: argparse.Namespace) -> dict[str, Any]:
     """Setup for (f): a cold init in a checkpointable worker, then its process image."""
     from snapfn.handler.llm.recipes.cli import _init_process
@@ -302,6 +340,8 @@ MODES = {
     "init_process": mode_init_process,
     "restore_process": mode_restore_process,
     "steady": mode_steady,
+    "restore_s3": mode_restore_s3,
+    "s3_floor": mode_s3_floor,
 }
 
 

@@ -12,6 +12,10 @@
                      GPU, driver and torch (cache-only fields): its caches dropped, kernels
                      compiled and graphs captured again into an empty cache folder, the
                      weights still streamed from the snapshot
+    (h) restore_s3   the snapshot pushed to S3 (`--s3-endpoint`, else a moto server started
+                     here), restored in a fresh process into an empty snapshot cache: pulled
+                     whole then restored, and restored while it is pulled (overlapped); beside
+                     the bytes' floor, the same GETs with the same threads into memory
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -21,6 +25,7 @@ Outputs a table, a JSON file and a waterfall plot of the staged modes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,13 +48,14 @@ ALL_MODES = (
     "init_process",
     "restore_process",
     "steady",
+    "restore_s3",
 )
 
 
 @dataclass(frozen=True)
 class BenchDefaults:
     device: str = "cpu"
-    modes: str = ",".join(m for m in ALL_MODES if m != "steady")  # steady: ask for it
+    modes: str = ",".join(m for m in ALL_MODES if m not in ("steady", "restore_s3"))  # ask
     decode_batches: str = "1,8"
     decode_tokens: int = 16
     prefill_tokens: int = 2048
@@ -84,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt length of the steady mode's prefill figure",
     )
     p.add_argument("--timeout-s", type=int, default=d.timeout_s, help="per mode")
+    p.add_argument(
+        "--s3-endpoint",
+        default=None,
+        help="restore_s3: the S3 endpoint to push to (credentials from boto3's usual places;"
+        " default: a moto server started here)",
+    )
     fn = p.add_argument_group(
         "a user function instead of the LLM (modes: cold, restore_portable, restore_process)"
     )
@@ -247,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
             drifted_copy(workdir / "snapshot", workdir / "snapshot_drifted")
             shutil.rmtree(workdir / "cache_drifted", ignore_errors=True)
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
+        if mode == "restore_s3":
+            results.update(run_s3_modes(args, workdir))
+            continue
         with_decode = mode in ("cold_init", "restore_process", "steady")
         extra = decode if with_decode else []
         if mode == "steady":
@@ -299,7 +314,112 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
     if cold and floors:
         out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
+    return {**out, **s3_ratios(results)}
+
+
+# ---- (h) restore_s3 ------------------------------------------------------------------------------
+S3_BUCKET = "snapfn-bench"
+S3_RUNS = (("s3_floor", "floor", "on"), ("restore_s3", "sequential", "off"))
+S3_RUNS += (("restore_s3", "overlapped", "on"),)  # (child mode, name, overlap)
+
+
+def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Push the snapshot, then each of S3_RUNS in a fresh process: the GET floor, the restore
+    pulled whole first, the restore overlapped with its pull (each into an empty cache)."""
+    if not (workdir / "snapshot" / "manifest.json").exists():
+        return {"restore_s3": {"mode": "restore_s3", "skipped": "no snapshot (run cold_init)"}}
+    from snapfn.snapshot.store.transfer import push
+
+    uri, out = f"s3://{S3_BUCKET}/bench/{workdir.name}/snapshot", {}
+    with _s3_endpoint(args.s3_endpoint) as (client, env):
+        _s3_call_quietly(client.create_bucket, Bucket=S3_BUCKET)
+        push(workdir / "snapshot", uri, client=client, log=None)
+        for child_mode, name, overlap in S3_RUNS:
+            shutil.rmtree(workdir / f"s3-{name}", ignore_errors=True)
+            child_env = {
+                **os.environ,
+                **env,
+                "SNAPFN_SNAPSHOT_CACHE": str(workdir / f"s3-{name}" / "snapshots"),
+                "SNAPFN_SNAPSHOT_CACHE_OVERLAP": overlap,
+            }
+            argv = [child_mode, "--model", str(args.model), "--snapshot", uri]
+            argv += ["--device", args.device, "--cache-dir", str(workdir / f"s3-{name}" / "c")]
+            cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+            cmd += ["--t0", repr(time.time())]
+            mode = f"restore_s3_{name}"
+            out[mode] = run_mode_process(mode, cmd, args.timeout_s, env=child_env)
+            print(f"[snapfn bench] {mode}: {_s3_brief(out[mode])}", file=sys.stderr, flush=True)
     return out
+
+
+def _s3_brief(r: dict[str, Any]) -> str:
+    if "s3_total_s" in r:
+        return f"{r['s3_total_s']:.3f} s from the cache lookup to the restore's end"
+    return r.get("error") or f"{r.get('seconds')} s for {r.get('bytes')} bytes"
+
+
+def s3_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    floor = results.get("restore_s3_floor", {}).get("seconds")
+    seq, ov = (results.get(f"restore_s3_{m}", {}) for m in ("sequential", "overlapped"))
+    out = {}
+    if floor and seq.get("s3_total_s"):
+        out["restore_s3_sequential_vs_floor"] = round(seq["s3_total_s"] / floor, 2)
+    if floor and ov.get("s3_total_s"):
+        out["restore_s3_overlapped_vs_floor"] = round(ov["s3_total_s"] / floor, 2)
+    if seq.get("s3_total_s") and ov.get("s3_total_s"):
+        out["restore_s3_overlapped_speedup_vs_sequential"] = round(
+            seq["s3_total_s"] / ov["s3_total_s"], 2
+        )
+        same = all(seq.get(k) == ov.get(k) is not None for k in ("token", "logprob"))
+        out["restore_s3_overlapped_token_equals_sequential"] = same
+    return out
+
+
+@contextlib.contextmanager
+def _s3_endpoint(endpoint: str | None):
+    """(client, the environment a child needs): the endpoint given, else a moto server."""
+    from snapfn.snapshot.store.s3 import make_s3_client
+
+    if endpoint is not None:
+        yield make_s3_client(endpoint), {"AWS_ENDPOINT_URL": endpoint}
+        return
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # NOTE: it logs every request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_DEFAULT_REGION": "us-east-1"}
+        env |= {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        yield _client_of(env), env
+    finally:
+        server.stop()
+
+
+def _client_of(env: dict[str, str]) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
+
+
+def _s3_call_quietly(call, **kwargs) -> None:
+    """A bucket that exists already is fine."""
+    from botocore.exceptions import ClientError
+
+    try:
+        call(**kwargs)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou",):
+            raise
 
 
 def _same_token(results: dict[str, Any], mode: str) -> bool:
