@@ -116,3 +116,21 @@ def test_ms_per_step_is_the_difference_and_never_zero_when_noise_swamps_it(capsy
     # noise: the long generation was no slower than the short one (a CI run once reported 0.0)
     assert _ms_per_step(lambda n: 0.4, 4) == pytest.approx(0.4 / 8 * 1e3)
     assert "timing noise" in capsys.readouterr().err
+
+
+def test_each_restore_is_reported_against_its_floor():
+    from snapfn.handler.llm.bench.cli import floor_ratios
+
+    results = {
+        "restore": {"first_token_s": 3.0},
+        "restore_process": {"first_token_s": 0.6},
+        "restore_cold": {"first_token_s": 12.0},
+        "cold_init": {"first_token_s": 40.0},
+    }
+    floors = {"h2d_floor_s": 0.3, "disk_floor_s": 10.0}
+    assert floor_ratios(results, floors) == {
+        "restore_first_token_vs_h2d_floor": 10.0,
+        "restore_process_first_token_vs_h2d_floor": 2.0,
+        "restore_cold_first_token_vs_disk_floor": 1.2,
+    }
+    assert floor_ratios(results, {}) == {}

@@ -314,7 +314,27 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
     if cold and floors:
         out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
-    return {**out, **s3_ratios(results)}
+    return {**out, **floor_ratios(results, floors), **s3_ratios(results)}
+
+
+# each restore's floor: its weights' bytes moved at the rate that bounds it (`measure_floors`)
+RESTORE_FLOORS = {
+    "restore": "h2d_floor_s",
+    "restore_zygote": "h2d_floor_s",
+    "restore_process": "h2d_floor_s",
+    "restore_cold": "disk_floor_s",
+}
+
+
+def floor_ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
+    """Each restore's first token over its floor: the host-to-device copy of the weights (page
+    cache warm, and tier 1), the disk's read of them (`restore_cold`, page cache dropped)."""
+    out = {}
+    for mode, floor in RESTORE_FLOORS.items():
+        seconds, floor_s = results.get(mode, {}).get("first_token_s"), (floors or {}).get(floor)
+        if seconds and floor_s:
+            out[f"{mode}_first_token_vs_{floor.removesuffix('_s')}"] = round(seconds / floor_s, 2)
+    return out
 
 
 # ---- (h) restore_s3 ------------------------------------------------------------------------------
