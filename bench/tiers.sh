@@ -34,7 +34,7 @@ with_backend "$backend"
 dir=$(model "$name") || exit 1
 echo "[$((SECONDS - t0)) s] model ready"
 rm -rf "$work/generate-cache"
-TRITON_CACHE_DIR=$work/generate-cache/triton timeout 300 python3 -m snapfn.handler.cli generate \
+TRITON_CACHE_DIR=$work/generate-cache/triton timeout 120 python3 -m snapfn.handler.cli generate \
   --model "$dir" --device cuda --max-new-tokens 64 > "$res/generate.log" 2>&1
 grep -E "first token|decode|load" "$res/generate.log" | head -5
 echo "[$((SECONDS - t0)) s] one-shot generate done"
