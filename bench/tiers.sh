@@ -10,7 +10,8 @@
 # Usage: bash bench/tiers.sh [--model llama8b] [--backend auto] [--modes LIST] [--keeper on|off]
 #          [--tag TAG]
 #   --modes   the bench's modes (default cold_init,restore,restore_zygote,restore_cold,
-#             init_process,restore_process; the tier-1 ones need .criu carried)
+#             init_process,restore_process; the tier-1 ones need .criu carried; none: the
+#             one-shot generate only)
 #   --keeper  on (default): tier 1 again with the keeper holding the snapshot's pages
 set -uo pipefail
 . bench/device-env.sh
@@ -40,6 +41,7 @@ grep -E "first token|decode|load" "$res/generate.log" | head -5
 echo "[$((SECONDS - t0)) s] one-shot generate done"
 bench=$work/tiers-bench
 rm -rf "$bench"
+[ "$modes" = none ] && exit 0
 bench_modes bench 400 --model "$dir" --device cuda --workdir "$bench" --modes "$modes" \
   --decode-batches 1 --decode-tokens 16
 echo "[$((SECONDS - t0)) s] bench done"

@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
             source = f"{model_dir} ({', '.join(parts)})"
         ids = _prompt_ids(args, engine.tokenizer)
         if snapshot is None and engine.model.device.type == "cuda":
-            _warm_shapes(engine, args.batch_size, len(ids))
+            one_rank = parallel.tp_size * parallel.ep_size == 1
+            _warm_shapes(engine, args.batch_size, ids, params, graphs=one_rank)
             load_s = time.perf_counter() - t0
         timing = _timed_generate(engine, [ids] * args.batch_size, params)
         result = timing.pop("results")[0]
@@ -204,12 +205,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warm_shapes(engine, batch_size: int, prompt_len: int) -> None:
-    """Run the prefill and decode shapes this generation takes once, before it is timed: their
-    kernels compile (and choose their configs) here, so the decode loop compiles nothing."""
-    from snapfn.handler.llm.engine.warmup import warmup
+def _warm_shapes(engine, batch_size: int, ids: list[int], params, graphs: bool) -> None:
+    """Before the generation is timed, on CUDA: its decode graph captured (batch `batch_size`;
+    with `graphs`, one rank, where the model's decode captures), then a two-token generation of
+    the same shapes, so every kernel of the prefill, the sampler and a decode step compiles (and
+    picks its config) here, and the decode loop replays a graph and compiles nothing."""
+    from dataclasses import replace
 
-    warmup(engine.model, engine.kv, [batch_size], (max(prompt_len, 1),))
+    from snapfn.handler.llm.init_config import InitConfig
+
+    model = engine.model
+    capturable = model.config.arch == "llama" or model.backend.capturable_moe
+    if graphs and capturable and not model.lockstep:
+        max_seq_len = len(ids) + params.max_new_tokens + 1
+        engine.capture_graphs([batch_size], min(max_seq_len, InitConfig().graph_max_seq_len))
+    engine.generate([list(ids)] * batch_size, replace(params, max_new_tokens=2, ignore_eos=True))
 
 
 def _say_experts_held(model, parallel: ParallelConfig, model_dir: Path) -> None:
