@@ -48,9 +48,18 @@ def test_init_mode_asks_for_timing():
 def test_a_table_file_is_used_for_its_keys_and_a_pin_wins_over_it(tmp_path):
     table = tmp_path / "t.json"
     tuning.write_table(table, [{"kernel": "_probe", "key": "(64,)", "config": IDS[2]}], {})
-    tuning.use_tuning(tuning.KernelTuning("init", (table,)))
+    tuning.use_tuning(tuning.KernelTuning("shipped", (table,)))
     assert tuning.choose("_probe", "(64,)", IDS, "cpu") == (IDS[2], "shipped")
-    assert tuning.choose("_probe", "(128,)", IDS, "cpu") == (None, "tuned")
+    assert tuning.choose("_probe", "(128,)", IDS, "cpu") == (IDS[0], "default")
+    tuning.pin_choices([{"kernel": "_probe", "key": "(64,)", "config": IDS[1]}])
+    assert tuning.choose("_probe", "(64,)", IDS, "cpu") == (IDS[1], "pinned")
+
+
+def test_init_mode_times_what_a_table_has_but_keeps_a_pin(tmp_path):
+    table = tmp_path / "t.json"
+    tuning.write_table(table, [{"kernel": "_probe", "key": "(64,)", "config": IDS[2]}], {})
+    tuning.use_tuning(tuning.KernelTuning("init", (table,)))
+    assert tuning.choose("_probe", "(64,)", IDS, "cpu") == (None, "tuned")
     tuning.pin_choices([{"kernel": "_probe", "key": "(64,)", "config": IDS[1]}])
     assert tuning.choose("_probe", "(64,)", IDS, "cpu") == (IDS[1], "pinned")
 

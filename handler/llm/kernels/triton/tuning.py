@@ -8,15 +8,15 @@ names, and its tensors' dtypes) decides which one it runs from then on:
 1. **pinned**: the config the init phase chose, recorded in the snapshot (`kernel_choices` of
    its section) and pinned before a restore's first kernel runs (`pin_choices`). A restore
    runs exactly the init's configs — the same bits — and times nothing.
-2. **shipped**: the config of the tuned table for this GPU: `tuned/<gpu>.json` beside this
-   module (made by `snapfn tune` on the machine its name says), then each file of
-   SNAPFN_TUNED_CONFIGS (`FILE[:FILE...]`, later files win).
-3. With SNAPFN_KERNEL_TUNING=init: **tuned**, timed over the kernel's configs by triton's
-   autotuner right there. Calls happen in the init phase's warmup and graph capture (the
-   engine runs each bucket once before capturing it), and the timings land in the compile
-   cache the snapshot carries.
-   With the default, SNAPFN_KERNEL_TUNING=shipped: **default**, the kernel's untuned default
-   config. Nothing is timed; a kernel compiles one config per key.
+2. With SNAPFN_KERNEL_TUNING=init: **tuned**, timed over the kernel's configs by triton's
+   autotuner right there (the tables below are not read). Calls happen in the init phase's
+   warmup and graph capture (the engine runs each bucket once before capturing it), and the
+   timings land in the compile cache the snapshot carries.
+3. With the default, SNAPFN_KERNEL_TUNING=shipped, nothing is timed: **shipped**, the config
+   of the tuned table for this GPU (`tuned/<gpu>.json` beside this module, made by
+   `snapfn tune` on the machine its name says, then each file of SNAPFN_TUNED_CONFIGS,
+   `FILE[:FILE...]`, later files win), else **default**, the kernel's untuned default config.
+   A kernel compiles one config per key.
 
 Every choice is recorded (`recorded_choices`): the init's go into the snapshot, their count
 by source into the startup manifest (`choice_counts`), and `snapfn tune` writes them out as a
@@ -135,11 +135,11 @@ def choose(kernel: str, key: str, config_ids: list[str], gpu_name: str) -> tuple
                 f"({', '.join(config_ids)})"
             )
         return pinned, "pinned"
+    if _STATE.tuning.times_configs:
+        return None, "tuned"
     shipped = _table(gpu_name).get(kernel, {}).get(key)
     if shipped is not None and shipped in config_ids:
         return shipped, "shipped"
-    if _STATE.tuning.times_configs:
-        return None, "tuned"
     return config_ids[0], "default"
 
 
