@@ -29,7 +29,7 @@ def test_exhausted_pool_queues_and_never_corrupts(tiny_llama_dir):
         outs = engine.step()
     for rid, prompt in zip(ids, prompts, strict=True):
         assert tuple(results[rid]) == solo(tiny_llama_dir, prompt, 6)
-    assert engine.kv.allocator.num_free == 6
+    assert engine.scheduler.num_available_pages() == 6  # free, or cached and held by none
 
 
 def test_request_that_can_never_fit_is_refused(tiny_llama_dir):
@@ -68,15 +68,15 @@ def test_cancel_frees_pages_and_leaves_others_intact(tiny_llama_dir):
     tokens = []
     for _ in range(3):
         tokens += [t for out in engine.step() if out.request_id == rid_b for t in out.new_token_ids]
-    free_before = engine.kv.allocator.num_free
+    free_before = engine.scheduler.num_available_pages()
     assert engine.cancel(rid_a)
     assert not engine.cancel(rid_a)
-    assert engine.kv.allocator.num_free > free_before
+    assert engine.scheduler.num_available_pages() > free_before
     while engine.has_work():
         for out in engine.step():
             assert out.request_id == rid_b
             tokens.extend(out.new_token_ids)
-    assert engine.kv.allocator.num_free == 32
+    assert engine.scheduler.num_available_pages() == 32
     assert tuple(tokens) == solo(tiny_llama_dir, b, 12)
 
 

@@ -805,6 +805,21 @@ def test_metrics_parse_and_count(client):
     assert "_created" not in text
 
 
+def test_metrics_count_prefix_cache_hits(client):
+    prompt = "the same long system prompt, " * 12  # several full KV pages
+    for tail in ("first question", "second question"):
+        completion(client, prompt=prompt + tail, max_tokens=1, temperature=0)
+
+    def hit_tokens() -> float:
+        text = client.get("/metrics").get_data(as_text=True)
+        for family in text_string_to_metric_families(text):
+            if family.name == "snapfn_prefix_cache_hit_tokens":
+                return sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return 0.0
+
+    assert wait_for(lambda: hit_tokens() >= 16)
+
+
 def test_startup_metrics_label_stages_by_kind_and_tier_and_count_fallbacks():
     failed = {
         "kind": "restore",

@@ -52,7 +52,7 @@ def _run_both(model_dir, prompts, params, **kw):
         engine = _engine(model_dir, overlap, **kw)
         results = engine.generate(prompts, params)
         assert not engine.has_work()
-        assert engine.kv.allocator.num_free == engine.kv.num_pages, "pages leaked"
+        assert engine.scheduler.num_available_pages() == engine.kv.num_pages, "pages leaked"
         out[overlap] = (results, engine.overlapped_steps)
     assert out[False][1] == 0
     return out[False][0], out[True][0], out[True][1]
@@ -116,7 +116,7 @@ def test_a_request_arriving_mid_run_and_a_cancelled_one(tiny_llama_dir):
     assert tuple(tokens[ids["a"]]) == solo["a"]
     assert tuple(tokens[ids["late"]]) == solo["late"]
     assert len(tokens[ids["b"]]) < 10  # nothing landed for b after its cancel
-    assert engine.kv.allocator.num_free == engine.kv.num_pages
+    assert engine.scheduler.num_available_pages() == engine.kv.num_pages
 
 
 def test_sampled_requests_and_prefills_run_the_plain_way(tiny_llama_dir):

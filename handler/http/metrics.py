@@ -28,6 +28,9 @@
     snapfn_engine_requests_total{outcome}                   submitted / finished / cancelled
     snapfn_engine_steps_total
     snapfn_graph_replays_total / snapfn_graph_eager_fallbacks_total
+    snapfn_prefix_cache_queried_tokens_total                prompt tokens the prefix cache was
+    snapfn_prefix_cache_hit_tokens_total                    asked for / found (prefill skipped)
+    snapfn_prefix_cache_pages                               KV pages it names (workers summed)
 
 Several gunicorn workers (`snapfn serve --workers N`): each worker's values live in files under
 `multiprocess_dir` (prometheus_client's multiprocess mode, which `serve.py` switches on before
@@ -63,6 +66,11 @@ LATENCY_BUCKETS_S = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 log = logging.getLogger("snapfn.http")
+PREFIX_QUERIED = (
+    "Prompt tokens the prefix cache was asked for (full pages, the last token left out)"
+)
+PREFIX_HITS = "Prompt tokens found in the prefix cache (their prefill skipped)"
+PREFIX_PAGES = "KV pages the prefix cache names (held by requests or idle)"
 REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
 
 
@@ -188,6 +196,9 @@ class RuntimeMetrics:
                 registry=r,
                 multiprocess_mode="livemax",
             ),
+            "snapfn_prefix_cache_pages": Gauge(
+                "snapfn_prefix_cache_pages", PREFIX_PAGES, registry=r, multiprocess_mode="livesum"
+            ),
         }
         self.counters = {
             name: Counter(name, doc, labels, registry=r)
@@ -197,6 +208,8 @@ class RuntimeMetrics:
                 ("snapfn_engine_steps", "Engine steps", []),
                 ("snapfn_graph_replays", "Decode CUDA graph replays", []),
                 ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
+                ("snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, []),
+                ("snapfn_prefix_cache_hit_tokens", PREFIX_HITS, []),
             )
         }
 
@@ -292,3 +305,14 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", value=eager
     )
+    prefix = llm.prefix_cache_stats() if hasattr(llm, "prefix_cache_stats") else None
+    if prefix is not None:
+        yield CounterMetricFamily(
+            "snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, value=prefix["queried_tokens"]
+        )
+        yield CounterMetricFamily(
+            "snapfn_prefix_cache_hit_tokens", PREFIX_HITS, value=prefix["hit_tokens"]
+        )
+        yield GaugeMetricFamily(
+            "snapfn_prefix_cache_pages", PREFIX_PAGES, value=prefix["cached_pages"]
+        )

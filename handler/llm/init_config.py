@@ -31,6 +31,7 @@ class InitConfig:
     graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this; 0: no graphs
     graph_max_seq_len: int = 4096
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
+    prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     prefill_chunk_sizes: tuple[
         int, ...
     ] = ()  # warmed prefill shapes; () = (max_num_batched_tokens,)
@@ -99,6 +100,7 @@ class InitConfig:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 overlap_decode=self.overlap_decode,
+                prefix_caching=self.prefix_caching,
             ),
         )
 

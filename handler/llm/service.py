@@ -85,7 +85,10 @@ class LLMService:
                 self.stats.cancelled += 1
 
     def kv_usage(self) -> float:
-        return self.engine.kv.usage()
+        return self.engine.kv_usage()
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        return self.engine.prefix_cache_stats()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

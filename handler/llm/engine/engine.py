@@ -4,6 +4,10 @@
 (the streaming unit); `generate()` drives it to completion for a list of prompts.
 Prompts longer than `max_req_input_len` are refused before any work is done.
 
+Prefix caching (`SchedulerConfig.prefix_caching`, on by default): a prompt that starts with
+full pages an earlier prompt computed holds those pages and prefills only the rest
+(`prefix_cache.py`; the scheduler matches and registers, `_advance` reports what was computed).
+
 Sampling is `sampler.py`'s: a batch of plain greedy requests is picked on the device by the
 backend's kernel; penalties, biases and logprob alternatives take the reference path. A step
 that prefills a request asking for its prompt's logprobs (`SamplingParams.prompt_logprobs`,
@@ -60,6 +64,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     overlap_decode: bool = True  # land greedy graph decode steps one step late (module doc)
+    prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
 
 
 class Engine:
@@ -85,6 +90,7 @@ class Engine:
             sched.max_running_requests,
             sched.max_num_batched_tokens,
             self.max_model_len,
+            sched.prefix_caching,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -194,6 +200,23 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    def kv_usage(self) -> float:
+        """Share of the pool's pages held by requests (cached pages no request holds are
+        counted free: an admission takes them back)."""
+        return 1.0 - self.scheduler.num_available_pages() / self.kv.num_pages
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """The prefix cache's counters and page counts; None when it is off."""
+        cache = self.scheduler.prefix_cache
+        return cache.to_json() if cache is not None else None
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (before a process checkpoint: the pool's memory does not
+        come back with the image)."""
+        with self._lock:
+            if self.scheduler.prefix_cache is not None:
+                self.scheduler.prefix_cache.clear()
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         with self._lock:
@@ -279,6 +302,7 @@ class Engine:
         ready = []
         for row, (req, n) in enumerate(zip(requests, num_new, strict=True)):
             req.num_computed += n
+            self.scheduler.computed(req)  # its full prompt pages, for the prefix cache
             if req.num_computed == req.num_tokens:  # prompt fully cached: next token is due
                 ready.append(row)
         if not ready:

@@ -170,6 +170,9 @@ class Request:
     prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
+    cached_tokens: int = 0  # of them, found in the prefix cache at admission
+    page_names: list[bytes] | None = None  # its full prompt pages' names (prefix_cache.py)
+    num_registered: int = 0  # of its prompt pages, those the prefix cache holds
     state: RequestState = RequestState.WAITING
     finish_reason: str | None = None
     text: str = ""

@@ -243,6 +243,8 @@ class LLMFunction:
         self.engine = Engine(self.model, kv, self.config.engine_options().scheduler)
         figures.update(pages=kv.num_pages, bytes=kv.num_bytes, capacity_tokens=kv.capacity_tokens)
         figures["backend"] = self.model.backend.name  # the kernels the engine runs (auto's pick)
+        stats = self.engine.prefix_cache_stats()  # a restore's starts empty: KV is not carried
+        figures["prefix_cache_pages"] = stats["cached_pages"] if stats is not None else "off"
 
     def buckets(self) -> list[int]:
         from snapfn.handler.llm.engine.graphs import default_buckets

@@ -112,7 +112,10 @@ class LLMProcessHost:
         return section, section["layout"]
 
     def before_snapshot(self) -> list[str]:
-        hooks = ["release_weights_and_kv"] + ([] if self.keep_ring else ["drop_pinned_ring"])
+        # NOTE: the KV pool's memory does not come back with the image: no page may stay named
+        self.fn.engine.clear_prefix_cache()
+        hooks = ["forget_prefix_cache", "release_weights_and_kv"]
+        hooks += [] if self.keep_ring else ["drop_pinned_ring"]
         # what a restorer may make and fill
         self.region_specs = self.fn.memory.region_specs(self.fn.weights_file)
         released = self.fn.memory.release()
@@ -240,6 +243,8 @@ class LLMProcessHost:
     def _replay_check(self, figures: dict[str, Any]) -> None:
         got = self.fn.generate_one(len(self.replay["tokens"]))
         figures.update(tokens=got["tokens"], recorded=self.replay["tokens"])
+        stats = self.fn.engine.prefix_cache_stats()  # emptied before the checkpoint
+        figures["prefix_cache_pages"] = stats["cached_pages"] if stats is not None else "off"
         if got["tokens"] != self.replay["tokens"] or got["logprobs"] != self.replay["logprobs"]:
             raise RestoreFailed(
                 f"replay check failed: restored worker answered {got['tokens']} "
@@ -263,6 +268,7 @@ class LLMProcessHost:
         return {
             "max_req_input_len": self.service.max_req_input_len,
             "kv_usage": self.service.kv_usage(),
+            "prefix_cache": self.service.prefix_cache_stats(),
             "stats": dataclasses.asdict(self.service.stats),
         }
 

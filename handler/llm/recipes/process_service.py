@@ -122,6 +122,9 @@ class ProcessLLMService:
     def kv_usage(self) -> float:
         return float(self.info()["kv_usage"])
 
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        return self.info().get("prefix_cache")
+
     def close(self, timeout_s: float = 5.0) -> None:
         self.client.close()
         if self.on_close is not None:
