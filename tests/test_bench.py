@@ -134,3 +134,20 @@ def test_each_restore_is_reported_against_its_floor():
         "restore_cold_first_token_vs_disk_floor": 1.2,
     }
     assert floor_ratios(results, {}) == {}
+
+
+def test_the_prefix_mode_times_a_hit_against_a_miss(tmp_path):
+    out = tmp_path / "prefix.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "snapfn.handler.cli", "bench", "--modes", "prefix"]
+        + ["--workdir", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())["modes"]["prefix"]
+    assert result["hit_tokens_equal_miss_tokens"] is True
+    # every hit found the shared prefix's full pages (the embedded model's pages: 16 tokens)
+    assert all(t == result["prefix_tokens"] // 16 * 16 for t in result["hit_cached_tokens"])
+    assert result["miss_cached_tokens"] == [0] * len(result["miss_cached_tokens"])

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapfn.handler.llm.bench.prefix import mode_prefix
+
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
@@ -342,6 +344,9 @@ MODES = {
     "steady": mode_steady,
     "restore_s3": mode_restore_s3,
     "s3_floor": mode_s3_floor,
+    "prefix": lambda args: mode_prefix(
+        args, lambda: _function(args, Path(args.model)), lambda: _sync(args.device)
+    ),
 }
 
 

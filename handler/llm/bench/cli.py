@@ -16,6 +16,10 @@
                      here), restored in a fresh process into an empty snapshot cache: pulled
                      whole then restored, and restored while it is pulled (overlapped); beside
                      the bytes' floor, the same GETs with the same threads into memory
+    (i) prefix       after a cold init, a long shared prefix's first token on a prefix-cache
+                     hit against a miss (bench/prefix.py)
+
+`steady`, `restore_s3` and `prefix` run only when named in `--modes`.
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -49,13 +53,17 @@ ALL_MODES = (
     "restore_process",
     "steady",
     "restore_s3",
+    "prefix",
 )
+
+
+ASKED_FOR = ("steady", "restore_s3", "prefix")  # run only when named in --modes
 
 
 @dataclass(frozen=True)
 class BenchDefaults:
     device: str = "cpu"
-    modes: str = ",".join(m for m in ALL_MODES if m not in ("steady", "restore_s3"))  # ask
+    modes: str = ",".join(m for m in ALL_MODES if m not in ASKED_FOR)
     decode_batches: str = "1,8"
     decode_tokens: int = 16
     prefill_tokens: int = 2048
@@ -284,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
 def _brief(result: dict[str, Any]) -> str:
     if "first_token_s" in result:
         return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
+    if "hit_first_token_ms" in result:
+        return f"first token {result['hit_first_token_ms']} ms on a prefix hit, {result['miss_first_token_ms']} on a miss"
     if "prefill" in result:
         x = result["decode"].get("batch1", {}).get("x")
         return f"batch-1 decode {x}x its roofline" if x is not None else "no batch-1 decode figure"
@@ -514,6 +524,12 @@ def _notes(r: dict[str, Any]) -> str:
         )
     elif r.get("decode"):
         parts.append("decode " + ", ".join(f"{k}={v}" for k, v in r["decode"].items()))
+    if r.get("mode") == "prefix" and "hit_first_token_ms" in r:
+        parts.append(
+            f"{r['prompt_tokens']}-token prompts, {r['prefix_tokens']} shared: first token "
+            f"{r['miss_first_token_ms']} ms on a miss, {r['hit_first_token_ms']} ms on a hit "
+            f"({r['hit_speedup']}x; same tokens: {r['hit_tokens_equal_miss_tokens']})"
+        )
     if r.get("fallbacks"):
         parts.append(f"FELL BACK: {r['fallbacks'][0]['reason']}")
     return "; ".join(parts)
