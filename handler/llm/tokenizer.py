@@ -104,6 +104,10 @@ class Tokenizer:
         """Number of token ids, added tokens included (largest id + 1)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its tokenizer.json text (what grammar libraries read)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string, or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -14,6 +14,11 @@ that prefills a request asking for its prompt's logprobs (`SamplingParams.prompt
 the completions API's `echo` with `logprobs`) computes logits at every position of the step
 (`ForwardBatch.all_logits`), and the request's first output carries them.
 
+Structured output (`SamplingParams.guide`): with a compile cache attached (`attach_grammars`,
+`structured/compiler.py`), a request with a guide gets its matcher where it is checked (a
+spec that does not compile is a BadRequest), the sampler masks its row, each appended token
+advances the matcher, and the grammar's end ends the request with finish_reason "stop".
+
 Overlapped decode (`SchedulerConfig.overlap_decode`, on by default): a greedy decode step
 replayed from a CUDA graph is landed one step late. `step()` launches the next decode step
 (same requests, input ids straight from the GPU) before it waits for the current one's tokens,
@@ -102,6 +107,7 @@ class Engine:
         self.overlapped_steps = 0  # decode steps launched before the previous one landed
         # greedy picks on the device: the backend's kernel where it has one (`Backend.greedy_picks`)
         self._picks = model.backend.greedy_picks
+        self.grammars = None  # a structured.GrammarCache of the tokenizer (attach_grammars)
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
@@ -131,6 +137,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
+    def attach_grammars(self, grammars) -> None:
+        """Set the compile cache that requests with a guide take their matchers from."""
+        self.grammars = grammars
+
     @property
     def max_req_input_len(self) -> int:
         """Longest prompt accepted: one token of room must remain in the model length and the pool."""
@@ -143,6 +153,12 @@ class Engine:
         self._check_prompt(prompt_ids)
         self._check_logit_bias(params)
         req = Request(list(prompt_ids), params)
+        if params.guide is not None:
+            if self.grammars is None:
+                raise BadRequest(
+                    "structured output needs the model's tokenizer, which this engine lacks"
+                )
+            req.matcher = self.grammars.matcher(params.guide)
         if self.scheduler.pages_needed(req) > self.kv.num_pages:
             raise BadRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) needs more "
@@ -359,6 +375,8 @@ class Engine:
         req.logprobs.append(logprob)
         if req.params.top_logprobs:
             req.top_logprobs.append(top)
+        if req.matcher is not None:
+            req.matcher.accept(token)
         delta = self._detokenize(req, token)
         reason = self._finish_reason(req, token)
         if reason is not None:
@@ -406,6 +424,8 @@ class Engine:
             return "stop_string"
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if req.matcher is not None and req.matcher.finished:  # the grammar's end
             return "stop"
         if self._at_length_limit(req):
             return "length"

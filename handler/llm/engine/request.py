@@ -21,6 +21,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from snapfn.handler.llm.structured.spec import GrammarSpec
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.process import identity
 
@@ -52,6 +53,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     top_logprobs: int = 0  # alternatives reported per generated token
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's, k alternatives
+    guide: GrammarSpec | None = None  # the output must match it (structured/, docs/structured.md)
 
     def to_json(self) -> dict:
         """These params as JSON (a restored worker's channel, the lock-step messages)."""
@@ -64,6 +66,8 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             raw[key] = tuple(raw.get(key, ()))
         raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ()))
+        guide = raw.get("guide")
+        raw["guide"] = GrammarSpec.from_json(guide) if guide is not None else None
         return cls(**raw)
 
     def validate(self) -> SamplingParams:
@@ -127,7 +131,9 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits, the chosen token's logprob only: the device's fast path
         (`Backend.greedy_picks`, overlapped decode)."""
-        return self.greedy and not self.shapes_logits and self.top_logprobs == 0
+        return (
+            self.greedy and not self.shapes_logits and self.top_logprobs == 0 and self.guide is None
+        )
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +183,7 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     generator: object | None = None  # torch.Generator for seeded sampling
+    matcher: object | None = None  # with params.guide: its structured.GrammarMatcher
 
     @property
     def all_ids(self) -> list[int]:

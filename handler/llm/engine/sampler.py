@@ -10,9 +10,14 @@ multiplied), then `frequency_penalty` × each token's count in the output and
 `presence_penalty` for each token present in it subtracted. Greedy is the argmax of the shaped
 row; sampling divides it by the temperature, then filters by top-k and top-p.
 
-A batch whose every request is plain greedy (`SamplingParams.plain_greedy`) goes through
-`picks` (a backend's kernel, `greedy_picks`'s contract) with one copy to the host; any other
-batch is picked row by row here, on the reference path.
+A request with a grammar (`SamplingParams.guide`, structured output) has its refused tokens'
+logits set to -inf before anything else is done to its row (`structured/bitmask.py`, on the
+logits' device); greedy or sampled, it picks from what its grammar allows. Its logprobs stay
+those of the raw distribution.
+
+A batch whose every request is plain greedy (`SamplingParams.plain_greedy`; a request with a
+grammar is not) goes through `picks` (a backend's kernel, `greedy_picks`'s contract) with one
+copy to the host; any other batch is picked row by row here, on the reference path.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from snapfn.handler.llm.engine.request import Request, SamplingParams, TopLogprobs
+from snapfn.handler.llm.structured.bitmask import mask_logits
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ def sample(
         rows = picks(logits)[1].tolist()  # float64 holds every token id exactly
         return Picks([int(t) for t, _ in rows], [lp for _, lp in rows], [()] * len(rows))
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    logits = mask_logits(logits, [req.matcher for req in requests])
     greedy_host = logits.argmax(dim=-1).tolist()  # one copy for the rows that are plain argmax
     tokens = []
     for row, req in enumerate(requests):

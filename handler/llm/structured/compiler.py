@@ -1,0 +1,157 @@
+"""The compile cache of one tokenizer: `GrammarSpec` → its compiled grammar, LRU-bounded.
+
+`GrammarCache(tokenizer, vocab_size, eos_token_ids)` builds llguidance's tokenizer once, at
+`prepare()` or the first compile (its token trie over the model's whole vocabulary, the eos
+ids the ones the engine stops on); the cache's key is (that tokenizer, the spec). `compiled(spec)` is the compiled grammar: a hit, or
+a miss that compiles it (llguidance: the grammar parsed, its lexer built, the first token mask
+computed, so a request's first mask is a lookup) and keeps it, the least recently used one
+dropped past `max_entries`. `matcher(spec)` is a fresh per-request matcher, a copy of the
+compiled one. A spec that does not compile is a `BadRequest` naming what it is and what the
+library found wrong; nothing is cached for it.
+
+`preload(specs)` compiles a list of specs ahead of requests (the init's and the restore's
+`grammars` stage): they count as compiled, not as misses, so `stats()` tells a request that
+found its grammar ready (a hit) from one that compiled it (a miss). `stats()` is
+{"hits", "misses", "preloaded", "entries", "compile_s"} (compile_s: every compile's seconds,
+the preloaded ones' included).
+
+NOTE: llguidance cannot serialize a compiled grammar: a snapshot carries the specs and the
+restore compiles them again in its `grammars` stage, before the first request (a process
+image keeps the compiled grammars themselves). Thread-safe: front-door threads check requests
+while the engine loop makes matchers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from snapfn.handler.llm.structured.matcher import GrammarMatcher
+from snapfn.handler.llm.structured.spec import GrammarSpec
+from snapfn.snapshot.errors import BadRequest, one_line
+
+DEFAULT_MAX_ENTRIES = 256
+ANY_JSON_OBJECT = '{"type":"object"}'
+# JSON as `json.dumps` writes it (", " and ": ", no other whitespace); a schema's own
+# "x-guidance" options override this (llguidance's JSON docs)
+JSON_DEFAULTS = {"whitespace_flexible": False}
+LIBRARY_FORMATS = {  # spec kind → llguidance.grammar_from's format
+    "regex": "regex",
+    "grammar": "grammar",  # Lark, or llama.cpp's GBNF
+    "choice": "choice",
+}
+
+
+class GrammarCache:
+    """Compiled grammars of one tokenizer, by spec (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        self._source = tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None  # llguidance's, built by `prepare`
+        self.vocab_size = vocab_size
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._preloaded = 0
+        self._compile_s = 0.0
+
+    def prepare(self) -> dict[str, Any]:
+        """Build llguidance's tokenizer now (a stage's figures: how long)."""
+        start = time.perf_counter()
+        self._library_tokenizer()
+        return {"seconds_tokenizer": round(time.perf_counter() - start, 4)}
+
+    def _library_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                # NOTE: imported here: only an engine with a tokenizer needs llguidance
+                import llguidance
+
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._source.backend_json(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos or None,
+                )
+            return self._tokenizer
+
+    def compiled(self, spec: GrammarSpec) -> Any:
+        """`spec`'s compiled grammar (an llguidance matcher at its start), compiled on a miss."""
+        with self._lock:
+            found = self._compiled.get(spec)
+            if found is not None:
+                self._compiled.move_to_end(spec)
+                self._hits += 1
+                return found
+            self._misses += 1
+        return self._compile_and_keep(spec)
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        """A fresh matcher of `spec` for one request."""
+        return GrammarMatcher(self.compiled(spec).deep_copy(), self.vocab_size)
+
+    def preload(self, specs: Iterable[GrammarSpec]) -> dict[str, Any]:
+        """Compile `specs` now (a stage's figures: how many, how long)."""
+        start, count = time.perf_counter(), 0
+        for spec in specs:
+            with self._lock:
+                if spec in self._compiled:
+                    continue
+                self._preloaded += 1
+            self._compile_and_keep(spec)
+            count += 1
+        return {"compiled": count, "seconds_compile": round(time.perf_counter() - start, 4)}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "preloaded": self._preloaded,
+                "entries": len(self._compiled),
+                "compile_s": round(self._compile_s, 6),
+            }
+
+    def _compile_and_keep(self, spec: GrammarSpec) -> Any:
+        start = time.perf_counter()
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compile_s += time.perf_counter() - start
+            self._compiled[spec] = compiled
+            self._compiled.move_to_end(spec)
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        import llguidance
+
+        try:
+            if spec.kind in ("json_schema", "json_object"):
+                schema = ANY_JSON_OBJECT if spec.kind == "json_object" else spec.text
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults=JSON_DEFAULTS
+                )
+            else:
+                grammar = llguidance.grammar_from(LIBRARY_FORMATS[spec.kind], spec.text)
+        except ValueError as exc:
+            raise _not_compiled(spec, str(exc)) from None
+        compiled = llguidance.LLMatcher(self._library_tokenizer(), grammar, log_level=0)
+        if not compiled.is_error():
+            compiled.compute_bitmask()  # the start state's mask, shared by every copy
+        if compiled.is_error():
+            raise _not_compiled(spec, compiled.get_error())
+        return compiled
+
+
+def _not_compiled(spec: GrammarSpec, why: str) -> BadRequest:
+    return BadRequest(one_line(f"{spec.describe()} does not compile: {why}")[:600])

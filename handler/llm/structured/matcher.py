@@ -1,0 +1,43 @@
+"""A request's grammar matcher: which tokens may come next, advanced with each accepted token.
+
+`GrammarMatcher` wraps one llguidance matcher (a copy of the compiled grammar, `compiler.py`).
+`fill_bitmask(row)` writes the allowed next tokens into one int32 row of `ceil(vocab / 32)`
+words (token t allowed iff bit t % 32 of word t // 32 is set; the row must be contiguous host
+memory); `accept(token)` advances past a token the engine appended; `finished` is true once the
+grammar has reached its end (nothing but eos may follow), where the engine ends the request
+with finish_reason "stop". A token the grammar refuses (only possible when the mask was not
+applied) puts the matcher in an error state: `accept` raises, naming the library's reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BITS_PER_WORD = 32
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of an allowed-token bitmask over `vocab_size` tokens."""
+    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill_bitmask(self, row: Any) -> None:
+        """The allowed next tokens into `row` (a contiguous host int32 tensor of
+        `bitmask_words(vocab_size)` words)."""
+        assert row.is_contiguous() and row.numel() == bitmask_words(self.vocab_size)
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        return self._matcher.is_stopped()
