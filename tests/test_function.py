@@ -25,6 +25,7 @@ INIT_STAGES = [
     "warmup",
     "capture_graphs",
     "tokenizer",
+    "grammars",
     "health_check",
     "write_snapshot",
 ]
@@ -38,6 +39,7 @@ RESTORE_STAGES = [
     "warmup",
     "capture_graphs",
     "tokenizer",
+    "grammars",
     "health_check",
 ]
 

@@ -45,6 +45,9 @@ class InitConfig:
     tp_size: int = 1  # tensor-parallel ranks (handler/llm/ranks.py starts them)
     ep_size: int = 1  # expert-parallel ranks of a MoE model (tp_size * ep_size processes)
     ep_dispatch: str = "replicated"  # how tokens meet other ep ranks' experts (parallel.py)
+    # a JSON list of structured-output specs compiled at init and kept by the snapshot
+    # (structured/configured.py); None: none
+    structured_schemas: Path | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:
@@ -69,6 +72,8 @@ class InitConfig:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None:
+                continue  # left out: the default
             if isinstance(value, bool):
                 value = "1" if value else "0"
             elif isinstance(value, tuple):

@@ -2,12 +2,15 @@
 
 Cold init (each a timed stage):
     runtime_env → prewarm → load_weights → [verify_source] → memory_profile → kv_pool → warmup
-    → capture_graphs → tokenizer → health_check
+    → capture_graphs → tokenizer → grammars → health_check
 (`verify_source` when the source is one a refused snapshot recorded, not one the user named:
 the loaded model's content hash must be the one the snapshot recorded — sources.py.)
 Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
     runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
-    → tokenizer → health_check (+ replay check against the token recorded at init)
+    → tokenizer → grammars → health_check (+ replay check against the token recorded at init)
+`grammars` compiles the structured-output specs configured (`InitConfig.structured_schemas`)
+at init, and those the snapshot recorded at restore (llguidance keeps no compiled form to
+carry), so a configured schema's first request compiles nothing.
 The validate stage ends with `check_manifest`: every field of the "llm" section the restore
 reads is checked before use (section.py); `build_model` checks it against the model too.
 
@@ -16,7 +19,8 @@ Snapshot contents (under the snapshot directory):
     weights/rankK.bin   rank K's, for a snapshot of several tensor/expert-parallel ranks
     model/              config.json, generation_config.json, tokenizer files
     caches/<name>/      compile caches used at init (triton, inductor, flashinfer, deepgemm)
-and the "llm" section of manifest.json (memory plan, buckets, tensor table, health record).
+and the "llm" section of manifest.json (memory plan, buckets, tensor table, health record,
+the configured grammars' specs).
 
 Several ranks (`parallel.tp_size * ep_size > 1`, every rank an `LLMFunction` in its own
 process, `handler/llm/ranks.py`): rank 0 writes the snapshot; every rank writes its own weights
@@ -126,6 +130,7 @@ class LLMFunction:
         self._streamer = None
         self._tokenizer = None
         self._checkpoint = None
+        self.grammar_specs: list = []  # structured-output specs compiled at start-up
         self.memory = None
         if releasable:
             from snapfn.handler.llm.recipes.releasable import ReleasableMemory
@@ -147,6 +152,7 @@ class LLMFunction:
             ("warmup", self.stage_warmup),
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, self.source)),
+            ("grammars", self.stage_grammars),
             ("health_check", self.stage_health_check),
         ]
 
@@ -312,6 +318,33 @@ class LLMFunction:
             present=tokenizer is not None, vocab=tokenizer.vocab_size if tokenizer else 0
         )
 
+    def stage_grammars(self, figures: Figures, recorded: list | None = None) -> None:
+        """Structured output's compile cache, the configured specs (at restore: the `recorded`
+        ones) compiled into it."""
+        from snapfn.handler.llm.structured.compiler import GrammarCache
+        from snapfn.handler.llm.structured.configured import read_configured_specs
+        from snapfn.snapshot.errors import BadRequest, InitFailed
+
+        if self.engine.tokenizer is None:
+            figures["skipped"] = "no tokenizer: structured output is refused"
+            return
+        specs = recorded
+        if specs is None and self.config.structured_schemas is not None:
+            specs = read_configured_specs(self.config.structured_schemas)
+        vocab = self._model_config.vocab_size
+        cache = GrammarCache(self.engine.tokenizer, vocab, self.engine.eos_token_ids)
+        figures.update(cache.prepare())
+        try:
+            figures.update(cache.preload(specs or []))
+        except BadRequest as exc:
+            if recorded is None:
+                raise InitFailed(
+                    f"structured_schemas {self.config.structured_schemas}: {exc}"
+                ) from None
+            raise RestoreFailed(f"the snapshot's grammars: {exc}") from None
+        self.grammar_specs = list(specs or [])
+        self.engine.attach_grammars(cache)
+
     def stage_health_check(self, figures: Figures) -> None:
         self.health = self.generate_one()
         figures.update(self.health)
@@ -362,6 +395,7 @@ class LLMFunction:
             "layout": layout.to_json(),
             "health": self.health,
             "compile_caches": caches,
+            "grammars": [spec.to_json() for spec in self.grammar_specs],
             **_kernel_choices(),
             **({"parallel": self._parallel_json(), "ranks": ranks} if ranks else {}),
         }
@@ -431,6 +465,7 @@ class LLMFunction:
             ("warmup", self.stage_warmup),
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
+            ("grammars", lambda f: self.stage_grammars(f, self._checked.grammars)),
             ("health_check", lambda f: self.stage_replay_check(f, self._checked.health)),
         ]
 

@@ -18,6 +18,8 @@ it before any stage uses a value from it.
                           "config": "BLOCK_K=512,BLOCK_N=8,w4,s3", "source": "shipped"}, ...],
                                                # kernel's config per key at init (CUDA; pinned
                                                # by a restore: kernels/triton/tuning.py)
+      "grammars": [{"kind": "json_schema", "text": "{...}"}, ...],  # structured-output specs
+                                               # compiled at init, compiled again at restore
       "parallel": {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"},  # several ranks:
       "ranks": [{"layout": "...", "memory_plan": {...}}, ...]  # rank K's, weights/rankK.bin
     }
@@ -39,7 +41,10 @@ OOM-killed.
 `check_against_model` (once the model is built from the snapshot's config): the model type,
 the plan's bytes per page and weights bytes, on CUDA this GPU's memory (the plan's total), and
 the health record's token ids inside the vocabulary. `kernel_choices` is shape-checked here;
-a choice naming a config its kernel does not declare is refused when the kernel first runs. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
+a choice naming a config its kernel does not declare is refused when the kernel first runs.
+`grammars` (absent: none) is shape-checked here (a list of at most `MAX_GRAMMARS` specs, each
+exactly {"kind", "text"} of a known kind); a spec that does not compile fails the restore's
+`grammars` stage. Each refusal is a BadSnapshot with a one-line reason; the runtime falls back.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from snapfn.snapshot.errors import BadSnapshot, one_line
 WEIGHTS_FILE = "weights/rank0.bin"
 PLAN_SOURCES = ("profiled", "fixed budget")
 MAX_PROMPT_IDS = 1 << 16
+MAX_GRAMMARS = 1024  # structured/configured.py's MAX_CONFIGURED
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _INT_FIELDS = (
     "num_pages",
@@ -76,6 +82,7 @@ class CheckedSection:
     model_type: str
     content_hash: str
     kernel_choices: list[dict[str, str]]  # tuning.parse_choices'd; [] where none were recorded
+    grammars: list[Any] = ()  # structured.spec.GrammarSpec each; none recorded: []
 
 
 def check_section(
@@ -98,7 +105,23 @@ def check_section(
     plan = _checked_plan(entry.get("memory_plan"), layout, section.get("init_config"), config)
     health = _checked_health(section.get("health"))
     choices = _checked_choices(section.get("kernel_choices", []))
-    return CheckedSection(layout, plan, health, model_type, content_hash, choices)
+    grammars = _checked_grammars(section.get("grammars", []))
+    return CheckedSection(layout, plan, health, model_type, content_hash, choices, grammars)
+
+
+def _checked_grammars(value: Any) -> list[Any]:
+    from snapfn.handler.llm.structured.spec import GrammarSpec
+    from snapfn.snapshot.errors import BadRequest
+
+    if not isinstance(value, list) or len(value) > MAX_GRAMMARS:
+        raise _refuse(f"grammars is not a list of at most {MAX_GRAMMARS} grammar specs")
+    specs = []
+    for k, entry in enumerate(value):
+        try:
+            specs.append(GrammarSpec.from_json(entry))
+        except BadRequest as exc:
+            raise _refuse(f"grammars[{k}] is not a grammar spec: {exc}") from None
+    return specs
 
 
 def _checked_choices(value: Any) -> list[dict[str, str]]:
