@@ -420,9 +420,17 @@ BAD_CHATS = [
     (
         {
             "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_object"},
+            "response_format": {"type": "json_schema"},
         },
         "response_format",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "guided_choice": ["a"],
+            "guided_regex": "a",
+        },
+        "guided_choice",
     ),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({}, "messages"),
@@ -437,6 +445,35 @@ def test_bad_chat_is_a_400_naming_the_field(client, body, param):
 
 
 USER = [{"role": "user", "content": "x"}]
+
+
+def test_structured_output_on_both_endpoints(client):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    r = chat(client, messages=USER, max_tokens=32, temperature=0, response_format=fmt)
+    assert r.status_code == 200, r.json
+    choice = r.json["choices"][0]
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert choice["finish_reason"] == "stop"
+    r = completion(client, prompt="x", max_tokens=8, guided_choice=["hello", "world"], seed=3)
+    assert r.status_code == 200 and r.json["choices"][0]["text"] in ("hello", "world")
+
+
+def test_a_structured_spec_that_does_not_compile_is_a_400_saying_so(client):
+    r = completion(client, prompt="x", guided_regex="(unclosed")
+    assert r.status_code == 400 and "the regex does not compile" in r.json["error"]["message"]
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'snapfn_grammar_cache_lookups_total{result="miss"}' in metrics
+    assert "snapfn_grammar_compile_seconds_total" in metrics
+
+
 ERROR_CODES = [  # path, body, param, code, what the message says
     ("completions", {"promt": "x"}, "prompt", "missing_field", "unknown fields, ignored: 'promt'"),
     ("completions", {"prompt": "x", "n": True}, "n", "invalid_type", "got True"),

@@ -31,6 +31,9 @@
     snapfn_prefix_cache_queried_tokens_total                prompt tokens the prefix cache was
     snapfn_prefix_cache_hit_tokens_total                    asked for / found (prefill skipped)
     snapfn_prefix_cache_pages                               KV pages it names (workers summed)
+    snapfn_grammar_cache_lookups_total{result}              structured-output compile cache: hit
+                                                            (compiled before) or miss (compiled)
+    snapfn_grammar_compile_seconds_total                    grammar compiles, those at start-up too
 
 Several gunicorn workers (`snapfn serve --workers N`): each worker's values live in files under
 `multiprocess_dir` (prometheus_client's multiprocess mode, which `serve.py` switches on before
@@ -71,6 +74,8 @@ PREFIX_QUERIED = (
 )
 PREFIX_HITS = "Prompt tokens found in the prefix cache (their prefill skipped)"
 PREFIX_PAGES = "KV pages the prefix cache names (held by requests or idle)"
+GRAMMAR_LOOKUPS = "Structured-output compile cache lookups by result (hit, miss)"
+GRAMMAR_COMPILE = "Seconds spent compiling grammars (start-up's included)"
 REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
 
 
@@ -210,6 +215,8 @@ class RuntimeMetrics:
                 ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
                 ("snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, []),
                 ("snapfn_prefix_cache_hit_tokens", PREFIX_HITS, []),
+                ("snapfn_grammar_cache_lookups", GRAMMAR_LOOKUPS, ["result"]),
+                ("snapfn_grammar_compile_seconds", GRAMMAR_COMPILE, []),
             )
         }
 
@@ -232,6 +239,7 @@ class RuntimeMetrics:
             llm = getattr(self._runtime, "llm", None)
             if llm is not None:
                 families += engine_metrics(llm)
+                families += grammar_metrics(llm)
             for family in families:
                 self._copy(family)
 
@@ -316,3 +324,21 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "snapfn_prefix_cache_pages", PREFIX_PAGES, value=prefix["cached_pages"]
         )
+
+
+def grammar_metrics(llm: Any) -> Iterator[Metric]:
+    """The structured-output compile cache's counters (`structured/compiler.py`) of an
+    `LLMService` whose engine runs here; none without one."""
+    cache = getattr(getattr(llm, "engine", None), "grammars", None)
+    if cache is None:
+        return
+    stats = cache.stats()
+    lookups = CounterMetricFamily(
+        "snapfn_grammar_cache_lookups", GRAMMAR_LOOKUPS, labels=["result"]
+    )
+    lookups.add_metric(["hit"], float(stats["hits"]))
+    lookups.add_metric(["miss"], float(stats["misses"]))
+    yield lookups
+    yield CounterMetricFamily(
+        "snapfn_grammar_compile_seconds", GRAMMAR_COMPILE, value=stats["compile_s"]
+    )

@@ -8,6 +8,9 @@ Contract:
   token id is a 400 naming `logit_bias`.
 - `check_choices(request, limits)` refuses a request asking for more than `limits.max_choices`
   choices (`n` × prompts), or whose `seed` + choices would pass 2**63.
+- Structured output (`response_format` json_object / json_schema, `guided_*`) becomes the
+  params' `guide` (`structured/spec.py`); a shape that cannot be one, or two at once, is a 400
+  naming the field (`invalid_value`). Whether it compiles is the engine's check.
 - A temperature below `MIN_TEMPERATURE` (1e-5) means greedy decoding; `top_k` -1 (vLLM's "off")
   means 0. Penalties and biases mean what the engine's `SamplingParams` says (vLLM's meaning).
 """
@@ -18,6 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from snapfn.handler.http.openai.request import ApiError, GenerationRequest, Limits
 from snapfn.handler.llm.engine.request import SamplingParams
+from snapfn.handler.llm.structured.spec import (
+    GUIDED_FIELDS,
+    GrammarSpec,
+    InvalidGuide,
+    spec_from_fields,
+)
 
 if TYPE_CHECKING:  # the models are pydantic's, which `parse` imports only when first used
     from snapfn.handler.http.openai.schema import SharedFields
@@ -98,4 +107,15 @@ def _sampling(body: SharedFields, max_tokens: int) -> SamplingParams:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        guide=_guide(body),
     )
+
+
+def _guide(body: SharedFields) -> GrammarSpec | None:
+    fields = {name: getattr(body, name) for name in GUIDED_FIELDS}
+    if body.response_format is not None:
+        fields["response_format"] = body.response_format.model_dump(by_alias=True)
+    try:
+        return spec_from_fields(fields)
+    except InvalidGuide as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_value") from None

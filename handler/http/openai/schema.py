@@ -61,8 +61,13 @@ SERVED_SUBSET = {
     "functions": NO_TOOLS,
     "tool_choice": "tool calling is not implemented",
     "function_call": "tool calling is not implemented",
-    "response_format": 'only {"type": "text"} is served',
 }
+STRUCTURED_NOTE = (
+    "Structured output (docs/structured.md): the output is held to it token by token and the "
+    "choice ends (finish_reason stop) where it is complete; send at most one of "
+    "response_format (json_object / json_schema), guided_json, guided_regex, guided_grammar, "
+    "guided_choice."
+)
 PROMPT_SHAPES = (
     "Input should be a string, a list of strings, a non-empty list of token ids, "
     "or a list of such lists"
@@ -158,8 +163,20 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = Field(False, description="with stream: a last chunk, the usage")
 
 
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: the schema the output must validate against."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema", description="a JSON schema")
+    strict: bool | None = Field(None, description="ignored: the output always conforms")
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"]
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
 
 
 class SharedFields(StrictModel):
@@ -201,6 +218,21 @@ class SharedFields(StrictModel):
     return_token_ids: bool | None = Field(
         False, description="extension: `token_ids` in every choice and chunk"
     )
+    response_format: ResponseFormat | None = Field(None, description=STRUCTURED_NOTE)
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="extension (vLLM's): a JSON schema (or its text) the output matches"
+    )
+    guided_regex: str | None = Field(
+        None, min_length=1, description="extension (vLLM's): a regex the whole output matches"
+    )
+    guided_grammar: str | None = Field(
+        None,
+        min_length=1,
+        description="extension (vLLM's): a Lark (or llama.cpp GBNF) grammar the output matches",
+    )
+    guided_choice: list[NonEmptyText] | None = Field(
+        None, min_length=1, description="extension (vLLM's): the output is one of these strings"
+    )
 
 
 class CompletionRequest(SharedFields):
@@ -230,7 +262,6 @@ class ChatCompletionRequest(SharedFields):
     tool_choice: Literal["none", "auto"] | None = None
     function_call: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = Field(None, description="ignored")
-    response_format: ResponseFormat | None = None
     store: bool | None = Field(None, description="ignored")
     metadata: dict[str, str] | None = Field(None, description="ignored")
 
