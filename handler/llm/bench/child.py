@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.bench.prefix import mode_prefix
+from snapfn.handler.llm.bench.structured import mode_structured_init, mode_structured_restore
 
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -347,6 +348,8 @@ MODES = {
     "prefix": lambda args: mode_prefix(
         args, lambda: _function(args, Path(args.model)), lambda: _sync(args.device)
     ),
+    "structured_init": lambda args: mode_structured_init(args, lambda d: _function(args, d)),
+    "structured_restore": lambda args: mode_structured_restore(args, lambda d: _function(args, d)),
 }
 
 

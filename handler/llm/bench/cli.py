@@ -18,8 +18,11 @@
                      the bytes' floor, the same GETs with the same threads into memory
     (i) prefix       after a cold init, a long shared prefix's first token on a prefix-cache
                      hit against a miss (bench/prefix.py)
+    (j) structured   a structured request's latency, first against tenth, after a cold init
+                     and after its restore, with the schema configured and without
+                     (bench/structured.py)
 
-`steady`, `restore_s3` and `prefix` run only when named in `--modes`.
+`steady`, `restore_s3`, `prefix` and `structured` run only when named in `--modes`.
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -54,10 +57,11 @@ ALL_MODES = (
     "steady",
     "restore_s3",
     "prefix",
+    "structured",
 )
 
 
-ASKED_FOR = ("steady", "restore_s3", "prefix")  # run only when named in --modes
+ASKED_FOR = ("steady", "restore_s3", "prefix", "structured")  # run only when named in --modes
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[snapfn bench] running {mode} …", file=sys.stderr, flush=True)
         if mode == "restore_s3":
             results.update(run_s3_modes(args, workdir))
+            continue
+        if mode == "structured":
+            from snapfn.handler.llm.bench.structured import run_structured_modes
+
+            results.update(run_structured_modes(args, workdir, run_mode_process))
             continue
         with_decode = mode in ("cold_init", "restore_process", "steady")
         extra = decode if with_decode else []
@@ -530,6 +539,10 @@ def _notes(r: dict[str, Any]) -> str:
             f"{r['miss_first_token_ms']} ms on a miss, {r['hit_first_token_ms']} ms on a hit "
             f"({r['hit_speedup']}x; same tokens: {r['hit_tokens_equal_miss_tokens']})"
         )
+    if "first_over_tenth" in r:  # structured (bench/structured.py)
+        from snapfn.handler.llm.bench.structured import brief
+
+        parts.append(brief(r))
     if r.get("fallbacks"):
         parts.append(f"FELL BACK: {r['fallbacks'][0]['reason']}")
     return "; ".join(parts)
