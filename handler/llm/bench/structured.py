@@ -93,6 +93,7 @@ def structured_latency(engine, device: str) -> dict[str, Any]:
 
 def run_structured_modes(args: argparse.Namespace, workdir: Path, run_process) -> dict[str, Any]:
     """Each of `RUNS`: the init then the restore, each in a fresh process (module docstring)."""
+    workdir.mkdir(parents=True, exist_ok=True)
     schemas = workdir / "structured-schemas.json"
     schemas.write_text(json.dumps([{"guided_json": BENCH_SCHEMA}]))
     out = {}
