@@ -333,3 +333,18 @@ def test_a_configured_list_with_a_bad_entry_fails_the_init_naming_it(tmp_path):
         read_configured_specs(path)
     path.write_text(json.dumps([{"guided_regex": "a+"}, {"guided_regex": "a+"}]))
     assert read_configured_specs(path) == [GrammarSpec("regex", "a+")]
+
+
+def test_without_llguidance_a_structured_request_is_a_bad_request(engine, monkeypatch):
+    """A machine without llguidance serves every other request; a guided one is refused
+    saying what to install (nothing about grammars runs at start-up without configured specs)."""
+    import sys
+
+    from snapfn.handler.llm.structured.compiler import GrammarCache
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` fails
+    vocab = engine.model.config.vocab_size
+    cache = GrammarCache(engine.tokenizer, vocab, engine.eos_token_ids)
+    spec = spec_from_fields({"guided_regex": "[ab]+"})
+    with pytest.raises(BadRequest, match="needs the llguidance package"):
+        cache.matcher(spec)

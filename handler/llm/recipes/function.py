@@ -333,8 +333,9 @@ class LLMFunction:
             specs = read_configured_specs(self.config.structured_schemas)
         vocab = self._model_config.vocab_size
         cache = GrammarCache(self.engine.tokenizer, vocab, self.engine.eos_token_ids)
-        figures.update(cache.prepare())
         try:
+            if specs:  # NOTE: else nothing here: the first structured request builds the rest
+                figures.update(cache.prepare())
             figures.update(cache.preload(specs or []))
         except BadRequest as exc:
             if recorded is None:

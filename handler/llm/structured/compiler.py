@@ -74,10 +74,7 @@ class GrammarCache:
     def _library_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                # NOTE: imported here: only an engine with a tokenizer needs llguidance
-                import llguidance
-
-                self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer = _llguidance().LLTokenizer(
                     self._source.backend_json(),
                     n_vocab=self.vocab_size,
                     eos_token=self._eos or None,
@@ -133,7 +130,7 @@ class GrammarCache:
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> Any:
-        import llguidance
+        llguidance = _llguidance()
 
         try:
             if spec.kind in ("json_schema", "json_object"):
@@ -155,3 +152,18 @@ class GrammarCache:
 
 def _not_compiled(spec: GrammarSpec, why: str) -> BadRequest:
     return BadRequest(one_line(f"{spec.describe()} does not compile: {why}")[:600])
+
+
+def _llguidance() -> Any:
+    """The llguidance module, or BadRequest saying how to install it.
+
+    NOTE: imported here, not at module level: only a structured request (or a configured spec)
+    needs it, and a machine without it serves every other request."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise BadRequest(
+            f"structured output needs the llguidance package, which does not import here "
+            f"({exc}); pip install llguidance"
+        ) from None
+    return llguidance
