@@ -4,7 +4,8 @@ Tokens of all scheduled requests are concatenated (ragged): request `b` owns fla
 `cu_q_lens[b]:cu_q_lens[b+1]`. Its cache holds `seq_lens[b]` tokens after this step (the new
 ones included); `page_table[b]` lists its pages, `slot_mapping[t]` is where token `t`'s K/V go
 (`page * page_size + offset`). Logits are computed only at `logits_indices` (the last new token
-of each request) unless `all_logits` is set, as parity tests need.
+of each request, or its last `logits_per_seq[b]` ones: a speculative step's verified drafts)
+unless `all_logits` is set, as parity tests need.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str,
         all_logits: bool = False,
+        logits_per_seq: list[int] | None = None,
     ) -> ForwardBatch:
-        """Build from per-request new tokens, the position of their first one, and page lists."""
+        """Build from per-request new tokens, the position of their first one, and page lists;
+        `logits_per_seq`: how many of each request's last tokens get logits (default 1)."""
         q_lens = [len(t) for t in token_ids]
         seq_lens = [s + q for s, q in zip(start_positions, q_lens, strict=True)]
         positions = [
@@ -71,15 +74,17 @@ class ForwardBatch:
         max_pages = max(len(t) for t in page_tables)
         table = [p for t in page_tables for p in t + [0] * (max_pages - len(t))]
         ids = [t for ids in token_ids for t in ids]
+        per_seq = logits_per_seq if logits_per_seq is not None else [1] * len(q_lens)
+        rows = [end - m + i for end, m in zip(cu[1:], per_seq, strict=True) for i in range(m)]
         # NOTE: through numpy: torch.tensor(list) costs ~5x np.array(list) on the host, and
         # a decode step's host time adds to its latency
         packed = (
-            torch.from_numpy(
-                np.array(ids + positions + slots + [c - 1 for c in cu[1:]], dtype=np.int64)
-            ),
+            torch.from_numpy(np.array(ids + positions + slots + rows, dtype=np.int64)),
             torch.from_numpy(np.array(seq_lens + q_lens + cu + table, dtype=np.int32)),
         )
-        host = cls._unpack(packed, len(ids), len(q_lens), max_pages, page_size, all_logits)
+        host = cls._unpack(
+            packed, len(ids), len(q_lens), max_pages, page_size, all_logits, len(rows)
+        )
         host.seq_lens_cpu, host.q_lens_cpu = tuple(seq_lens), tuple(q_lens)
         host.page_table_cpu = host.page_table
         return host.to(device)
@@ -98,6 +103,7 @@ class ForwardBatch:
             self.page_table.shape[1],
             self.page_size,
             self.all_logits,
+            self.logits_indices.shape[0],
         )
         moved.seq_lens_cpu, moved.q_lens_cpu = self.seq_lens_cpu, self.q_lens_cpu
         moved.page_table_cpu = self.page_table_cpu
@@ -112,9 +118,10 @@ class ForwardBatch:
         max_pages: int,
         page_size: int,
         all_logits: bool,
+        num_logits: int,
     ) -> ForwardBatch:
         longs, ints = packed
-        input_ids, positions, slots, logits = longs.split([tokens, tokens, tokens, seqs])
+        input_ids, positions, slots, logits = longs.split([tokens, tokens, tokens, num_logits])
         seq_lens, q_lens, cu, table = ints.split([seqs, seqs, seqs + 1, seqs * max_pages])
         return cls(
             input_ids=input_ids,

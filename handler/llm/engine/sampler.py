@@ -125,15 +125,22 @@ def prompt_logprobs(
     return chosen, [top_logprobs(row, k) for row in logprobs]
 
 
-def _sample_row(logits: torch.Tensor, req: Request) -> int:
-    p = req.params
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `[V]` a sampled row is drawn from: its shaped logits (`shape_logits`)
+    over the temperature, filtered by top-k and top-p (speculative decoding's target and
+    draft distributions are this too)."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        probs = _top_p_filter(probs, p.top_p)
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    return probs
+
+
+def _sample_row(logits: torch.Tensor, req: Request) -> int:
+    probs = sampling_probs(logits, req.params)
     generator = req.generator if req.generator is not None else None
     # NOTE: sampling on CPU with the request's own generator keeps seeded runs identical
     # across devices and batch compositions.

@@ -29,6 +29,7 @@ from snapfn.handler.llm.models.tensor_parallel import (
 )
 from snapfn.handler.llm.parallel import ParallelConfig
 from snapfn.handler.llm.weights.quant import FP8_BLOCK
+from snapfn.snapshot.errors import UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class CausalLM(nn.Module):
     # every rank must run each forward together: a MoE model whose experts exchange tokens
     # all-to-all across ep ranks (`expert_exchange.py`); `Engine.generate` steps them so
     lockstep: bool = False
+    # MTP layers run and cached for speculative decoding (`use_draft_layers`); 0: none
+    num_draft_layers: int = 0
 
     def __init__(
         self,
@@ -217,6 +220,15 @@ class CausalLM(nn.Module):
         else:
             logits = self.model.norm.add_linear(h, residual, self.lm_head, float_out=True)[0]
         return gather_vocab(logits, self.parallel, self.config.vocab_size)
+
+    def use_draft_layers(self) -> None:
+        """Run the model's MTP layers for speculative decoding, their KV cached after the main
+        layers' (`kv_buffer_specs` counts them): called once, before the KV pool is planned.
+        Refused for a model without MTP layers."""
+        raise UnsupportedModel(
+            f"speculative decoding drafts with the model's MTP layers, and this {self.config.arch} "
+            "checkpoint has none (num_nextn_predict_layers=0): set SNAPFN_SPECULATIVE_TOKENS=0"
+        )
 
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
         raise NotImplementedError

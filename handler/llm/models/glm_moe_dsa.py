@@ -3,14 +3,21 @@
 Parameter names equal the Hugging Face checkpoint names, with two mappings (`map_weight`):
 - routed experts are stacked: `model.layers.{i}.mlp.experts.{e}.gate_proj.weight(_scale_inv)`
   fills row `e - first_local_expert` of `model.layers.{i}.mlp.experts.gate(_scale_inv)`;
-- MTP layers: `model.layers.{num_layers + j}.X` fills `mtp.{j}.X`. They are loaded and
-  coverage-checked but not run yet, so they get no KV cache; their `embed_tokens` and
-  `shared_head.head`, when present, are copies of the main model's (DeepSeek-V3 shares them)
-  and are not loaded.
+- MTP layers: `model.layers.{num_layers + j}.X` fills `mtp.{j}.X`. They are always loaded
+  and coverage-checked; their `embed_tokens` and `shared_head.head`, when present, are copies
+  of the main model's (DeepSeek-V3 shares them) and are not loaded.
 
 KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) and "index_k"
 (`index_head_dim`) on the "full" indexer layers only, stored densely: full layer `i` uses
 `index_k` layer `index_slots[i]`.
+
+The MTP layers run only for speculative decoding (`use_draft_layers`, `engine/speculative.py`);
+then they are cached too, after the main layers in both buffers. `draft_forward` runs MTP layer
+`j` DeepSeek-V3's way (vLLM's `deepseek_mtp.py`): at position `p` it reads the main model's
+hidden state there after the final norm and the embedding of token `p + 1` (zero at position
+0, as vLLM's), `eh_proj(enorm(embedding) | hnorm(hidden))` through its decoder layer, and
+`lm_head(shared_head.norm(...))` gives the logits of token `p + 2`. A further draft step reads
+the layer's own output (before `shared_head.norm`) as its hidden state.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from snapfn.handler.llm.config import ModelConfig
@@ -29,6 +37,7 @@ from snapfn.handler.llm.models.layers import Rotary
 from snapfn.handler.llm.models.mla import MLAttention
 from snapfn.handler.llm.models.mlp import SwiGLUMLP
 from snapfn.handler.llm.models.moe import MoE
+from snapfn.handler.llm.models.tensor_parallel import gather_vocab
 from snapfn.handler.llm.weights.sharding import local_expert_range
 from snapfn.snapshot.errors import UnsupportedModel
 
@@ -84,7 +93,8 @@ class SharedHead(nn.Module):
 
 class MTPLayer(GlmDecoderLayer):
     """MTP layer `j`: an MoE decoder layer with a full indexer, fed `eh_proj(enorm(embedding)
-    | hnorm(hidden))`. Its cache slots follow the main layers' (not allocated yet)."""
+    | hnorm(hidden))`. Its cache layers follow the main layers' (allocated only when the model
+    runs its MTP layers: `GlmMoeDsaForCausalLM.use_draft_layers`)."""
 
     def __init__(self, model: GlmMoeDsaForCausalLM, j: int) -> None:
         cfg = model.config
@@ -132,23 +142,60 @@ class GlmMoeDsaForCausalLM(CausalLM):
         self.add_lm_head()
         self.lockstep = getattr(self.exchange, "lockstep", False)
 
+    def use_draft_layers(self) -> None:
+        if not self.config.num_mtp_layers:
+            super().use_draft_layers()  # refused: nothing to draft with
+        self.num_draft_layers = self.config.num_mtp_layers
+
     def kv_buffer_specs(self) -> list[KVBufferSpec]:
-        cfg = self.config
+        cfg, drafts = self.config, self.num_draft_layers
         num_full = sum(s is not None for s in self.index_slots)
         latent_dim = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         return [
-            KVBufferSpec("latent", cfg.num_layers, (latent_dim,)),
-            KVBufferSpec("index_k", num_full, (cfg.dsa.index_head_dim,)),
+            KVBufferSpec("latent", cfg.num_layers + drafts, (latent_dim,)),
+            KVBufferSpec("index_k", num_full + drafts, (cfg.dsa.index_head_dim,)),
         ]
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        h, residual = self._decode_layers(batch, kv)
+        return self.final_logits(h, batch, residual)
+
+    def forward_hidden(self, batch: ForwardBatch, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits (the same) and the hidden states `[T, H]` after the final norm,
+        which the MTP layer reads."""
+        h, residual = self._decode_layers(batch, kv)
+        hidden, total = self.model.norm.add(h, residual)
+        return self.final_logits(total, batch), hidden
+
+    def draft_forward(
+        self, batch: ForwardBatch, kv: KVPool, hidden: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer `layer` over `batch`, whose token at position `p` is token `p + 1`, with
+        `hidden [T, H]` the state at `p` (see the module docstring) -> (logits of token `p + 2`
+        at `batch.logits_indices`, the layer's output `[T, H]` a next draft step reads)."""
+        mtp = self.mtp[layer]
+        emb = self.embed(batch.input_ids)  # [T, H]
+        emb = emb.masked_fill(batch.positions.eq(0)[:, None], 0.0)
+        x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        out, residual, _ = mtp(x, None, cos, sin, self.rotary, batch, kv, None)
+        h = out + residual
+        keep = h if batch.all_logits else h[batch.logits_indices]
+        if self.config.tie_word_embeddings:
+            logits = F.linear(mtp.shared_head.norm(keep), self.model.embed_tokens.weight).float()
+        else:
+            logits = mtp.shared_head.norm.add_linear(keep, None, self.lm_head, float_out=True)[0]
+        return gather_vocab(logits, self.parallel, self.config.vocab_size), h
+
+    def _decode_layers(self, batch: ForwardBatch, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main layers over `batch`: the last one's output and the residual, not yet added."""
         h = self.embed(batch.input_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, Dr/2]
         topk = None  # the last full indexer layer's selection, reused by shared layers
         residual = None  # kept apart so that each residual add runs inside the next norm
         for layer in self.model.layers:
             h, residual, topk = layer(h, residual, cos, sin, self.rotary, batch, kv, topk)
-        return self.final_logits(h, batch, residual)
+        return h, residual
 
     def idle_forward(self) -> None:
         like = self.model.embed_tokens.weight
