@@ -52,7 +52,10 @@ def build_model(config: ModelConfig, opts: EngineOptions) -> CausalLM:
     backend = get_backend(opts.backend, opts.device)
     dtype = resolve_dtype(config, opts.dtype, opts.device)
     cls = model_class(config.arch)
-    return cls(config, backend, dtype=dtype, device=opts.device, parallel=opts.parallel)
+    model = cls(config, backend, dtype=dtype, device=opts.device, parallel=opts.parallel)
+    if opts.scheduler.speculative_tokens:
+        model.use_draft_layers()  # their KV is cached: before the pool is planned
+    return model
 
 
 def plan_num_pages(model: CausalLM, opts: EngineOptions) -> int:

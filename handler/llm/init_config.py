@@ -32,6 +32,7 @@ class InitConfig:
     graph_max_seq_len: int = 4096
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
+    speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
     prefill_chunk_sizes: tuple[
         int, ...
     ] = ()  # warmed prefill shapes; () = (max_num_batched_tokens,)
@@ -106,6 +107,7 @@ class InitConfig:
                 max_model_len=self.max_model_len,
                 overlap_decode=self.overlap_decode,
                 prefix_caching=self.prefix_caching,
+                speculative_tokens=self.speculative_tokens,
             ),
         )
 

@@ -27,6 +27,12 @@ else could be scheduled: no waiting request that fits the pool now, every runnin
 the step, none ending by length; a request that stops on a token or string, or is cancelled,
 drops its speculated row. Tokens and logprobs are those of the plain loop.
 
+Speculative decoding (`SchedulerConfig.speculative_tokens = k`, off by default; a model with
+MTP layers on one rank): each step verifies every decode's drafts in one forward, appends the
+tokens the rejection rule keeps (greedy: exactly the tokens of the plain loop), then drafts
+the next step's with the MTP layer (`speculative.py`). Such an engine runs eagerly: no decode
+graphs, no overlapped decode. A request's tokens of one step come in one output.
+
 Lock step (`CausalLM.lockstep`: expert-parallel ranks that exchange tokens all-to-all, each
 running its own requests): every rank's `step()` runs exactly one forward, an idle one
 (`CausalLM.idle_forward`) where it has nothing scheduled, and `generate()` goes on stepping
@@ -38,6 +44,7 @@ Such a model runs eager: its exchange reads split sizes on the host, which no CU
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, replace
 
@@ -54,8 +61,19 @@ from snapfn.handler.llm.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from snapfn.handler.llm.engine.sampler import make_generator, prompt_logprobs, sample
-from snapfn.handler.llm.engine.scheduler import Scheduler
+from snapfn.handler.llm.engine.sampler import (
+    make_generator,
+    prompt_logprobs,
+    sample,
+    top_logprobs,
+)
+from snapfn.handler.llm.engine.scheduler import ScheduledStep, Scheduler
+from snapfn.handler.llm.engine.speculative import (
+    DraftRow,
+    MTPDrafter,
+    merge_outputs,
+    verify_request,
+)
 from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.models.tensor_parallel import broadcast_tokens, runs_every_request
 from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
@@ -70,6 +88,7 @@ class SchedulerConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     overlap_decode: bool = True  # land greedy graph decode steps one step late (module doc)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
+    speculative_tokens: int = 0  # MTP drafts verified per decode step; 0: off (speculative.py)
 
 
 class Engine:
@@ -96,6 +115,7 @@ class Engine:
             sched.max_num_batched_tokens,
             self.max_model_len,
             sched.prefix_caching,
+            sched.speculative_tokens,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -107,10 +127,18 @@ class Engine:
         self.overlapped_steps = 0  # decode steps launched before the previous one landed
         # greedy picks on the device: the backend's kernel where it has one (`Backend.greedy_picks`)
         self._picks = model.backend.greedy_picks
+        self.drafter = (
+            MTPDrafter(model, kv, sched.speculative_tokens) if sched.speculative_tokens else None
+        )
         self.grammars = None  # a structured.GrammarCache of the tokenizer (attach_grammars)
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
         """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
+        if self.drafter is not None:
+            raise BadRequest(
+                "speculative decoding runs eagerly (no decode graphs yet): capture none, or set "
+                "speculative_tokens=0"
+            )
         if self.model.lockstep:
             raise BadRequest(
                 "this model exchanges tokens all-to-all across ep ranks (ep_dispatch="
@@ -226,6 +254,10 @@ class Engine:
         cache = self.scheduler.prefix_cache
         return cache.to_json() if cache is not None else None
 
+    def spec_stats(self) -> dict[str, float] | None:
+        """Speculative decoding's counters (drafts verified and kept); None when it is off."""
+        return self.drafter.stats.to_json() if self.drafter is not None else None
+
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (before a process checkpoint: the pool's memory does not
         come back with the image)."""
@@ -243,6 +275,8 @@ class Engine:
                 if self.model.lockstep:
                     self.model.idle_forward()  # the other ranks' forwards pair with this
                 return []
+            if self.drafter is not None:
+                return self._step_speculative(scheduled)
             batch = ForwardBatch.build(
                 scheduled.token_ids,
                 scheduled.start_positions,
@@ -259,6 +293,93 @@ class Engine:
             if batch.all_logits:
                 logits = self._score_prompts(scheduled.requests, num_new, logits)
             return self._advance(scheduled.requests, num_new, logits)
+
+    def _step_speculative(self, scheduled: ScheduledStep) -> list[RequestOutput]:
+        """Verify every decode's drafts in one forward, append what the rejection rule keeps,
+        then draft the next step's (`speculative.py`)."""
+        reqs, token_ids = scheduled.requests, scheduled.token_ids
+        # a decode's tokens past its one new token are the drafts the budget let through
+        num_drafts = [
+            max(0, len(ids) - (r.num_tokens - r.num_computed))
+            for r, ids in zip(reqs, token_ids, strict=True)
+        ]
+        batch = ForwardBatch.build(
+            token_ids,
+            scheduled.start_positions,
+            [r.pages for r in reqs],
+            self.kv.page_size,
+            "cpu",
+            all_logits=any(_scores_prompt(r) for r in reqs),
+            logits_per_seq=[1 + d for d in num_drafts],
+        )
+        logits, hidden = self.model.forward_hidden(batch.to(self.model.device), self.kv)
+        starts = [0, *itertools.accumulate(len(t) for t in token_ids)]
+        rows = _logit_rows(batch, starts, num_drafts)
+        outputs: dict[str, RequestOutput] = {}
+        plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
+        for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
+            if _scores_prompt(req):
+                self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
+            req.num_computed += n - d
+            self.scheduler.computed(req)
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk before the prompt's last
+            mine = logits[rows[i] : rows[i] + 1 + d]
+            if d == 0:
+                plain.append((req, mine[-1]))
+                continue
+            req.draft_ids = req.draft_ids[:d]
+            tokens = verify_request(req, mine)
+            self.drafter.count(d, len(tokens) - 1)
+            req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
+            outputs[req.request_id] = self._append_verified(req, tokens, mine)
+        if plain:
+            picks = sample(torch.stack([r for _, r in plain]), [q for q, _ in plain], self._picks)
+            for (req, _), t, lp, top in zip(
+                plain, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
+            ):
+                outputs[req.request_id] = self._append(req, t, lp, top)
+        self.drafter.propose(self._draft_rows(scheduled, starts, hidden))
+        return [outputs[r.request_id] for r in reqs if r.request_id in outputs]
+
+    def _append_verified(
+        self, req: Request, tokens: list[int], rows: torch.Tensor
+    ) -> RequestOutput:
+        """Append `tokens` (`rows [len >= len(tokens), V]`: the logits each was picked from),
+        up to where `req` ends; one output for them all."""
+        logprobs = torch.log_softmax(rows[: len(tokens)], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=rows.device)[:, None])
+        k = req.params.top_logprobs
+        outs = []
+        for token, lp, row in zip(tokens, chosen[:, 0].tolist(), logprobs, strict=True):
+            outs.append(self._append(req, token, lp, top_logprobs(row, k) if k else ()))
+            if req.finished:
+                break
+        return merge_outputs(outs)
+
+    def _draft_rows(
+        self, scheduled: ScheduledStep, starts: list[int], hidden: torch.Tensor
+    ) -> list[DraftRow]:
+        """Every running request's positions this step computed (their next tokens known
+        now), for the MTP layer's draft-extend; decoding ones draft."""
+        rows = []
+        for req, start, first in zip(
+            scheduled.requests, scheduled.start_positions, starts, strict=False
+        ):
+            if req.finished:
+                continue
+            n = req.num_computed - start
+            decoding = req.num_computed == req.num_tokens - 1
+            rows.append(
+                DraftRow(
+                    req,
+                    start,
+                    req.all_ids[start + 1 : req.num_computed + 1],
+                    hidden[first : first + n],
+                    self.drafter.max_drafts(req, self.max_model_len) if decoding else 0,
+                )
+            )
+        return rows
 
     def _overlap_bucket(self, requests: list[Request], batch: ForwardBatch) -> int | None:
         """The graph bucket to launch `batch` in, landed late; None: run it the plain way."""
@@ -460,6 +581,14 @@ class Engine:
         flag = torch.tensor([int(busy)], device=self.model.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _logit_rows(batch: ForwardBatch, starts: list[int], num_drafts: list[int]) -> list[int]:
+    """Each request's first row of a speculative step's logits (its last `1 + drafts` tokens'):
+    every token has a row with `all_logits`, else only those."""
+    if batch.all_logits:
+        return [end - 1 - d for end, d in zip(starts[1:], num_drafts, strict=True)]
+    return [0, *itertools.accumulate(1 + d for d in num_drafts)][:-1]
 
 
 def _scores_prompt(req: Request) -> bool:

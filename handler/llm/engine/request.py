@@ -184,6 +184,10 @@ class Request:
     text: str = ""
     generator: object | None = None  # torch.Generator for seeded sampling
     matcher: object | None = None  # with params.guide: its structured.GrammarMatcher
+    # speculative decoding (engine/speculative.py): the drafts its next step verifies, and the
+    # distributions `[d, V]` sampled ones were drawn from (None for greedy requests)
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: object | None = None
 
     @property
     def all_ids(self) -> list[int]:

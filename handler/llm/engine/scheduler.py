@@ -12,6 +12,12 @@ registers each full prompt page once its KV is written; `finish` releases the pa
 
 Each step schedules decodes first (one token per running request: latency), then prefill chunks
 of waiting-to-finish prompts until `max_num_batched_tokens` is spent.
+
+With speculative decoding (`speculative_tokens > 0`, `speculative.py`), a decode carries its
+drafts after its token, as many as the budget leaves room for. Drafts never reach past the
+request's length (`MTPDrafter.max_drafts`), so the reservation covers them as it is. The MTP
+layer's entry at a prompt's last position reads the first generated token, so a page is
+registered only once it holds none of that position.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         prefix_caching: bool = True,
+        speculative_tokens: int = 0,
     ) -> None:
         self.allocator = allocator
         self.prefix_cache = PrefixCache(allocator, page_size) if prefix_caching else None
@@ -51,6 +58,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.speculative_tokens = speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -79,11 +87,12 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_computed >= len(r.prompt_ids)]
         prefills = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
         for req in decodes + prefills:
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed + len(req.draft_ids), budget)
             if n <= 0:
                 break
             step.requests.append(req)
-            step.token_ids.append(req.all_ids[req.num_computed : req.num_computed + n])
+            ids = req.all_ids + req.draft_ids if req.draft_ids else req.all_ids
+            step.token_ids.append(ids[req.num_computed : req.num_computed + n])
             step.start_positions.append(req.num_computed)
             budget -= n
         return step if step.requests else None
@@ -111,7 +120,9 @@ class Scheduler:
         """After `req.num_computed` grew: register its prompt's pages that are now full."""
         if self.prefix_cache is None:
             return
-        full = min(req.num_computed, len(req.prompt_ids)) // self.page_size
+        # with drafts: not the prompt's last position (its MTP entry reads an output token)
+        prompt = len(req.prompt_ids) - (self.speculative_tokens > 0)
+        full = min(req.num_computed, prompt) // self.page_size
         if full <= req.num_registered:
             return
         names = self._names(req)

@@ -1,0 +1,253 @@
+"""MTP speculative decoding: `k` draft tokens per request from the model's MTP layer, checked
+by one forward of the model over them, kept by the rejection rule of speculative sampling.
+
+A step of the engine with speculation on (`SchedulerConfig.speculative_tokens = k`):
+
+1. **Verify.** Each decoding request's last token and its drafts (at most `k`) are one chunk
+   of the model's forward, starting at the request's position (prefill chunks of other
+   requests ride along); logits come back for every position of the chunk, and the hidden
+   states after the final norm for every token of the step.
+2. **Accept** (`verify_request`). Greedy: drafts are kept while each equals the argmax of the
+   logits before it, then the argmax at the first mismatch (or after the last draft, the bonus
+   token) is appended. Sampled: draft `d` of draft distribution `q` is kept with probability
+   `min(1, p(d) / q(d))` under the target distribution `p`, else a token is drawn from
+   `normalize(max(0, p - q))` and the rest dropped; after every draft kept, one more is drawn
+   from `p`. So the tokens follow `p` whatever `q` is. `p` and `q` are both the sampler's
+   distribution of their logits (`sampler.sampling_probs`: biases, penalties over the output
+   so far, drafts kept before included, temperature, top-k, top-p), and every draw takes the
+   request's own generator: a seeded request repeats itself. Appending stops where a request
+   ends (eos, stop token or string, max_new_tokens, the model length): no token past its end.
+3. **Draft** (`MTPDrafter.propose`). The MTP layer runs over every position the model
+   computed this step, whose next token is now known (the draft-extend: its cache at those
+   positions, from the model's hidden states there), and the last position's logits give
+   draft 1; drafts 2..k each run the layer once more at the next position, on its own output.
+   Drafts are the argmax (greedy requests) or a draw of the sampler's distribution (sampled
+   ones), at most the tokens a request can still append minus one, so a request never writes
+   past the pages reserved for its length.
+
+The KV the verify writes at rejected drafts' positions, and the MTP layer's at draft
+positions, is overwritten by later steps before anything reads it: a request's lengths come
+from `num_computed`. A request with a grammar (`SamplingParams.guide`) gets no drafts: its
+matcher cannot take tokens back. The MTP layer still runs over its positions, as over every
+prompt's, so that any page the prefix cache hands out holds the MTP layer's entries too; with
+speculation on, a prompt's page is registered only once its positions' next tokens are prompt
+tokens (`Scheduler.computed`), so the entries are the same for every request that matches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.kv_pool import KVPool
+from snapfn.handler.llm.engine.request import Request, RequestOutput
+from snapfn.handler.llm.engine.sampler import sampling_probs, shape_logits
+from snapfn.handler.llm.models.base import CausalLM
+from snapfn.snapshot.errors import UnsupportedModel
+
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass
+class SpecStats:
+    """Counters since start: requests' verifications of drafts, drafts verified, drafts kept."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def to_json(self) -> dict[str, float]:
+        rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        return {
+            "steps": self.steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(rate, 4),
+        }
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step (its verified tokens, in order) as one."""
+    first, last = outs[0], outs[-1]
+    return RequestOutput(
+        first.request_id,
+        tuple(t for o in outs for t in o.new_token_ids),
+        tuple(lp for o in outs for lp in o.new_logprobs),
+        "".join(o.text_delta for o in outs),
+        last.finished,
+        last.finish_reason,
+        new_top_logprobs=tuple(top for o in outs for top in o.new_top_logprobs),
+        prompt_logprobs=first.prompt_logprobs,
+        prompt_top_logprobs=first.prompt_top_logprobs,
+    )
+
+
+def drafts_allowed(req: Request) -> bool:
+    """Whether `req` gets drafts (a grammar's matcher cannot take tokens back)."""
+    return req.params.guide is None
+
+
+def accept_sampled(
+    drafts: list[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The rejection rule on one request's drafts: `draft_probs [d, V]` the distributions the
+    drafts were drawn from, `target_probs [d + 1, V]` the model's at each draft and after the
+    last (all on the host) -> the drafts kept and one token more (a draw of the residual at
+    the first rejection, else of the last row)."""
+    kept = []
+    for i, draft in enumerate(drafts):
+        p, q = target_probs[i], draft_probs[i]
+        u = float(torch.rand((), generator=generator))
+        if u * float(q[draft]) < float(p[draft]):  # u < p/q, with q(draft) > 0 (it was drawn)
+            kept.append(draft)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        total = float(residual.sum())
+        return [*kept, _draw(residual / total if total > 0 else p, generator)]
+    return [*kept, _draw(target_probs[len(drafts)], generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_request(req: Request, rows: torch.Tensor) -> list[int]:
+    """The tokens `req` appends after its drafts were verified: `rows [d + 1, V]` the logits
+    at its last token and at each draft (see the module docstring, step 2)."""
+    drafts, p = req.draft_ids, req.params
+    if p.greedy and not p.shapes_logits:
+        best = rows.argmax(dim=-1).tolist()
+        kept = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
+        return [*drafts[:kept], best[kept]]
+    if p.greedy:  # the shaped row's argmax, the drafts kept so far counted as output
+        out = []
+        for i, row in enumerate(rows):
+            token = int(shape_logits(row, p, req.prompt_ids, req.output_ids + out).argmax())
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                return out
+    target = torch.stack(
+        [
+            sampling_probs(shape_logits(row, p, req.prompt_ids, req.output_ids + drafts[:i]), p)
+            for i, row in enumerate(rows)
+        ]
+    ).cpu()
+    return accept_sampled(drafts, req.draft_probs, target, req.generator)
+
+
+def draft_token(req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor]:
+    """One draft of `req` from the MTP layer's `logits [V]`, `drafts` before it in this step:
+    (token, the distribution it was drawn from on the host; empty for greedy requests)."""
+    p = req.params
+    shaped = shape_logits(logits, p, req.prompt_ids, req.output_ids + drafts)
+    if p.greedy:
+        return int(shaped.argmax()), torch.empty(0)
+    probs = sampling_probs(shaped, p).cpu()
+    return _draw(probs, req.generator), probs
+
+
+@dataclass
+class DraftRow:
+    """One request's positions in the draft-extend: `start` its first, `tokens` each
+    position's next token, `hidden` the model's states there `[n, H]`, `num_drafts` how many
+    drafts it takes (0: the MTP layer only fills its cache)."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    hidden: torch.Tensor
+    num_drafts: int
+
+
+class MTPDrafter:
+    """Drafts with the model's MTP layer 0, run `num_tokens` times a step (vLLM's reuse of one
+    layer when more tokens than layers are drafted)."""
+
+    def __init__(self, model: CausalLM, kv: KVPool, num_tokens: int) -> None:
+        if not 0 < num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise UnsupportedModel(
+                f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {num_tokens}"
+            )
+        if model.num_draft_layers < 1:
+            model.use_draft_layers()  # refuses a model without MTP layers
+            raise UnsupportedModel(
+                "the model was built without its MTP layers' KV cache: build it with "
+                "speculative_tokens set (build_model), then its KV pool"
+            )
+        if model.lockstep or model.parallel.tp_size * model.parallel.ep_size > 1:
+            raise UnsupportedModel(
+                "speculative decoding runs on one rank: set SNAPFN_SPECULATIVE_TOKENS=0 with "
+                "tp_size or ep_size > 1"
+            )
+        self.model = model
+        self.kv = kv
+        self.num_tokens = num_tokens
+        self.stats = SpecStats()
+
+    def count(self, drafted: int, accepted: int) -> None:
+        """One request's verified drafts, and how many of them were kept."""
+        self.stats.steps += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+
+    def max_drafts(self, req: Request, max_model_len: int) -> int:
+        """Drafts worth verifying for `req` now: one fewer than the tokens it can still append."""
+        if not drafts_allowed(req):
+            return 0
+        end = min(len(req.prompt_ids) + req.params.max_new_tokens, max_model_len)
+        return max(0, min(self.num_tokens, end - req.num_tokens - 1))
+
+    @torch.inference_mode()
+    def propose(self, rows: list[DraftRow]) -> None:
+        """Run the draft-extend over `rows` and the draft steps after it; set each drafting
+        request's `draft_ids` (and `draft_probs`, sampled ones)."""
+        for row in rows:
+            row.req.draft_ids, row.req.draft_probs = [], None
+        if not rows:
+            return
+        batch = ForwardBatch.build(
+            [r.tokens for r in rows],
+            [r.start for r in rows],
+            [r.req.pages for r in rows],
+            self.kv.page_size,
+            "cpu",
+            logits_per_seq=[int(r.num_drafts > 0) for r in rows],
+        )
+        hidden = torch.cat([r.hidden for r in rows])
+        logits, out = self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)
+        drafting = [r for r in rows if r.num_drafts > 0]
+        last = torch.tensor([len(r.tokens) for r in rows]).cumsum(0) - 1
+        states = out[last[[i for i, r in enumerate(rows) if r.num_drafts > 0]].to(out.device)]
+        probs: dict[int, list[torch.Tensor]] = {id(r.req): [] for r in drafting}
+        for step in range(max((r.num_drafts for r in drafting), default=0)):
+            for r, row_logits in zip(drafting, logits, strict=True):
+                token, dist = draft_token(r.req, row_logits, r.req.draft_ids)
+                r.req.draft_ids.append(token)
+                probs[id(r.req)].append(dist)
+            going = [i for i, r in enumerate(drafting) if r.num_drafts > step + 1]
+            if not going:
+                break
+            drafting, states = [drafting[i] for i in going], states[going]
+            logits, states = self._draft_step(drafting, states)
+        for r in rows:
+            if r.num_drafts > 0 and not r.req.params.greedy:
+                r.req.draft_probs = torch.stack(probs[id(r.req)])
+
+    def _draft_step(
+        self, rows: list[DraftRow], states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer once more, at each request's position after its last draft's input,
+        on its last draft and its own last output `states [B, H]`."""
+        batch = ForwardBatch.build(
+            [[r.req.draft_ids[-1]] for r in rows],
+            [r.start + len(r.tokens) + len(r.req.draft_ids) - 1 for r in rows],
+            [r.req.pages for r in rows],
+            self.kv.page_size,
+            "cpu",
+        )
+        return self.model.draft_forward(batch.to(self.model.device), self.kv, states)

@@ -1,0 +1,317 @@
+"""MTP speculative decoding (`engine/speculative.py`) on tiny GLM-5 checkpoints with MTP layers.
+
+Random MTP weights rarely draft the model's next token, so beyond the real MTP drafter some
+tests draft with an oracle (the plain engine's tokens, wrong at set places): verification then
+keeps runs of drafts, ends requests inside them and leaves rejected drafts' KV behind.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from snapfn.handler.llm.build import EngineOptions, build_engine
+from snapfn.handler.llm.engine import speculative
+from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.engine import SchedulerConfig
+from snapfn.handler.llm.engine.request import Request, SamplingParams
+from snapfn.handler.llm.engine.speculative import accept_sampled, verify_request
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.errors import UnsupportedModel
+
+from glm_checkpoints import TINY_GLM, save_tiny_glm, write_with_mtp
+from parity import greedy, random_prompts
+
+VOCAB = TINY_GLM["vocab_size"]
+PROMPTS = [3, 21, 9, 30, 14]
+
+
+@pytest.fixture(scope="module")
+def glm_dirs(tmp_path_factory):
+    """(without MTP, with one MTP layer) of the tiny model, and of a 3-layer one."""
+    root = tmp_path_factory.mktemp("spec")
+    plain = save_tiny_glm(root / "plain", seed=0)
+    write_with_mtp(plain, root / "mtp")
+    three = save_tiny_glm(
+        root / "plain3", seed=2, num_hidden_layers=3, indexer_types=["full", "shared", "full"]
+    )
+    write_with_mtp(three, root / "mtp3")
+    return {"plain": plain, "mtp": root / "mtp", "mtp3": root / "mtp3"}
+
+
+def engine(model_dir, k=0, tokens=2048, num_pages=256, page_size=4, **sched):
+    opts = EngineOptions(
+        dtype="float32",
+        num_pages=num_pages,
+        scheduler=SchedulerConfig(
+            page_size=page_size, max_num_batched_tokens=tokens, speculative_tokens=k, **sched
+        ),
+    )
+    return build_engine(model_dir, opts).engine
+
+
+def in_waves(eng, prompts, params, every=3):
+    """Add the prompts one at a time, `every` steps apart, while earlier ones run."""
+    ids, pending = [], list(zip(prompts, params, strict=True))
+    steps = 0
+    while pending or eng.has_work():
+        if pending and steps % every == 0:
+            ids.append(eng.add_request(*pending.pop(0)))
+        eng.step()
+        steps += 1
+    return ids
+
+
+def run_waves(eng, prompts, params):
+    results = {}
+    orig = eng._forget
+
+    def keep(req):
+        results[req.request_id] = req
+        orig(req)
+
+    eng._forget = keep
+    ids = in_waves(eng, prompts, params)
+    return [
+        (tuple(results[i].output_ids), results[i].finish_reason, tuple(results[i].logprobs))
+        for i in ids
+    ]
+
+
+@pytest.mark.parametrize("model", ["mtp", "mtp3"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_the_plain_engine(glm_dirs, model, k):
+    prompts = random_prompts(VOCAB, PROMPTS, seed=1)
+    ref = engine(glm_dirs[model]).generate(prompts, greedy(24))
+    eng = engine(glm_dirs[model], k, tokens=16)  # chunked prefill beside verifications
+    got = eng.generate(prompts, greedy(24))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    stats = eng.spec_stats()
+    assert stats["draft_tokens"] > 0 and 0 <= stats["accepted_tokens"] <= stats["draft_tokens"]
+
+
+def oracle(monkeypatch, refs: dict[tuple[int, ...], list[int]], wrong_every: int):
+    """Drafts are the plain run's tokens (`refs` by prompt), each `wrong_every`-th one off by 1."""
+
+    def draft_token(req, logits, drafts):
+        index = len(req.output_ids) + len(drafts)
+        ref = refs[tuple(req.prompt_ids)]
+        token = ref[index] if index < len(ref) else 0
+        if wrong_every and index % wrong_every == wrong_every - 1:
+            token = (token + 1) % VOCAB
+        return token, torch.empty(0)
+
+    monkeypatch.setattr(speculative, "draft_token", draft_token)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 5])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_kept_drafts_give_the_plain_tokens_and_end_where_plain_ends(
+    glm_dirs, monkeypatch, k, wrong_every
+):
+    prompts = random_prompts(VOCAB, PROMPTS, seed=4)
+    long = engine(glm_dirs["mtp"]).generate(prompts, greedy(30))
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, long, strict=True)}
+    # endings inside runs of kept drafts: stop tokens, max_new_tokens and the model length
+    params = [
+        SamplingParams(max_new_tokens=30, stop_token_ids=(long[0].token_ids[7],)),
+        SamplingParams(max_new_tokens=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, stop_token_ids=(long[2].token_ids[13],)),
+        greedy(29),
+        SamplingParams(max_new_tokens=2, ignore_eos=True),
+    ]
+    want = run_waves(engine(glm_dirs["mtp"], max_model_len=50), prompts, params)
+    oracle(monkeypatch, refs, wrong_every)
+    eng = engine(glm_dirs["mtp"], k, tokens=16, max_model_len=50)
+    got = run_waves(eng, prompts, params)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert want[3][1] == "length" and len(want[3][0]) == 50 - len(prompts[3])
+    stats = eng.spec_stats()
+    if wrong_every == 0:
+        assert stats["accepted_tokens"] == stats["draft_tokens"] > 0
+    else:
+        assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+
+
+def test_every_draft_kept_takes_one_step_per_k_plus_one_tokens(glm_dirs, monkeypatch):
+    (prompt,) = random_prompts(VOCAB, [10], seed=6)
+    ref = engine(glm_dirs["mtp"]).generate([prompt], greedy(25))[0].token_ids
+    oracle(monkeypatch, {tuple(prompt): list(ref)}, 0)
+    eng = engine(glm_dirs["mtp"], 3)
+    eng.add_request(prompt, greedy(25))
+    outputs = []
+    while eng.has_work():
+        outputs += eng.step()
+    # the prefill's token, then 4 per step (3 kept drafts + the bonus), drafts capped at the end
+    assert [len(o.new_token_ids) for o in outputs] == [1, 4, 4, 4, 4, 4, 4]
+    assert tuple(t for o in outputs for t in o.new_token_ids) == ref
+    stats = eng.spec_stats()
+    assert stats["steps"] == 6 and stats["draft_tokens"] == stats["accepted_tokens"] == 18
+
+
+def test_seeded_sampling_repeats_itself_and_penalties_run(glm_dirs):
+    prompts = random_prompts(VOCAB, PROMPTS[:4], seed=2)
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, top_k=40, top_p=0.9),
+        SamplingParams(max_new_tokens=16, temperature=1.0, seed=4, repetition_penalty=1.3),
+        SamplingParams(max_new_tokens=16, frequency_penalty=0.7, top_logprobs=2),
+        SamplingParams(max_new_tokens=16, temperature=0.7, seed=5, presence_penalty=0.5),
+    ]
+    runs = [engine(glm_dirs["mtp"], 2, tokens=16).generate(prompts, params) for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert all(len(r.token_ids) == 16 for r in runs[0])
+    # a greedy request with penalties: the plain engine's tokens
+    plain = engine(glm_dirs["mtp"]).generate(prompts[2:3], params[2:3])[0]
+    assert runs[0][2].token_ids == plain.token_ids
+
+
+def test_prefix_cache_hits_give_the_same_tokens(glm_dirs):
+    shared = random_prompts(VOCAB, [16], seed=8)[0]
+    tails = random_prompts(VOCAB, [3, 5, 1, 7], seed=9)
+    prompts = [shared + t for t in tails] + [shared]
+    ref = engine(glm_dirs["mtp"], prefix_caching=False).generate(prompts, greedy(12))
+    eng = engine(glm_dirs["mtp"], 2)
+    got = run_waves(eng, prompts, [greedy(12)] * len(prompts))
+    assert [g[0] for g in got] == [r.token_ids for r in ref]
+    assert eng.prefix_cache_stats()["hit_tokens"] > 0
+
+
+def test_with_drafts_a_prompt_page_ending_at_its_last_token_is_not_registered(glm_dirs):
+    (prompt,) = random_prompts(VOCAB, [16], seed=3)  # 4 full pages of 4
+    counts = {}
+    for k in (0, 2):
+        eng = engine(glm_dirs["mtp"], k)
+        eng.generate([prompt], greedy(2))
+        counts[k] = eng.prefix_cache_stats()["cached_pages"]
+    assert counts == {0: 4, 2: 3}
+
+
+def test_an_exact_pool_is_never_written_past(glm_dirs, monkeypatch):
+    """Drafts stop short of each request's reserved pages: a pool of just the pages the
+    requests reserve serves them (a slot past a page list would fail the batch build)."""
+    prompts = random_prompts(VOCAB, [7, 9], seed=5)
+    ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(9))
+    oracle(monkeypatch, {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}, 0)
+    eng = engine(glm_dirs["mtp"], 3, num_pages=8)  # 16 tokens of 4 pages each
+    got = eng.generate(prompts, greedy(9))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+
+
+def test_the_mtp_layer_caches_its_positions_as_one_chunk_would(glm_dirs):
+    """The draft-extend over a sequence in one chunk, in pieces and one position at a time
+    reads and writes the MTP layer's cache alike."""
+    eng = engine(glm_dirs["mtp"], 1)
+    model, kv = eng.model, eng.kv
+    (ids,) = random_prompts(VOCAB, [13], seed=7)
+    pages = kv.allocator.allocate(kv.pages_for(len(ids)))
+    whole = ForwardBatch.build([ids[:-1]], [0], [pages], kv.page_size, "cpu", all_logits=True)
+    with torch.inference_mode():
+        _, hidden = model.forward_hidden(whole, kv)
+        nexts = ForwardBatch.build([ids[1:]], [0], [pages], kv.page_size, "cpu", all_logits=True)
+        one, _ = model.draft_forward(nexts, kv, hidden)
+        pieces = []
+        for start, n in ((0, 5), (5, 1), (6, 6)):
+            piece = ForwardBatch.build(
+                [ids[start + 1 : start + 1 + n]], [start], [pages], kv.page_size, "cpu",
+                all_logits=True,
+            )  # fmt: skip
+            pieces.append(model.draft_forward(piece, kv, hidden[start : start + n])[0])
+    torch.testing.assert_close(torch.cat(pieces), one, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(one[3], one[4])  # not a constant: each position's own logits
+
+
+def test_draft_layers_add_their_kv_to_the_page_size(glm_dirs):
+    sizes = {k: engine(glm_dirs["mtp"], k).kv for k in (0, 1)}
+    latent = {k: kv.specs["latent"].num_layers for k, kv in sizes.items()}
+    index = {k: kv.specs["index_k"].num_layers for k, kv in sizes.items()}
+    assert latent == {0: 4, 1: 5} and index == {0: 2, 1: 3}
+
+
+def test_a_model_without_mtp_layers_is_refused(glm_dirs):
+    with pytest.raises(UnsupportedModel, match="num_nextn_predict_layers=0"):
+        engine(glm_dirs["plain"], 2)
+    for k in (-1, 9):
+        with pytest.raises(UnsupportedModel, match="speculative_tokens must be in"):
+            engine(glm_dirs["mtp"], k)
+
+
+def test_init_config_reads_the_switch():
+    config = InitConfig.from_env({"SNAPFN_SPECULATIVE_TOKENS": "3"})
+    assert config.engine_options().scheduler.speculative_tokens == 3
+    assert InitConfig.from_env({}).engine_options().scheduler.speculative_tokens == 0
+
+
+def test_metrics_count_drafts_and_kept_drafts(glm_dirs):
+    from snapfn.handler.http.metrics import engine_metrics
+    from snapfn.handler.llm.service import LLMService
+
+    eng = engine(glm_dirs["mtp"], 2)
+    service = LLMService(eng)
+    try:
+        (prompt,) = random_prompts(VOCAB, [6], seed=1)
+        service.generate(prompt, greedy(10), timeout_s=60)
+        values = {f.name: f.samples[0].value for f in engine_metrics(service)}
+    finally:
+        service.close()
+    stats = eng.spec_stats()
+    assert values["snapfn_spec_draft_tokens"] == stats["draft_tokens"] > 0
+    assert values["snapfn_spec_accepted_tokens"] == stats["accepted_tokens"]
+    assert json.dumps(stats)  # the restored worker's info() carries it as JSON
+
+
+# ---- the rejection rule --------------------------------------------------------------------
+
+
+def test_the_rejection_rule_keeps_the_target_distribution():
+    """Drafts from q, kept by the rule: the first token follows p, and where the first draft
+    was kept, the second follows p2 (20000 seeded runs, so the check cannot flake)."""
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.3, 0.3, 0.3, 0.1]])
+    g = torch.Generator().manual_seed(0)
+    n, first, second = 20000, torch.zeros(4), torch.zeros(4)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        tokens = accept_sampled(drafts, q, p, g)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    assert (first / n - p[0]).abs().max() < 0.015
+    assert (second / second.sum() - p[1]).abs().max() < 0.02
+    assert second.sum() > 0.3 * n  # the first draft was kept often enough to tell
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch():
+    rows = torch.full((4, 8), -1.0)
+    for i, best in enumerate([3, 5, 2, 7]):
+        rows[i, best] = 1.0
+    req = Request([1, 2], SamplingParams(max_new_tokens=8))
+    for drafts, want in (([3, 5, 2], [3, 5, 2, 7]), ([3, 4, 2], [3, 5]), ([0, 5, 2], [3])):
+        req.draft_ids = drafts
+        assert verify_request(req, rows) == want
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_greedy_equals_the_plain_engine(glm_dirs, backend):
+    def cuda_engine(k):
+        opts = EngineOptions(
+            device="cuda",
+            dtype="float32",
+            backend=backend,
+            num_pages=256,
+            scheduler=SchedulerConfig(page_size=16, speculative_tokens=k),
+        )
+        return build_engine(glm_dirs["mtp"], opts).engine
+
+    prompts = random_prompts(VOCAB, PROMPTS, seed=1)
+    ref = cuda_engine(0).generate(prompts, greedy(24))
+    got = cuda_engine(2).generate(prompts, greedy(24))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
