@@ -31,6 +31,9 @@
     snapfn_prefix_cache_queried_tokens_total                prompt tokens the prefix cache was
     snapfn_prefix_cache_hit_tokens_total                    asked for / found (prefill skipped)
     snapfn_prefix_cache_pages                               KV pages it names (workers summed)
+    snapfn_spec_draft_tokens_total                          speculative decoding: MTP drafts
+    snapfn_spec_accepted_tokens_total                       verified / kept (acceptance: kept over
+                                                            verified)
     snapfn_grammar_cache_lookups_total{result}              structured-output compile cache: hit
                                                             (compiled before) or miss (compiled)
     snapfn_grammar_compile_seconds_total                    grammar compiles, those at start-up too
@@ -74,6 +77,8 @@ PREFIX_QUERIED = (
 )
 PREFIX_HITS = "Prompt tokens found in the prefix cache (their prefill skipped)"
 PREFIX_PAGES = "KV pages the prefix cache names (held by requests or idle)"
+SPEC_DRAFTS = "MTP draft tokens verified by speculative decoding"
+SPEC_ACCEPTED = "MTP draft tokens kept (accepted) by speculative decoding"
 GRAMMAR_LOOKUPS = "Structured-output compile cache lookups by result (hit, miss)"
 GRAMMAR_COMPILE = "Seconds spent compiling grammars (start-up's included)"
 REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
@@ -215,6 +220,8 @@ class RuntimeMetrics:
                 ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
                 ("snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, []),
                 ("snapfn_prefix_cache_hit_tokens", PREFIX_HITS, []),
+                ("snapfn_spec_draft_tokens", SPEC_DRAFTS, []),
+                ("snapfn_spec_accepted_tokens", SPEC_ACCEPTED, []),
                 ("snapfn_grammar_cache_lookups", GRAMMAR_LOOKUPS, ["result"]),
                 ("snapfn_grammar_compile_seconds", GRAMMAR_COMPILE, []),
             )
@@ -323,6 +330,14 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
         )
         yield GaugeMetricFamily(
             "snapfn_prefix_cache_pages", PREFIX_PAGES, value=prefix["cached_pages"]
+        )
+    spec = llm.spec_stats() if hasattr(llm, "spec_stats") else None
+    if spec is not None:
+        yield CounterMetricFamily(
+            "snapfn_spec_draft_tokens", SPEC_DRAFTS, value=spec["draft_tokens"]
+        )
+        yield CounterMetricFamily(
+            "snapfn_spec_accepted_tokens", SPEC_ACCEPTED, value=spec["accepted_tokens"]
         )
 
 

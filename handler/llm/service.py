@@ -90,6 +90,9 @@ class LLMService:
     def prefix_cache_stats(self) -> dict[str, int] | None:
         return self.engine.prefix_cache_stats()
 
+    def spec_stats(self) -> dict[str, float] | None:
+        return self.engine.spec_stats()
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()

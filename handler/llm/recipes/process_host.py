@@ -269,6 +269,7 @@ class LLMProcessHost:
             "max_req_input_len": self.service.max_req_input_len,
             "kv_usage": self.service.kv_usage(),
             "prefix_cache": self.service.prefix_cache_stats(),
+            "speculative": self.service.spec_stats(),
             "stats": dataclasses.asdict(self.service.stats),
         }
 

@@ -125,6 +125,9 @@ class ProcessLLMService:
     def prefix_cache_stats(self) -> dict[str, int] | None:
         return self.info().get("prefix_cache")
 
+    def spec_stats(self) -> dict[str, float] | None:
+        return self.info().get("speculative")
+
     def close(self, timeout_s: float = 5.0) -> None:
         self.client.close()
         if self.on_close is not None:
