@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapfn.handler.llm.bench.mtp import mode_mtp
 from snapfn.handler.llm.bench.prefix import mode_prefix
 from snapfn.handler.llm.bench.structured import mode_structured_init, mode_structured_restore
 
@@ -231,20 +232,21 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, **more: object):
     from snapfn.handler.llm.init_config import InitConfig
 
     overrides = {
         "device": args.device,
         "cache_dir": Path(args.cache_dir) if args.cache_dir else None,
+        **more,
     }
     return InitConfig.from_env(os.environ, **overrides)
 
 
-def _function(args: argparse.Namespace, model_dir: Path | None):
+def _function(args: argparse.Namespace, model_dir: Path | None, **more: object):
     from snapfn.handler.llm.recipes.function import LLMFunction
 
-    return LLMFunction(_config(args), model_dir)
+    return LLMFunction(_config(args, **more), model_dir)
 
 
 def _first_token(engine, args: argparse.Namespace) -> dict[str, Any]:
@@ -347,6 +349,11 @@ MODES = {
     "s3_floor": mode_s3_floor,
     "prefix": lambda args: mode_prefix(
         args, lambda: _function(args, Path(args.model)), lambda: _sync(args.device)
+    ),
+    "mtp": lambda args: mode_mtp(
+        args,
+        lambda k: _function(args, Path(args.model), speculative_tokens=k),
+        lambda: _sync(args.device),
     ),
     "structured_init": lambda args: mode_structured_init(args, lambda d: _function(args, d)),
     "structured_restore": lambda args: mode_structured_restore(args, lambda d: _function(args, d)),

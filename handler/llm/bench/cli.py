@@ -21,8 +21,10 @@
     (j) structured   a structured request's latency, first against tenth, after a cold init
                      and after its restore, with the schema configured and without
                      (bench/structured.py)
+    (k) mtp          after a cold init of a model with MTP layers, greedy decode with 0..3
+                     drafts a step: ms/step, tokens/step, speed-up, acceptance (bench/mtp.py)
 
-`steady`, `restore_s3`, `prefix` and `structured` run only when named in `--modes`.
+`steady`, `restore_s3`, `prefix`, `structured` and `mtp` run only when named in `--modes`.
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -58,10 +60,11 @@ ALL_MODES = (
     "restore_s3",
     "prefix",
     "structured",
+    "mtp",
 )
 
 
-ASKED_FOR = ("steady", "restore_s3", "prefix", "structured")  # run only when named in --modes
+ASKED_FOR = ("steady", "restore_s3", "prefix", "structured", "mtp")  # only when named in --modes
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
 
             results.update(run_structured_modes(args, workdir, run_mode_process))
             continue
-        with_decode = mode in ("cold_init", "restore_process", "steady")
+        with_decode = mode in ("cold_init", "restore_process", "steady", "mtp")
         extra = decode if with_decode else []
         if mode == "steady":
             extra = extra + ["--prefill-tokens", str(args.prefill_tokens)]
@@ -539,6 +542,10 @@ def _notes(r: dict[str, Any]) -> str:
             f"{r['miss_first_token_ms']} ms on a miss, {r['hit_first_token_ms']} ms on a hit "
             f"({r['hit_speedup']}x; same tokens: {r['hit_tokens_equal_miss_tokens']})"
         )
+    if r.get("mode") == "mtp" and "by_k" in r:
+        from snapfn.handler.llm.bench.mtp import brief
+
+        parts.append(brief(r))
     if "first_over_tenth" in r:  # structured (bench/structured.py)
         from snapfn.handler.llm.bench.structured import brief
 
