@@ -306,6 +306,10 @@ def _brief(result: dict[str, Any]) -> str:
         return f"ready {result['ready_s']:.3f} s, first token {result['first_token_s']:.3f} s"
     if "hit_first_token_ms" in result:
         return f"first token {result['hit_first_token_ms']} ms on a prefix hit, {result['miss_first_token_ms']} on a miss"
+    if "by_k" in result:  # mtp (bench/mtp.py)
+        from snapfn.handler.llm.bench.mtp import brief
+
+        return brief(result)
     if "prefill" in result:
         x = result["decode"].get("batch1", {}).get("x")
         return f"batch-1 decode {x}x its roofline" if x is not None else "no batch-1 decode figure"
