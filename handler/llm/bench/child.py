@@ -24,6 +24,11 @@ from snapfn.handler.llm.bench.structured import mode_structured_init, mode_struc
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
+def child_command(argv: list[str]) -> list[str]:
+    """The command that runs bench child `argv` (a mode and its options) in a fresh process."""
+    return [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+
+
 def since(t0: float) -> float:
     return round(time.time() - t0, 4)
 

@@ -202,8 +202,10 @@ def run_mode(
     """Run one mode in a fresh process (or a zygote worker) and parse its result line."""
     if mode == "restore_zygote":
         return run_zygote_mode(args, workdir, extra)
+    from snapfn.handler.llm.bench.child import child_command
+
     argv = child_argv(mode, args, workdir, extra)
-    cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+    cmd = child_command(argv)
     return run_mode_process(mode, cmd, args.timeout_s)
 
 
@@ -374,6 +376,7 @@ def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     pulled whole first, the restore overlapped with its pull (each into an empty cache)."""
     if not (workdir / "snapshot" / "manifest.json").exists():
         return {"restore_s3": {"mode": "restore_s3", "skipped": "no snapshot (run cold_init)"}}
+    from snapfn.handler.llm.bench.child import child_command
     from snapfn.snapshot.store.transfer import push
 
     uri, out = f"s3://{S3_BUCKET}/bench/{workdir.name}/snapshot", {}
@@ -390,7 +393,7 @@ def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             }
             argv = [child_mode, "--model", str(args.model), "--snapshot", uri]
             argv += ["--device", args.device, "--cache-dir", str(workdir / f"s3-{name}" / "c")]
-            cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+            cmd = child_command(argv)
             cmd += ["--t0", repr(time.time())]
             mode = f"restore_s3_{name}"
             out[mode] = run_mode_process(mode, cmd, args.timeout_s, env=child_env)

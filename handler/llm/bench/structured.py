@@ -93,6 +93,8 @@ def structured_latency(engine, device: str) -> dict[str, Any]:
 
 def run_structured_modes(args: argparse.Namespace, workdir: Path, run_process) -> dict[str, Any]:
     """Each of `RUNS`: the init then the restore, each in a fresh process (module docstring)."""
+    from snapfn.handler.llm.bench.child import child_command  # NOTE: child imports us
+
     workdir.mkdir(parents=True, exist_ok=True)
     schemas = workdir / "structured-schemas.json"
     schemas.write_text(json.dumps([{"guided_json": BENCH_SCHEMA}]))
@@ -105,7 +107,7 @@ def run_structured_modes(args: argparse.Namespace, workdir: Path, run_process) -
         for child_mode in ("structured_init", "structured_restore"):
             argv = [child_mode, "--model", str(args.model), "--snapshot", str(snapshot)]
             argv += ["--device", args.device, "--cache-dir", str(workdir / f"cache-{name}")]
-            cmd = [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
+            cmd = child_command(argv)
             cmd += ["--t0", repr(time.time())]
             mode = f"{child_mode}_{name}"
             out[mode] = run_process(mode, cmd, args.timeout_s, env=env)
