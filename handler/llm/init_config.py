@@ -32,6 +32,7 @@ class InitConfig:
     graph_max_seq_len: int = 4096
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
+    restore_overlap: bool = False  # tier 0: the KV pool and warmup while weights stream
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
     prefill_chunk_sizes: tuple[
         int, ...

@@ -8,6 +8,9 @@ the loaded model's content hash must be the one the snapshot recorded — source
 Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
     runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
     → tokenizer → grammars → health_check (+ replay check against the token recorded at init)
+With `InitConfig.restore_overlap` (SNAPFN_RESTORE_OVERLAP=1; one rank, the snapshot's own plan)
+the pool is made and warmed while the weights stream on a side thread:
+    … → build_model → kv_pool → start_stream → warmup → stream_weights (the wait) → capture_graphs → …
 `grammars` compiles the structured-output specs configured (`InitConfig.structured_schemas`)
 at init, and those the snapshot recorded at restore (llguidance keeps no compiled form to
 carry), so a configured schema's first request compiles nothing.
@@ -35,7 +38,7 @@ back together.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,6 +131,7 @@ class LLMFunction:
         self._model_config = None
         self._load_report = None
         self._streamer = None
+        self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
         self._tokenizer = None
         self._checkpoint = None
         self.grammar_specs: list = []  # structured-output specs compiled at start-up
@@ -466,13 +470,17 @@ class LLMFunction:
             k: section[k] for k in ("source_model_dir", "source_embedded") if k in section
         }
         agree = [("ranks_agree", self.stage_ranks_agree)] if self.world_size > 1 else []
+        kv_pool = ("kv_pool", lambda f: self.stage_plan_kv(f, section))
+        if self._overlaps_stream():  # the weights stream while the pool is made and warmed
+            middle = [kv_pool, ("start_stream", self.stage_start_stream)]
+            middle += [("warmup", self.stage_warmup), ("stream_weights", self.stage_join_stream)]
+        else:
+            middle = [("stream_weights", self.stage_stream_weights), *agree, kv_pool]
+            middle += [("warmup", self.stage_warmup)]
         return [
             ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
-            ("stream_weights", self.stage_stream_weights),
-            *agree,
-            ("kv_pool", lambda f: self.stage_plan_kv(f, section)),
-            ("warmup", self.stage_warmup),
+            *middle,
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
             ("grammars", lambda f: self.stage_grammars(f, self._checked.grammars)),
@@ -569,11 +577,54 @@ class LLMFunction:
             figures["weights_region_bytes"] = self.memory.adopt_parameters(self.model)
 
     def stage_stream_weights(self, figures: Figures) -> None:
+        self._stream_figures(figures, self._stream_weights())
+
+    def _overlaps_stream(self) -> bool:
+        """Whether this restore makes and warms the KV pool while its weights stream
+        (`InitConfig.restore_overlap`): one rank (several meet in collectives after agreeing),
+        the snapshot's own plan (a plan measured again runs a forward that must see the
+        weights), parameters of its own (not in a process snapshot's regions)."""
+        return (
+            self.config.restore_overlap
+            and self.world_size == 1
+            and self.cache_drift is None
+            and self.memory is None
+        )
+
+    def stage_start_stream(self, figures: Figures) -> None:
+        """Start the weights' stream on a side thread. The warmup that runs meanwhile reads
+        parameters still being filled and keeps nothing it computes from them (kernels load,
+        shapes are set up, its KV writes go to pages no request holds); on CUDA they are zeroed
+        first, so that no kernel meets stray bits. NOTE: graph capture waits for the stream: a
+        capture forbids the stream's calls on other threads."""
+        import torch
+
+        if self.device.startswith("cuda"):
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.zero_()
+            torch.cuda.synchronize(self.device)  # the zeros land before any streamed byte
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-stream")
+        self._stream_job = pool.submit(self._stream_weights)
+        pool.shutdown(wait=False)
+        figures["overlapped_with"] = "warmup"
+
+    def stage_join_stream(self, figures: Figures) -> None:
+        """The stream started by `stage_start_stream`, waited for (this stage's seconds are
+        the wait; `elapsed_s` the stream's own)."""
+        self._stream_figures(figures, self._stream_job.result())
+
+    def _stream_weights(self):
+        import torch
+
         streamer = self._streamer.result()
         try:
-            report = streamer.stream_into(dict(self.model.named_parameters()))
+            with torch.no_grad():
+                return streamer.stream_into(dict(self.model.named_parameters()))
         finally:
             streamer.close()
+
+    def _stream_figures(self, figures: Figures, report) -> None:
         figures.update(report_fields(report))
         if self.arriving is not None:
             figures["source"] = f"{self.arriving.uri} (overlapped with its pull)"
@@ -607,10 +658,12 @@ class LLMFunction:
             )
 
     def release(self) -> None:
+        if self._stream_job is not None:  # NOTE: its copies end before their memory is let go
+            wait([self._stream_job])
         pending = getattr(self, "_streamer", None)
         if pending is not None and pending.done() and pending.exception() is None:
             pending.result().close()
-        self.engine = self.model = self._streamer = None
+        self.engine = self.model = self._streamer = self._stream_job = None
         if self.device.startswith("cuda"):
             import torch
 

@@ -1,0 +1,83 @@
+"""A tier-0 restore that makes and warms its KV pool while the weights stream
+(`InitConfig.restore_overlap`, recipes/function.py): the same answer as the restore in turn,
+its stages in their order, and a stream that fails after the warmup began still refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes.function import LLMFunction
+from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+OVERLAPPED = ["kv_pool", "start_stream", "warmup", "stream_weights", "capture_graphs"]
+
+
+def config(tmp_path, overlap: bool) -> InitConfig:
+    return InitConfig(
+        page_size=4,
+        max_num_batched_tokens=64,
+        kv_cache_bytes_cpu=1 << 20,
+        cache_dir=tmp_path / "cache",
+        restore_overlap=overlap,
+    )
+
+
+@pytest.fixture(scope="module")
+def made(llama_with_tokenizer, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overlap")
+    init_and_snapshot(LLMFunction(config(tmp, False), llama_with_tokenizer), tmp / "snap", log=None)
+    return llama_with_tokenizer, tmp / "snap"
+
+
+def restored(made, tmp_path, overlap: bool):
+    model_dir, snap = made
+    return restore(lambda: LLMFunction(config(tmp_path, overlap), model_dir), snap, log=None)
+
+
+def test_the_overlapped_restore_answers_as_the_restore_in_turn(made, tmp_path):
+    plain, plain_startup = restored(made, tmp_path / "a", overlap=False)
+    fn, startup = restored(made, tmp_path / "b", overlap=True)
+    assert startup.tier == "portable" and not startup.fallbacks
+    names = [s.name for s in startup.stages]
+    assert names[names.index("kv_pool") : names.index("capture_graphs") + 1] == OVERLAPPED
+    assert startup.stage("start_stream").figures["overlapped_with"] == "warmup"
+    assert startup.stage("stream_weights").figures["num_bytes"] > 0
+    assert "start_stream" not in [s.name for s in plain_startup.stages]
+    assert fn.health == plain.health  # the replay check passed on both: the init's token
+    prompt = fn.engine.tokenizer.encode("Hello there")
+    from parity import greedy
+
+    (got,) = fn.engine.generate([prompt], greedy(8))
+    (want,) = plain.engine.generate([prompt], greedy(8))
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    fn.release()
+    plain.release()
+
+
+def test_a_stream_that_fails_is_refused_and_the_named_model_answers(made, tmp_path):
+    model_dir, snap = made
+    copy = tmp_path / "snap"
+    import shutil
+
+    shutil.copytree(snap, copy)
+    weights = copy / "weights" / "rank0.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a bit in the middle of the weights: found by the stream
+    weights.write_bytes(bytes(data))
+    fn, startup = restore(lambda: LLMFunction(config(tmp_path, True), model_dir), copy, log=None)
+    assert startup.tier == "cold (fallback)"
+    (fallback,) = startup.fallbacks
+    assert fallback["step"] == "stream_weights" and "chunk" in fallback["reason"]
+    fn.release()
+
+
+def test_several_ranks_and_a_dropped_plan_restore_in_turn(tmp_path):
+    fn = LLMFunction(config(tmp_path, True), None)
+    assert fn._overlaps_stream()
+    assert not LLMFunction(config(tmp_path, False), None)._overlaps_stream()
+    fn.world_size = 2  # the ranks meet in collectives after they agree
+    assert not fn._overlaps_stream()
+    fn = LLMFunction(config(tmp_path, True), None)
+    fn.cache_drift = "another GPU"  # its plan is measured again, with the weights in
+    assert not fn._overlaps_stream()
