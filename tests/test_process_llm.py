@@ -258,3 +258,27 @@ def test_tier1_streams_alternatives_and_prompt_logprobs_as_a_cold_init_does(tier
     tops, prompt, prompt_top = got
     assert len(tops) == 4 and all(len(t) == 3 for t in tops)
     assert prompt[0] is None and len(prompt) == len(PROMPTS[1])
+
+
+def test_a_tier1_restore_warms_the_prefix_cache_again(tmp_path):
+    """The image's cache was emptied before the checkpoint (its KV pool does not come back):
+    the restored worker prefills the configured prompts again before it serves."""
+    from dataclasses import replace
+
+    from snapfn.handler.llm.recipes.cli import _init_process
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+
+    system = "Answer briefly and plainly; say when you are not sure. " * 4
+    (tmp_path / "warm.json").write_text(json.dumps([system]))
+    made = replace(config(tmp_path), prefix_warm=tmp_path / "warm.json")
+    startup = _init_process(made, embedded_model_dir(), tmp_path / "snap")
+    assert startup.tier == "process", startup.fallbacks
+    service, restored, _ = restore_llm(tmp_path / "snap", config(tmp_path), None, log=None)
+    try:
+        assert restored.tier == "process" and not restored.fallbacks
+        warmed = restored.stage("worker.prefix_warm").figures
+        assert warmed["prompts"] == 1 and warmed["cached_pages"] > 0
+        assert restored.stage("worker.replay_check").figures["prefix_cache_pages"] == 0
+        assert service.prefix_cache_stats()["cached_pages"] == warmed["cached_pages"]
+    finally:
+        service.close()

@@ -439,6 +439,13 @@ def field_edits() -> dict:
         cases[f"kernel_choices {label}"] = lambda d, value=value: d["llm"].update(
             kernel_choices=value
         )
+    for label, value in {
+        "a string": "You are a helpful assistant.",
+        "a list of numbers": [1, 2],
+        "an empty prompt": [""],
+        "65 prompts": ["x"] * 65,
+    }.items():
+        cases[f"prefix_warm {label}"] = lambda d, value=value: d["llm"].update(prefix_warm=value)
     cases["function user_function"] = section_edit("function", lambda v: "user_function")
     cases["section a list"] = section_edit("llm", lambda v: [v])
     return cases

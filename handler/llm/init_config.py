@@ -50,6 +50,9 @@ class InitConfig:
     # a JSON list of structured-output specs compiled at init and kept by the snapshot
     # (structured/configured.py); None: none
     structured_schemas: Path | None = None
+    # a JSON list of prompt texts prefilled into the prefix cache at start-up (a system prompt;
+    # recipes/prefix_warm.py); None: none
+    prefix_warm: Path | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:

@@ -132,6 +132,7 @@ class LLMFunction:
         self._load_report = None
         self._streamer = None
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
+        self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
         self._tokenizer = None
         self._checkpoint = None
         self.grammar_specs: list = []  # structured-output specs compiled at start-up
@@ -157,6 +158,7 @@ class LLMFunction:
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, self.source)),
             ("grammars", self.stage_grammars),
+            *self._warm_stage(None),
             ("health_check", self.stage_health_check),
         ]
 
@@ -359,6 +361,20 @@ class LLMFunction:
         if specs and self.device.startswith("cuda"):
             figures["warmed_s"] = _warm_masked_picks(self.engine, cache, specs[0])
 
+    def _warm_stage(self, recorded: list[str] | None) -> list[Stage]:
+        """The `prefix_warm` stage where there are prompts to warm: at init the configured
+        file's (`InitConfig.prefix_warm`), at restore the snapshot's (`recorded`)."""
+        if not (recorded if recorded is not None else self.config.prefix_warm):
+            return []
+        return [("prefix_warm", lambda f: self.stage_prefix_warm(f, recorded))]
+
+    def stage_prefix_warm(self, figures: Figures, recorded: list[str] | None) -> None:
+        from snapfn.handler.llm.recipes.prefix_warm import read_warm_prompts, warm_prefixes
+
+        prompts = recorded if recorded is not None else read_warm_prompts(self.config.prefix_warm)
+        figures.update(warm_prefixes(self.engine, prompts))
+        self.warm_prompts = list(prompts)
+
     def stage_health_check(self, figures: Figures) -> None:
         self.health = self.generate_one()
         figures.update(self.health)
@@ -410,6 +426,7 @@ class LLMFunction:
             "health": self.health,
             "compile_caches": caches,
             "grammars": [spec.to_json() for spec in self.grammar_specs],
+            **({"prefix_warm": self.warm_prompts} if self.warm_prompts else {}),
             **_kernel_choices(),
             **({"parallel": self._parallel_json(), "ranks": ranks} if ranks else {}),
         }
@@ -484,6 +501,7 @@ class LLMFunction:
             ("capture_graphs", self.stage_capture_graphs),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
             ("grammars", lambda f: self.stage_grammars(f, self._checked.grammars)),
+            *self._warm_stage(self._checked.prefix_warm),
             ("health_check", lambda f: self.stage_replay_check(f, self._checked.health)),
         ]
 

@@ -160,6 +160,11 @@ class LLMProcessHost:
         if not (resume.get("regions") and runner.run("adopt", lambda f: self._adopt(f, resume))):
             self._remap_and_stream(runner, Path(resume["snapshot_dir"]) / self.fn.weights_file)
         runner.run("replay_check", self._replay_check)
+        if self.fn.warm_prompts:  # emptied before the checkpoint: its prompts warmed again
+            from snapfn.handler.llm.recipes.prefix_warm import warm_prefixes
+
+            prompts = self.fn.warm_prompts
+            runner.run("prefix_warm", lambda f: f.update(warm_prefixes(self.fn.engine, prompts)))
         self.start_serving()
         return {"t0": t0, "stages": [dataclasses.asdict(s) for s in runner.manifest.stages]}
 

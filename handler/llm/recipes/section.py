@@ -18,6 +18,8 @@ it before any stage uses a value from it.
                           "config": "BLOCK_K=512,BLOCK_N=8,w4,s3", "source": "shipped"}, ...],
                                                # kernel's config per key at init (CUDA; pinned
                                                # by a restore: kernels/triton/tuning.py)
+      "prefix_warm": ["You are a helpful assistant. ...", ...],  # prompts a restore prefills
+                                               # into the prefix cache (prefix_warm.py)
       "grammars": [{"kind": "json_schema", "text": "{...}"}, ...],  # structured-output specs
                                                # compiled at init, compiled again at restore
       "parallel": {"tp_size": 2, "ep_size": 1, "ep_dispatch": "replicated"},  # several ranks:
@@ -54,6 +56,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from snapfn.handler.llm.recipes.prefix_warm import check_warm_prompts
 from snapfn.snapshot.errors import BadSnapshot, one_line
 
 WEIGHTS_FILE = "weights/rank0.bin"
@@ -83,6 +86,7 @@ class CheckedSection:
     content_hash: str
     kernel_choices: list[dict[str, str]]  # tuning.parse_choices'd; [] where none were recorded
     grammars: list[Any] = ()  # structured.spec.GrammarSpec each; none recorded: []
+    prefix_warm: list[str] = ()  # prompts to warm the prefix cache with (prefix_warm.py)
 
 
 def check_section(
@@ -106,7 +110,8 @@ def check_section(
     health = _checked_health(section.get("health"))
     choices = _checked_choices(section.get("kernel_choices", []))
     grammars = _checked_grammars(section.get("grammars", []))
-    return CheckedSection(layout, plan, health, model_type, content_hash, choices, grammars)
+    warm = check_warm_prompts(section.get("prefix_warm", []))
+    return CheckedSection(layout, plan, health, model_type, content_hash, choices, grammars, warm)
 
 
 def _checked_grammars(value: Any) -> list[Any]:
