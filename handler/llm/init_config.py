@@ -6,10 +6,28 @@ written back here: they live in the `MemoryPlan` and the startup manifest.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+
+def read_json_file(path: Path | str, where: str, max_bytes: int) -> object:
+    """The JSON value in the file at `path` that an InitConfig field names (`where`: the field
+    and the path, for messages), or InitFailed saying why it cannot be used."""
+    from snapfn.snapshot.errors import InitFailed, one_line
+
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InitFailed(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > max_bytes:
+        raise InitFailed(f"{where}: larger than {max_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InitFailed(one_line(f"{where}: not JSON ({exc})")) from None
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:

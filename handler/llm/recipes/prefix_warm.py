@@ -14,12 +14,12 @@ recorded list (BadSnapshot). A prompt's pages stay cached until evicted, like an
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.errors import BadSnapshot, InitFailed, one_line
+from snapfn.handler.llm.init_config import read_json_file
+from snapfn.snapshot.errors import BadSnapshot, InitFailed
 
 MAX_PROMPTS = 64
 MAX_PROMPT_CHARS = 1 << 20
@@ -29,16 +29,7 @@ MAX_FILE_BYTES = 16 << 20
 def read_warm_prompts(path: Path | str) -> list[str]:
     """The prompt texts the file at `path` lists, each once, in order."""
     where = f"prefix_warm {path}"
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise InitFailed(f"{where}: cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise InitFailed(f"{where}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        entries = json.loads(raw)
-    except ValueError as exc:
-        raise InitFailed(one_line(f"{where}: not JSON ({exc})")) from None
+    entries = read_json_file(path, where, MAX_FILE_BYTES)
     problem = _problem(entries)
     if problem:
         raise InitFailed(f"{where}: {problem}")

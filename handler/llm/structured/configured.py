@@ -14,9 +14,9 @@ it compiled, after a restore too.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from snapfn.handler.llm.init_config import read_json_file
 from snapfn.handler.llm.structured.spec import GrammarSpec, spec_from_fields
 from snapfn.snapshot.errors import BadRequest, InitFailed, one_line
 
@@ -27,16 +27,7 @@ MAX_FILE_BYTES = 64 << 20
 def read_configured_specs(path: Path | str) -> list[GrammarSpec]:
     """The specs the file at `path` lists (module docstring)."""
     where = f"structured_schemas {path}"
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise InitFailed(f"{where}: cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise InitFailed(f"{where}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        entries = json.loads(raw)
-    except ValueError as exc:
-        raise InitFailed(one_line(f"{where}: not JSON ({exc})")) from None
+    entries = read_json_file(path, where, MAX_FILE_BYTES)
     if not isinstance(entries, list) or len(entries) > MAX_CONFIGURED:
         raise InitFailed(f"{where}: not a list of at most {MAX_CONFIGURED} entries")
     return list(dict.fromkeys(_entry_spec(entry, k, where) for k, entry in enumerate(entries)))
