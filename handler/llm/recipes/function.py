@@ -561,12 +561,17 @@ class LLMFunction:
         c = self.config
         # NOTE: a snapshot still arriving: each read waits for its chunks to be verified
         following = self.arriving.waiter(self.weights_file) if self.arriving is not None else None
+        # A chunk the pull recorded has just been checked against the manifest's sha256 (the
+        # digests the layout's table holds too): hashing it again on the host would only halve
+        # the cores the download has. On CUDA what lands in device memory is still checked.
+        verify = "none" if following is not None and not self.device.startswith("cuda") else "auto"
         streamer = WeightStreamer(
             path,
             layout,
             device=self.device,
             num_threads=c.stream_threads,
             ring_slots=c.stream_ring_slots,
+            verify=verify,
             arrivals=following,
         )
         streamer.prepare()
