@@ -98,3 +98,47 @@ def test_a_rank_that_dies_is_reported_on_health(llama_with_tokenizer, tmp_path):
         server.proc.wait(timeout=40)
     with pytest.raises(ProcessLookupError):
         os.killpg(server.proc.pid, 0)  # nothing of the server left
+
+
+def test_structured_and_prefix_shared_requests_over_two_ranks_match_one_rank(tp_server):
+    """A guided request (every rank masks its own logits with its own matcher, advanced by the
+    same tokens) and two prompts sharing full KV pages (every rank's prefix cache matches the
+    same pages) answer what one rank's engine does."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+    from snapfn.handler.llm.structured.compiler import GrammarCache
+    from snapfn.handler.llm.structured.spec import spec_from_fields
+    from snapfn.handler.llm.tokenizer import Tokenizer
+
+    engine, tokenizer = our_engine(tp_server.model), Tokenizer.from_dir(tp_server.model)
+    engine.attach_tokenizer(tokenizer, frozenset(tokenizer.eos_token_ids))
+    vocab = engine.model.config.vocab_size
+    engine.attach_grammars(GrammarCache(tokenizer, vocab, engine.eos_token_ids))
+    guide = {"guided_regex": "(yes|no), [0-9]{2}"}
+    body = {"model": MODEL, "prompt": "the answer is", "max_tokens": 12, "temperature": 0}
+    r = requests.post(f"{tp_server.url}/v1/completions", json={**body, **guide}, timeout=120)
+    assert r.status_code == 200, r.text
+    params = SamplingParams(max_new_tokens=12, guide=spec_from_fields(guide))
+    (want,) = engine.generate([tokenizer.encode("the answer is")], params)
+    assert r.json()["choices"][0]["text"] == want.text
+    shared = "a long shared system prompt for both ranks, " * 6
+    for tail in ("first", "second"):
+        ids = _completion(tp_server.url, shared + tail, stream=False, n=4)
+        assert ids == greedy_ids(engine, tokenizer.encode(shared + tail), 4), tail
+    assert _hit_tokens(tp_server.url) >= 16  # rank 0's: the second prompt found the first's
+
+
+def _hit_tokens(url: str) -> float:
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline, hits = time.monotonic() + 10, 0.0
+    while time.monotonic() < deadline:  # the worker copies its engine's counters every second
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "snapfn_prefix_cache_hit_tokens":
+                hits = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        if hits:
+            break
+        time.sleep(0.2)
+    return hits
