@@ -212,11 +212,11 @@ def _warm_shapes(engine, batch_size: int, ids: list[int], params, graphs: bool) 
     picks its config) here, and the decode loop replays a graph and compiles nothing."""
     from dataclasses import replace
 
+    from snapfn.handler.llm.engine.graphs import decode_captures
     from snapfn.handler.llm.init_config import InitConfig
 
     model = engine.model
-    capturable = model.config.arch == "llama" or model.backend.capturable_moe
-    if graphs and capturable and not model.lockstep:
+    if graphs and decode_captures(model) and not model.lockstep:
         max_seq_len = len(ids) + params.max_new_tokens + 1
         engine.capture_graphs([batch_size], min(max_seq_len, InitConfig().graph_max_seq_len))
     engine.generate([list(ids)] * batch_size, replace(params, max_new_tokens=2, ignore_eos=True))

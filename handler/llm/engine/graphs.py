@@ -27,6 +27,14 @@ def default_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
+def decode_captures(model) -> bool:
+    """Whether `model`'s decode step can be held in a CUDA graph: a dense model, or a MoE model
+    whose backend's MoE and DSA indexer are sync-free (triton, flashinfer; not the reference).
+    (Expert-parallel ranks exchanging tokens all-to-all cannot either: `Engine.capture_graphs`
+    refuses them with the reason.)"""
+    return model.config.arch == "llama" or model.backend.capturable_moe
+
+
 @dataclass
 class GraphStats:
     buckets: list[int] = field(default_factory=list)

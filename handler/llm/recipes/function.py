@@ -274,7 +274,9 @@ class LLMFunction:
             return False
         if self.config.speculative_tokens > 0:
             return False
-        return self._model_config.arch == "llama" or self.model.backend.capturable_moe
+        from snapfn.handler.llm.engine.graphs import decode_captures
+
+        return decode_captures(self.model)
 
     def stage_warmup(self, figures: Figures) -> None:
         from snapfn.handler.llm.engine.warmup import warmup
@@ -359,7 +361,7 @@ class LLMFunction:
         self.grammar_specs = list(specs or [])
         self.engine.attach_grammars(cache)
         if specs and self.device.startswith("cuda"):
-            figures["warmed_s"] = _warm_masked_picks(self.engine, cache, specs[0])
+            figures["warmed_s"] = cache.warm_device_picks(specs[0], self.engine.model.device)
 
     def _warm_stage(self, recorded: list[str] | None) -> list[Stage]:
         """The `prefix_warm` stage where there are prompts to warm: at init the configured
@@ -708,28 +710,3 @@ def _count_kernel_choices(figures: Figures) -> None:
     counts = choice_counts()
     if counts:
         figures["kernel_choices"] = counts
-
-
-def _warm_masked_picks(engine, cache, spec) -> float:
-    """Seconds to run a structured request's pick once on the device, greedy and sampled, over
-    dummy logits: its kernels (the mask's, the sampler's) load here, not on the first request."""
-    import time
-
-    import torch
-
-    from snapfn.handler.llm.engine.request import Request, SamplingParams
-    from snapfn.handler.llm.engine.sampler import make_generator, sample
-
-    start = time.perf_counter()
-    rows = []
-    for params in (
-        SamplingParams(guide=spec),
-        SamplingParams(temperature=1.0, top_p=0.9, seed=0, guide=spec),
-    ):
-        req = Request([0], params)
-        req.matcher, req.generator = cache.preloaded_matcher(spec), make_generator(params.seed)
-        rows.append(req)
-    logits = torch.zeros((len(rows), engine.model.config.vocab_size), device=engine.model.device)
-    sample(logits, rows)
-    torch.cuda.synchronize(engine.model.device)
-    return round(time.perf_counter() - start, 4)

@@ -96,11 +96,31 @@ class GrammarCache:
         """A fresh matcher of `spec` for one request."""
         return GrammarMatcher(self.compiled(spec).deep_copy(), self.vocab_size)
 
-    def preloaded_matcher(self, spec: GrammarSpec) -> GrammarMatcher:
-        """A matcher of `spec`, already compiled by `preload`, for start-up's own use: counted
-        neither as a hit nor as a miss."""
-        with self._lock:
-            return GrammarMatcher(self._compiled[spec].deep_copy(), self.vocab_size)
+    def warm_device_picks(self, spec: GrammarSpec, device: Any) -> float:
+        """Seconds to run a structured request's pick once on `device`, greedy and sampled,
+        over dummy logits, with matchers of `spec` (compiled by `preload`; counted neither as a
+        hit nor as a miss): the mask's and the sampler's kernels load here, at start-up, not on
+        the first structured request."""
+        import torch
+
+        # NOTE: imported here: the sampler imports this package
+        from snapfn.handler.llm.engine.request import Request, SamplingParams
+        from snapfn.handler.llm.engine.sampler import make_generator, sample
+
+        start, rows = time.perf_counter(), []
+        for params in (
+            SamplingParams(guide=spec),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=0, guide=spec),
+        ):
+            req = Request([0], params)
+            with self._lock:
+                req.matcher = GrammarMatcher(self._compiled[spec].deep_copy(), self.vocab_size)
+            req.generator = make_generator(params.seed)
+            rows.append(req)
+        sample(torch.zeros((len(rows), self.vocab_size), device=device), rows)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        return round(time.perf_counter() - start, 4)
 
     def preload(self, specs: Iterable[GrammarSpec]) -> dict[str, Any]:
         """Compile `specs` now (a stage's figures: how many, how long)."""
