@@ -263,6 +263,115 @@ def test_metrics_count_drafts_and_kept_drafts(glm_dirs):
     assert json.dumps(stats)  # the restored worker's info() carries it as JSON
 
 
+# ---- a token a row, and the graphs that hold it ----------------------------------------------
+
+
+def test_one_token_rows_give_the_chunks_logits_and_hidden_states(glm_dirs):
+    """The verify's decode rows compute what the chunked batch does at every token."""
+    eng = engine(glm_dirs["mtp"], 3)
+    model, kv = eng.model, eng.kv
+    prompts = random_prompts(VOCAB, [9, 5], seed=11)
+    pages = [kv.allocator.allocate(kv.pages_for(len(p) + 4)) for p in prompts]
+    with torch.inference_mode():
+        for ids, table in zip(prompts, pages, strict=True):  # the prompts' KV, cached
+            model.forward_hidden(ForwardBatch.build([ids], [0], [table], kv.page_size, "cpu"), kv)
+        new = [[3, 17, 40, 8], [5, 22]]  # a last token and drafts each, as a verify brings
+        starts = [len(p) for p in prompts]
+        chunked = ForwardBatch.build(new, starts, pages, kv.page_size, "cpu", all_logits=True)
+        want_logits, want_hidden = model.forward_hidden(chunked, kv)
+        rows = speculative.one_token_rows(new, starts, pages, kv.page_size)
+        assert rows.is_decode and rows.num_seqs == 6
+        got_logits, got_hidden = model.forward_hidden(rows, kv)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_spec_buckets_cover_every_verify_and_draft_step():
+    from snapfn.handler.llm.engine.spec_graphs import spec_buckets
+
+    assert spec_buckets([1, 2, 4], 3) == ([4, 8, 16], [1, 2, 4, 8, 16])
+    assert spec_buckets([1, 8], 1) == ([2, 16], [1, 2, 8, 16])
+
+
+def replayed_eagerly(eng, buckets, max_seq_len=64):
+    """The engine's speculative graphs, each bucket's "graph" run eagerly over its static
+    inputs when replayed: the host side of the CUDA path (static buffers, padding rows, the
+    draft family's hidden-state input, bucket choice) on CPU."""
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.engine.spec_graphs import SpecGraphs
+
+    spec = SpecGraphs(eng.model, eng.kv, buckets, eng.drafter.num_tokens, max_seq_len)
+    for family in (spec.verify, spec.draft):
+        for n in family.buckets:
+            family._batches[n] = family._static_batch(n)
+
+            def replay(family=family, n=n):
+                family._outputs[n] = family._run(family._batches[n], n)
+
+            family._graphs[n] = SimpleNamespace(replay=replay)
+    eng.spec_graphs = eng.drafter.graphs = spec
+    return spec.stats
+
+
+def recording_drafts(eng) -> list[list[int]]:
+    """Every request's drafts as the drafter proposes them, in order."""
+    drafts, propose = [], eng.drafter.propose
+
+    def recorded(rows):
+        propose(rows)
+        drafts.extend(list(r.req.draft_ids) for r in rows)
+
+    eng.drafter.propose = recorded
+    return drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replays_give_the_plain_tokens_and_the_eager_drafts(glm_dirs, k):
+    prompts = random_prompts(VOCAB, PROMPTS, seed=1)
+    ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(20))
+    eager = engine(glm_dirs["mtp"], k, tokens=16)
+    eager_drafts = recording_drafts(eager)
+    eager.generate(prompts, greedy(20))
+    eng = engine(glm_dirs["mtp"], k, tokens=16)
+    stats = replayed_eagerly(eng, [1, 2, 4, 8])
+    drafts = recording_drafts(eng)
+    got = eng.generate(prompts, greedy(20))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert drafts == eager_drafts and any(drafts)  # the draft family's hidden input as eager's
+    for a, b in zip(got, ref, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    uses = stats.replays_by_use
+    assert uses["verify"] > 0 and uses["draft_extend"] > 0
+    assert (uses["draft"] > 0) == (k > 1)  # one draft from the draft-extend, then k - 1 steps
+    assert stats.eager_fallbacks == 0 and stats.replays == sum(uses.values())
+
+
+def test_steps_past_the_largest_bucket_run_eagerly_and_are_counted(glm_dirs, monkeypatch):
+    prompts = random_prompts(VOCAB, PROMPTS, seed=3)
+    ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(12))
+    oracle(monkeypatch, {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}, 4)
+    eng = engine(glm_dirs["mtp"], 2)
+    stats = replayed_eagerly(eng, [1, 2])  # verify rows up to 6: five requests of 3 do not fit
+    got = eng.generate(prompts, greedy(12))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert stats.eager_fallbacks > 0 and stats.replays_by_use["verify"] > 0
+
+
+def test_sampled_requests_through_the_graphs_repeat_themselves(glm_dirs):
+    prompts = random_prompts(VOCAB, PROMPTS[:3], seed=2)
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0.9, seed=s, top_p=0.9) for s in (1, 2, 3)
+    ]
+    runs = []
+    for graphs in (False, True):
+        eng = engine(glm_dirs["mtp"], 2)
+        if graphs:
+            replayed_eagerly(eng, [1, 2, 4])
+        runs.append([r.token_ids for r in eng.generate(prompts, params)])
+    assert runs[0] == runs[1]
+
+
 # ---- the rejection rule --------------------------------------------------------------------
 
 
@@ -301,6 +410,10 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_greedy_equals_the_plain_engine(glm_dirs, backend):
+    """Eager on both backends; from the verify and draft graphs where the backend's MoE and
+    indexer capture (triton), with every pure-decode step replayed and the eager drafts."""
+    from snapfn.handler.llm.engine.graphs import decode_captures
+
     def cuda_engine(k):
         opts = EngineOptions(
             device="cuda",
@@ -313,5 +426,17 @@ def test_cuda_greedy_equals_the_plain_engine(glm_dirs, backend):
 
     prompts = random_prompts(VOCAB, PROMPTS, seed=1)
     ref = cuda_engine(0).generate(prompts, greedy(24))
-    got = cuda_engine(2).generate(prompts, greedy(24))
+    eager = cuda_engine(2)
+    eager_drafts = recording_drafts(eager)
+    assert [r.token_ids for r in eager.generate(prompts, greedy(24))] == [r.token_ids for r in ref]
+    if not decode_captures(eager.model):
+        return
+    eng = cuda_engine(2)
+    stats = eng.capture_graphs([1, 2, 4, 8], 64)
+    assert stats.families == {"verify": [3, 6, 12, 24], "draft": [1, 2, 3, 4, 6, 8, 12, 24]}
+    drafts = recording_drafts(eng)
+    got = eng.generate(prompts, greedy(24))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert all(n > 0 for n in stats.replays_by_use.values()) and stats.eager_fallbacks == 0
+    same = sum(a == b for a, b in zip(drafts, eager_drafts, strict=True))
+    assert len(drafts) == len(eager_drafts) and same >= 0.9 * len(drafts)

@@ -313,9 +313,9 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
         requests.add_metric([outcome], float(value))
     yield requests
     yield CounterMetricFamily("snapfn_engine_steps", "Engine steps", value=float(stats.steps))
-    graphs = getattr(getattr(llm, "engine", None), "graphs", None)
-    replays = getattr(getattr(graphs, "stats", None), "replays", 0)
-    eager = getattr(getattr(graphs, "stats", None), "eager_fallbacks", 0)
+    graphs = getattr(getattr(llm, "engine", None), "graph_stats", None)
+    replays = getattr(graphs, "replays", 0)
+    eager = getattr(graphs, "eager_fallbacks", 0)
     yield CounterMetricFamily("snapfn_graph_replays", "Decode CUDA graph replays", value=replays)
     yield CounterMetricFamily(
         "snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", value=eager

@@ -30,8 +30,10 @@ drops its speculated row. Tokens and logprobs are those of the plain loop.
 Speculative decoding (`SchedulerConfig.speculative_tokens = k`, off by default; a model with
 MTP layers on one rank): each step verifies every decode's drafts in one forward, appends the
 tokens the rejection rule keeps (greedy: exactly the tokens of the plain loop), then drafts
-the next step's with the MTP layer (`speculative.py`). Such an engine runs eagerly: no decode
-graphs, no overlapped decode. A request's tokens of one step come in one output.
+the next step's with the MTP layer (`speculative.py`). A step of decoding requests runs a
+token a row, which CUDA graphs hold (the verify's, the draft-extend's and the draft steps':
+`spec_graphs.py`, captured by `capture_graphs` in place of the decode graphs); no overlapped
+decode. A request's tokens of one step come in one output.
 
 Lock step (`CausalLM.lockstep`: expert-parallel ranks that exchange tokens all-to-all, each
 running its own requests): every rank's `step()` runs exactly one forward, an idle one
@@ -68,10 +70,12 @@ from snapfn.handler.llm.engine.sampler import (
     top_logprobs,
 )
 from snapfn.handler.llm.engine.scheduler import ScheduledStep, Scheduler
+from snapfn.handler.llm.engine.spec_graphs import SpecGraphs
 from snapfn.handler.llm.engine.speculative import (
     DraftRow,
     MTPDrafter,
     merge_outputs,
+    one_token_rows,
     verify_request,
 )
 from snapfn.handler.llm.models.base import CausalLM
@@ -121,6 +125,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._lock = threading.Lock()
         self.graphs: DecodeGraphs | None = None
+        self.spec_graphs: SpecGraphs | None = None  # speculative decoding's, in place of graphs
         self.overlap_decode = sched.overlap_decode
         self._in_flight: InFlightStep | None = None
         self._pick_buffers: PickBuffers | None = None
@@ -133,22 +138,31 @@ class Engine:
         self.grammars = None  # a structured.GrammarCache of the tokenizer (attach_grammars)
 
     def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
-        """Capture decode CUDA graphs for `buckets`; later decode steps replay them."""
-        if self.drafter is not None:
-            raise BadRequest(
-                "speculative decoding runs eagerly (no decode graphs yet): capture none, or set "
-                "speculative_tokens=0"
-            )
+        """Capture decode CUDA graphs for `buckets`; later decode steps replay them. With
+        speculative decoding: the verify and draft graphs of those batch sizes instead
+        (`spec_graphs.py`)."""
         if self.model.lockstep:
             raise BadRequest(
                 "this model exchanges tokens all-to-all across ep ranks (ep_dispatch="
                 "'all_to_all' or 'deepep'), which a CUDA graph cannot hold: run it without graphs"
             )
-        graphs = DecodeGraphs(self.model, self.kv, buckets, min(max_seq_len, self.max_model_len))
+        max_seq_len = min(max_seq_len, self.max_model_len)
+        if self.drafter is not None:
+            spec = SpecGraphs(self.model, self.kv, buckets, self.drafter.num_tokens, max_seq_len)
+            spec.capture(pool)
+            self.spec_graphs = self.drafter.graphs = spec
+            return spec.stats
+        graphs = DecodeGraphs(self.model, self.kv, buckets, max_seq_len)
         graphs.capture(pool)
         self.graphs = graphs
         self._pick_buffers = PickBuffers(max(graphs.buckets))
         return graphs.stats
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        """The captured graphs' counters (decode, or speculative decoding's); None: none."""
+        graphs = self.graphs or self.spec_graphs
+        return graphs.stats if graphs is not None else None
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run `batch` (built on the host): a decode graph's replay copies it into the graph's
@@ -303,18 +317,25 @@ class Engine:
             max(0, len(ids) - (r.num_tokens - r.num_computed))
             for r, ids in zip(reqs, token_ids, strict=True)
         ]
-        batch = ForwardBatch.build(
-            token_ids,
-            scheduled.start_positions,
-            [r.pages for r in reqs],
-            self.kv.page_size,
-            "cpu",
-            all_logits=any(_scores_prompt(r) for r in reqs),
-            logits_per_seq=[1 + d for d in num_drafts],
-        )
-        logits, hidden = self.model.forward_hidden(batch.to(self.model.device), self.kv)
         starts = [0, *itertools.accumulate(len(t) for t in token_ids)]
-        rows = _logit_rows(batch, starts, num_drafts)
+        if self.drafter.rows_fit(token_ids):  # a token a row: every token's logits
+            batch = one_token_rows(
+                token_ids, scheduled.start_positions, [r.pages for r in reqs], self.kv.page_size
+            )
+            logits, hidden = self._verify_forward(batch)
+            rows = [end - 1 - d for end, d in zip(starts[1:], num_drafts, strict=True)]
+        else:
+            batch = ForwardBatch.build(
+                token_ids,
+                scheduled.start_positions,
+                [r.pages for r in reqs],
+                self.kv.page_size,
+                "cpu",
+                all_logits=any(_scores_prompt(r) for r in reqs),
+                logits_per_seq=[1 + d for d in num_drafts],
+            )
+            logits, hidden = self.model.forward_hidden(batch.to(self.model.device), self.kv)
+            rows = _logit_rows(batch, starts, num_drafts)
         outputs: dict[str, RequestOutput] = {}
         plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
         for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
@@ -341,6 +362,15 @@ class Engine:
                 outputs[req.request_id] = self._append(req, t, lp, top)
         self.drafter.propose(self._draft_rows(scheduled, starts, hidden))
         return [outputs[r.request_id] for r in reqs if r.request_id in outputs]
+
+    def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over one-token-a-row `batch` (on the host): (every row's logits, hidden
+        states), from the verify graph where one fits."""
+        if self.spec_graphs is not None:
+            out = self.spec_graphs.run_verify(batch)
+            if out is not None:
+                return out
+        return self.model.forward_hidden(batch.to(self.model.device), self.kv)
 
     def _append_verified(
         self, req: Request, tokens: list[int], rows: torch.Tensor

@@ -10,6 +10,7 @@ captured width, runs eagerly and counts as an eager fallback.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,20 @@ class GraphStats:
     replays: int = 0
     eager_fallbacks: int = 0
     capture_s: float = 0.0
+    # speculative decoding's families (spec_graphs.py): each one's buckets, replays per use
+    families: dict[str, list[int]] = field(default_factory=dict)
+    replays_by_use: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = {
+            "buckets": self.buckets,
+            "replays": self.replays,
+            "eager_fallbacks": self.eager_fallbacks,
+            "capture_s": round(self.capture_s, 3),
+        }
+        if self.families:
+            out.update(families=self.families, replays_by_use=self.replays_by_use)
+        return out
 
 
 class DecodeGraphs:
@@ -53,7 +68,8 @@ class DecodeGraphs:
         self.width = kv.pages_for(max_seq_len)  # page-table columns captured
         self.stats = GraphStats(buckets=self.buckets)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, Any] = {}  # each bucket's `_run` output, rewritten by replays
+        self.pool = None  # the graphs' memory pool, once captured
         self._batches: dict[int, ForwardBatch] = {}  # each bucket's, over the static buffers
         self._alloc_static(max(self.buckets), model.device)
 
@@ -134,15 +150,24 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 # one warm-up run outside the graph: allocator pools, lazy kernel loads
-                self.model(batch, self.kv)
+                self._run(batch, n)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n] = self.model(batch, self.kv)
+                self._outputs[n] = self._run(batch, n)
             pool = graph.pool()
             self._graphs[n] = graph
         torch.cuda.synchronize()
+        self.pool = pool
         self.stats.capture_s = time.perf_counter() - start
+
+    def _run(self, batch: ForwardBatch, n: int) -> Any:
+        """What bucket `n`'s graph holds: the model's decode step over `batch` (its logits)."""
+        return self.model(batch, self.kv)
+
+    def _rows(self, out: Any, b: int) -> Any:
+        """A replay's result: the first `b` rows of a bucket's output."""
+        return out[:b]
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that can replay this batch, or None (then it runs eagerly)."""
@@ -178,7 +203,7 @@ class DecodeGraphs:
         self.model.backend.begin_forward(static, graph=True)
         self._graphs[n].replay()
         self.stats.replays += 1
-        return self._outputs[n][:b]
+        return self._rows(self._outputs[n], b)
 
 
 def _numpy(t: torch.Tensor):

@@ -25,6 +25,10 @@ A step of the engine with speculation on (`SchedulerConfig.speculative_tokens = 
    ones), at most the tokens a request can still append minus one, so a request never writes
    past the pages reserved for its length.
 
+A step whose requests each bring at most `k + 1` tokens (every decoding one) runs its verify
+and its draft-extend one token a row (`one_token_rows`): the decode kernels take it, and CUDA
+graphs hold it (`spec_graphs.py`); longer prefill chunks run as chunks, eagerly.
+
 The KV the verify writes at rejected drafts' positions, and the MTP layer's at draft
 positions, is overwritten by later steps before anything reads it: a request's lengths come
 from `num_computed`. A request with a grammar (`SamplingParams.guide`) gets no drafts: its
@@ -48,6 +52,26 @@ from snapfn.handler.llm.models.base import CausalLM
 from snapfn.snapshot.errors import UnsupportedModel
 
 MAX_SPECULATIVE_TOKENS = 8
+
+
+def one_token_rows(
+    token_ids: list[list[int]], starts: list[int], pages: list[list[int]], page_size: int
+) -> ForwardBatch:
+    """Each request's new tokens as decode rows of their own (on the host): the token at
+    position `p` a row over the request's pages that sees `p + 1` tokens. Its forward gives
+    what the chunked batch's does at every token, each row's logits included."""
+    rows = [
+        (t, s + j, table)
+        for ids, s, table in zip(token_ids, starts, pages, strict=True)
+        for j, t in enumerate(ids)
+    ]
+    return ForwardBatch.build(
+        [[t] for t, _, _ in rows],
+        [p for _, p, _ in rows],
+        [r for _, _, r in rows],
+        page_size,
+        "cpu",
+    )
 
 
 @dataclass
@@ -188,6 +212,15 @@ class MTPDrafter:
         self.kv = kv
         self.num_tokens = num_tokens
         self.stats = SpecStats()
+        self.graphs = None  # SpecGraphs, once captured (Engine.capture_graphs)
+        # (request, MTP logits, drafts before) -> (draft, its distribution); `snapfn bench
+        # --modes mtp` swaps in drafts of known acceptance to time the mechanism against it
+        self.pick = draft_token
+
+    def rows_fit(self, token_ids: list[list[int]]) -> bool:
+        """Whether a step of these requests' new tokens runs one token a row: each brings at
+        most `k + 1` (see the module docstring)."""
+        return all(len(ids) <= self.num_tokens + 1 for ids in token_ids)
 
     def count(self, drafted: int, accepted: int) -> None:
         """One request's verified drafts, and how many of them were kept."""
@@ -210,23 +243,30 @@ class MTPDrafter:
             row.req.draft_ids, row.req.draft_probs = [], None
         if not rows:
             return
-        batch = ForwardBatch.build(
-            [r.tokens for r in rows],
-            [r.start for r in rows],
-            [r.req.pages for r in rows],
-            self.kv.page_size,
-            "cpu",
-            logits_per_seq=[int(r.num_drafts > 0) for r in rows],
-        )
+        tokens, starts = [r.tokens for r in rows], [r.start for r in rows]
         hidden = torch.cat([r.hidden for r in rows])
-        logits, out = self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)
-        drafting = [r for r in rows if r.num_drafts > 0]
-        last = torch.tensor([len(r.tokens) for r in rows]).cumsum(0) - 1
-        states = out[last[[i for i, r in enumerate(rows) if r.num_drafts > 0]].to(out.device)]
+        drafting_at = [i for i, r in enumerate(rows) if r.num_drafts > 0]
+        last = (torch.tensor([len(t) for t in tokens]).cumsum(0) - 1)[drafting_at]
+        if self.rows_fit(tokens):  # every row's logits; the drafting ones' last kept
+            batch = one_token_rows(tokens, starts, [r.req.pages for r in rows], self.kv.page_size)
+            logits, out = self._forward(batch, hidden, "draft_extend")
+            logits = logits[last.to(logits.device)]
+        else:
+            batch = ForwardBatch.build(
+                tokens,
+                starts,
+                [r.req.pages for r in rows],
+                self.kv.page_size,
+                "cpu",
+                logits_per_seq=[int(r.num_drafts > 0) for r in rows],
+            )
+            logits, out = self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)
+        drafting = [rows[i] for i in drafting_at]
+        states = out[last.to(out.device)]
         probs: dict[int, list[torch.Tensor]] = {id(r.req): [] for r in drafting}
         for step in range(max((r.num_drafts for r in drafting), default=0)):
             for r, row_logits in zip(drafting, logits, strict=True):
-                token, dist = draft_token(r.req, row_logits, r.req.draft_ids)
+                token, dist = self.pick(r.req, row_logits, r.req.draft_ids)
                 r.req.draft_ids.append(token)
                 probs[id(r.req)].append(dist)
             going = [i for i, r in enumerate(drafting) if r.num_drafts > step + 1]
@@ -250,4 +290,15 @@ class MTPDrafter:
             self.kv.page_size,
             "cpu",
         )
-        return self.model.draft_forward(batch.to(self.model.device), self.kv, states)
+        return self._forward(batch, states, "draft")
+
+    def _forward(
+        self, batch: ForwardBatch, hidden: torch.Tensor, use: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer 0 over one-token-a-row `batch` (on the host): its graph's replay where one
+        fits, else eagerly."""
+        if self.graphs is not None:
+            out = self.graphs.run_draft(batch, hidden, use)
+            if out is not None:
+                return out
+        return self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)

@@ -269,10 +269,8 @@ class LLMFunction:
     def uses_graphs(self) -> bool:
         """Decode runs in CUDA graphs: on CUDA, for dense models, and for MoE models where the
         backend's MoE and DSA indexer are sync-free (triton, flashinfer; not the reference).
-        Not with speculative decoding, whose steps run eagerly."""
+        With speculative decoding, the verify and draft steps' graphs (`spec_graphs.py`)."""
         if not self.device.startswith("cuda") or self.config.graph_max_batch < 1:
-            return False
-        if self.config.speculative_tokens > 0:
             return False
         from snapfn.handler.llm.engine.graphs import decode_captures
 
@@ -298,8 +296,8 @@ class LLMFunction:
             figures.update(warmup(self.model, self.engine.kv, decode, chunks))
 
     def stage_capture_graphs(self, figures: Figures) -> None:
-        if self.config.speculative_tokens > 0:  # draft, verify and draft-extend: no graphs yet
-            figures.update(speculative="eager", speculative_tokens=self.config.speculative_tokens)
+        if self.config.speculative_tokens > 0:
+            figures["speculative_tokens"] = self.config.speculative_tokens
         if self.uses_graphs():
             pool = self.memory.graph_pool() if self.memory is not None else None
             # decode kernels JIT-compile in the run before each capture: a restore must add none
@@ -308,10 +306,11 @@ class LLMFunction:
                 stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+            if stats.families:  # speculative decoding's: each family's row buckets and count
+                figures["families"] = stats.families
+                figures["graphs"] = sum(len(b) for b in stats.families.values())
         elif self.device.startswith("cuda") and self.config.graph_max_batch < 1:
             figures["skipped"] = "graph_max_batch=0: decode runs eagerly"
-        elif self.device.startswith("cuda") and self.config.speculative_tokens > 0:
-            figures["skipped"] = "speculative decoding: every decode step runs eagerly"
         elif self.device.startswith("cuda"):
             figures["skipped"] = (
                 f"{self._model_config.arch}: decode runs eagerly (backend "
