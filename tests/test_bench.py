@@ -151,3 +151,34 @@ def test_the_prefix_mode_times_a_hit_against_a_miss(tmp_path):
     # every hit found the shared prefix's full pages (the embedded model's pages: 16 tokens)
     assert all(t == result["prefix_tokens"] // 16 * 16 for t in result["hit_cached_tokens"])
     assert result["miss_cached_tokens"] == [0] * len(result["miss_cached_tokens"])
+
+
+def test_the_mtp_mode_times_each_draft_count_and_drafts_of_known_acceptance(tmp_path):
+    model = tmp_path / "glm"
+    made = subprocess.run(
+        [sys.executable, "-m", "snapfn.handler.cli", "make-model", "--preset", "glm-tiny"]
+        + ["--out", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = tmp_path / "mtp.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "snapfn.handler.cli", "bench", "--model", str(model)]
+        + ["--modes", "mtp", "--decode-tokens", "16", "--workdir", str(tmp_path / "work")]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())["modes"]["mtp"]
+    runs = {**result["by_k"], **result["known"]}
+    assert all(run["tokens_equal_k0"] for run in runs.values())  # greedy: plain decode's tokens
+    assert set(result["by_k"]) == {"k0", "k1", "k2", "k3"} and result["graphs"] is False
+    right, half = result["known"]["k3_wrong_0.0"], result["known"]["k3_wrong_0.5"]
+    assert right["acceptance_rate"] == 1.0 and right["tokens_per_step"] > 3
+    assert (
+        0 < half["acceptance_rate"] < 1 and 1 < half["tokens_per_step"] < right["tokens_per_step"]
+    )

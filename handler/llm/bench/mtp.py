@@ -3,12 +3,19 @@
 After a cold init with `speculative_tokens = max(DRAFT_COUNTS)` (this process: the MTP
 layers' KV in the pool), one engine per draft count `k` in `(0, *DRAFT_COUNTS)` over the same
 model and pool generates `--decode-tokens` greedy tokens for `BATCH` prompts, once to warm
-up, then timed. Per `k`: decode ms per step (the steps after the prefill's), tokens per step
-per request, ms per token, the speed-up in ms per token against `k = 0`, the acceptance rate
-(drafts kept over drafts verified), and whether the tokens equal `k = 0`'s (greedy must).
+up, then timed. On CUDA, where the model's decode captures, each engine runs from its CUDA
+graphs (`k = 0`: the decode graph; `k > 0`: the verify and draft graphs, `spec_graphs.py`) of
+batch `BATCH`, as a served one does. Per `k`: decode ms per step (the steps after the
+prefill's), tokens per step per request, ms per token, the speed-up in ms per token against
+`k = 0`, the acceptance rate (drafts kept over drafts verified), whether the tokens equal
+`k = 0`'s (greedy must), and the graph replays by use and eager fallbacks.
 
-A random-weight model's MTP layer rarely drafts the model's next token, so on one the figures
-show the mechanism's cost, not its speed-up.
+A random-weight model's MTP layer rarely drafts the model's next token, so its rows show the
+mechanism's cost, not a speed-up. The `known` rows time the same engine at the largest `k`
+with drafts of known acceptance: the MTP layer runs and its argmax is read as always, then
+the draft is replaced by `k = 0`'s token at that place, a share `r` of the places off by one
+(`r` in `WRONG_SHARES`, the places fixed by a hash of the position, the same for every run). They give the speed-up a checkpoint whose MTP layer
+drafts that well gets, with the acceptance each measured.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 DRAFT_COUNTS = (1, 2, 3)
 BATCH = 1
 PROMPT_TOKENS = 32
+WRONG_SHARES = (0.0, 0.2, 0.5)  # the known-acceptance drafts: the share of places drafted wrong
 
 
 def mode_mtp(args: argparse.Namespace, make_function, sync) -> dict[str, Any]:
@@ -32,24 +40,53 @@ def mode_mtp(args: argparse.Namespace, make_function, sync) -> dict[str, Any]:
         [(7919 * i + 104729 * row + 13) % vocab for i in range(PROMPT_TOKENS)]
         for row in range(BATCH)
     ]
-    runs = {k: _decode(fn.engine, k, prompts, args.decode_tokens, sync) for k in (0, *DRAFT_COUNTS)}
-    base, plain = runs[0]["ms_per_token"], runs[0]["tokens"]
-    for run in runs.values():
+    graphs = fn.uses_graphs()
+    n = args.decode_tokens
+    runs = {f"k{k}": _decode(fn.engine, k, prompts, n, sync, graphs) for k in (0, *DRAFT_COUNTS)}
+    plain = runs["k0"]["tokens"]
+    refs = {tuple(p): plain[i * n : (i + 1) * n] for i, p in enumerate(prompts)}
+    k = max(DRAFT_COUNTS)
+    known = {
+        f"k{k}_wrong_{w}": _decode(fn.engine, k, prompts, n, sync, graphs, (refs, w))
+        for w in WRONG_SHARES
+    }
+    base = runs["k0"]["ms_per_token"]
+    for run in (*runs.values(), *known.values()):
         run["speedup"] = round(base / run["ms_per_token"], 3)
-        run["tokens_equal_k0"] = run["tokens"] == plain
-    for run in runs.values():
-        del run["tokens"]
+        run["tokens_equal_k0"] = run.pop("tokens") == plain
     return {
         "batch": BATCH,
         "prompt_tokens": PROMPT_TOKENS,
-        "decode_tokens": args.decode_tokens,
-        "by_k": {f"k{k}": run for k, run in runs.items()},
+        "decode_tokens": n,
+        "graphs": graphs,
+        "by_k": runs,
+        "known": known,
     }
 
 
-def _decode(engine, k: int, prompts: list[list[int]], n: int, sync) -> dict[str, Any]:
+def _known_drafts(refs: dict[tuple[int, ...], list[int]], wrong: float, vocab: int, pick):
+    """A drafter's pick that reads the MTP layer's own pick, then drafts the plain run's token
+    at that place instead (off by one at a share `wrong` of the places)."""
+
+    def known(req, logits, drafts):
+        pick(req, logits, drafts)  # the MTP layer's draft, read as always (its host sync too)
+        index = len(req.output_ids) + len(drafts)
+        ref = refs[tuple(req.prompt_ids)]
+        token = ref[index] if index < len(ref) else 0
+        if (index * 2654435761) % 1000 < wrong * 1000:  # a place's hash, fixed: not aligned to k
+            token = (token + 1) % vocab
+        return token, logits.new_empty(0)
+
+    return known
+
+
+def _decode(
+    engine, k: int, prompts: list[list[int]], n: int, sync, graphs: bool, known=None
+) -> dict[str, Any]:
     """`n` greedy tokens for `prompts` through an engine drafting `k` (0: none) over `engine`'s
-    model and pool, warmed by one run first."""
+    model and pool (with `graphs`, from its CUDA graphs of batch `BATCH`), warmed by one run
+    first; `known`: (the plain run's tokens by prompt, the share drafted wrong) for drafts of
+    known acceptance."""
     from snapfn.handler.llm.engine.engine import Engine, SchedulerConfig
     from snapfn.handler.llm.engine.request import SamplingParams
     from snapfn.handler.llm.engine.speculative import SpecStats
@@ -63,6 +100,13 @@ def _decode(engine, k: int, prompts: list[list[int]], n: int, sync) -> dict[str,
         speculative_tokens=k,
     )
     bench = Engine(engine.model, engine.kv, sched, engine.tokenizer, engine.eos_token_ids)
+    if known is not None:
+        refs, wrong = known
+        vocab = engine.model.config.vocab_size
+        bench.drafter.pick = _known_drafts(refs, wrong, vocab, bench.drafter.pick)
+    if graphs:
+        max_seq_len = PROMPT_TOKENS + n + k + 1
+        bench.capture_graphs([len(prompts)], max_seq_len)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     bench.generate(prompts, params)  # warm-up: every shape of the run once
     if bench.drafter is not None:
@@ -70,9 +114,9 @@ def _decode(engine, k: int, prompts: list[list[int]], n: int, sync) -> dict[str,
     for prompt in prompts:
         bench.add_request(prompt, params)
     sync()
-    bench.step()  # the prefill (and the first drafts)
+    first = bench.step()  # the prefill (and the first drafts)
     sync()
-    t0, steps, tokens, outputs = time.perf_counter(), 0, 0, []
+    t0, steps, tokens, outputs = time.perf_counter(), 0, 0, list(first)
     while bench.has_work():
         outs = bench.step()
         steps += 1
@@ -81,20 +125,26 @@ def _decode(engine, k: int, prompts: list[list[int]], n: int, sync) -> dict[str,
     sync()
     seconds = time.perf_counter() - t0
     stats = bench.spec_stats() or {"acceptance_rate": None}
+    by_request: dict[str, list[int]] = {}
+    for o in outputs:
+        by_request.setdefault(o.request_id, []).extend(o.new_token_ids)
+    graph_stats = bench.graph_stats
     return {
         "decode_ms_per_step": round(seconds / steps * 1e3, 3),
         "decode_steps": steps,
         "tokens_per_step": round(tokens / steps / len(prompts), 3),
         "ms_per_token": round(seconds / tokens * len(prompts) * 1e3, 3),
         "acceptance_rate": stats["acceptance_rate"],
-        "tokens": [t for o in outputs for t in o.new_token_ids],
+        "graphs": graph_stats.to_json() if graph_stats is not None else None,
+        "tokens": [t for ids in by_request.values() for t in ids],
     }
 
 
 def brief(result: dict[str, Any]) -> str:
     """One line of the report for the mode's result."""
+    runs = {**result["by_k"], **result.get("known", {})}
     return "; ".join(
         f"{k}: {r['decode_ms_per_step']} ms/step, {r['tokens_per_step']} tokens/step, "
         f"{r['speedup']}x, acceptance {r['acceptance_rate']}"
-        for k, r in result["by_k"].items()
+        for k, r in runs.items()
     )
