@@ -177,6 +177,8 @@ def test_the_mtp_mode_times_each_draft_count_and_drafts_of_known_acceptance(tmp_
     runs = {**result["by_k"], **result["known"]}
     assert all(run["tokens_equal_k0"] for run in runs.values())  # greedy: plain decode's tokens
     assert set(result["by_k"]) == {"k0", "k1", "k2", "k3"} and result["graphs"] is False
+    assert all(run["tokens_equal_own"] for run in result["known"].values())
+    assert result["k0_batch4_first_difference"] is None  # float32 on CPU: the same bits
     right, half = result["known"]["k3_wrong_0.0"], result["known"]["k3_wrong_0.5"]
     assert right["acceptance_rate"] == 1.0 and right["tokens_per_step"] > 3
     assert (

@@ -5,6 +5,7 @@ its stages in their order, and a stream that fails after the warmup began still 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from snapfn.handler.llm.init_config import InitConfig
 from snapfn.handler.llm.recipes.function import LLMFunction
@@ -81,3 +82,31 @@ def test_several_ranks_and_a_dropped_plan_restore_in_turn(tmp_path):
     fn = LLMFunction(config(tmp_path, True), None)
     fn.cache_drift = "another GPU"  # its plan is measured again, with the weights in
     assert not fn._overlaps_stream()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_on_cuda_the_overlapped_restore_gives_the_same_bits(llama_with_tokenizer, tmp_path):
+    """The warmup runs kernels over parameters the stream is still filling (zeroed first); the
+    restored engine's logits are the restore in turn's all the same."""
+    from dataclasses import replace
+
+    from parity import greedy
+
+    def cuda(overlap: bool) -> InitConfig:
+        return replace(config(tmp_path, overlap), device="cuda")
+
+    init_and_snapshot(LLMFunction(cuda(False), llama_with_tokenizer), tmp_path / "snap", log=None)
+    out = {}
+    for overlap in (False, True):
+        fn, startup = restore(
+            lambda o=overlap: LLMFunction(cuda(o), llama_with_tokenizer),
+            tmp_path / "snap",
+            log=None,
+        )
+        assert startup.tier == "portable" and not startup.fallbacks
+        prompt = fn.engine.tokenizer.encode("Hello there")
+        (result,) = fn.engine.generate([prompt], greedy(8))
+        out[overlap] = (result.token_ids, result.logprobs, fn.health)
+        fn.release()
+    assert out[True] == out[False]

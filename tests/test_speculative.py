@@ -95,17 +95,24 @@ def test_greedy_equals_the_plain_engine(glm_dirs, model, k):
 
 
 def oracle(monkeypatch, refs: dict[tuple[int, ...], list[int]], wrong_every: int):
-    """Drafts are the plain run's tokens (`refs` by prompt), each `wrong_every`-th one off by 1."""
+    """Drafts are the plain run's tokens (`refs` by prompt), each `wrong_every`-th one off by 1:
+    the MTP layer drafts as always, then its drafts are replaced (greedy requests only)."""
+    propose = speculative.MTPDrafter.propose
 
-    def draft_token(req, logits, drafts):
-        index = len(req.output_ids) + len(drafts)
-        ref = refs[tuple(req.prompt_ids)]
-        token = ref[index] if index < len(ref) else 0
-        if wrong_every and index % wrong_every == wrong_every - 1:
-            token = (token + 1) % VOCAB
-        return token, torch.empty(0)
+    def known(self, rows):
+        propose(self, rows)
+        for row in rows:
+            req, ref = row.req, refs[tuple(row.req.prompt_ids)]
+            start = len(req.output_ids)
+            drafts = []
+            for index in range(start, start + len(req.draft_ids)):
+                token = ref[index] if index < len(ref) else 0
+                if wrong_every and index % wrong_every == wrong_every - 1:
+                    token = (token + 1) % VOCAB
+                drafts.append(token)
+            req.draft_ids = drafts
 
-    monkeypatch.setattr(speculative, "draft_token", draft_token)
+    monkeypatch.setattr(speculative.MTPDrafter, "propose", known)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3, 5])

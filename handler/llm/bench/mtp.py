@@ -7,15 +7,24 @@ up, then timed. On CUDA, where the model's decode captures, each engine runs fro
 graphs (`k = 0`: the decode graph; `k > 0`: the verify and draft graphs, `spec_graphs.py`) of
 batch `BATCH`, as a served one does. Per `k`: decode ms per step (the steps after the
 prefill's), tokens per step per request, ms per token, the speed-up in ms per token against
-`k = 0`, the acceptance rate (drafts kept over drafts verified), whether the tokens equal
-`k = 0`'s (greedy must), and the graph replays by use and eager fallbacks.
+`k = 0`, the acceptance rate (drafts kept over drafts verified), the graph replays by use and
+eager fallbacks, and where its tokens first differ from `k = 0`'s.
 
 A random-weight model's MTP layer rarely drafts the model's next token, so its rows show the
-mechanism's cost, not a speed-up. The `known` rows time the same engine at the largest `k`
-with drafts of known acceptance: the MTP layer runs and its argmax is read as always, then
-the draft is replaced by `k = 0`'s token at that place, a share `r` of the places off by one
-(`r` in `WRONG_SHARES`, the places fixed by a hash of the position, the same for every run). They give the speed-up a checkpoint whose MTP layer
-drafts that well gets, with the acceptance each measured.
+mechanism's cost, not a speed-up. The `known` rows time the engine of the largest `k` with
+drafts of known acceptance: the MTP layer runs and its drafts are read back as always, then
+replaced by that engine's own greedy tokens at their places (the `k` row's), a share `r` of
+the places off by one (`r` in `WRONG_SHARES`, the places fixed by a hash of the position).
+They give the speed-up a checkpoint whose MTP layer drafts that well gets, with the acceptance
+each measured.
+
+Greedy speculative output is plain decode's wherever the kernels give a row the same bits
+whatever rows share its batch (CPU, float32; tests/test_speculative.py). With bf16 or FP8 on
+a GPU, the verify's rows run batched GEMMs where plain batch-1 decode runs GEMVs, as plain
+decode does once a second request joins: two figures put a first difference in that light,
+plain decode's own (`k0_batch4_first_difference`: its prompt as one of 4 rows of a batch) and
+how near a tie `k = 0`'s pick was there (`k0_top2_gap_there`: its logprob over the
+runner-up's, beside the run's median).
 """
 
 from __future__ import annotations
@@ -43,9 +52,9 @@ def mode_mtp(args: argparse.Namespace, make_function, sync) -> dict[str, Any]:
     graphs = fn.uses_graphs()
     n = args.decode_tokens
     runs = {f"k{k}": _decode(fn.engine, k, prompts, n, sync, graphs) for k in (0, *DRAFT_COUNTS)}
-    plain = runs["k0"]["tokens"]
-    refs = {tuple(p): plain[i * n : (i + 1) * n] for i, p in enumerate(prompts)}
-    k = max(DRAFT_COUNTS)
+    plain, k = runs["k0"]["tokens"], max(DRAFT_COUNTS)
+    own = runs[f"k{k}"]["tokens"]  # the drafts of known acceptance are this engine's own tokens
+    refs = {tuple(p): own[i * n : (i + 1) * n] for i, p in enumerate(prompts)}
     known = {
         f"k{k}_wrong_{w}": _decode(fn.engine, k, prompts, n, sync, graphs, (refs, w))
         for w in WRONG_SHARES
@@ -53,7 +62,15 @@ def mode_mtp(args: argparse.Namespace, make_function, sync) -> dict[str, Any]:
     base = runs["k0"]["ms_per_token"]
     for run in (*runs.values(), *known.values()):
         run["speedup"] = round(base / run["ms_per_token"], 3)
-        run["tokens_equal_k0"] = run.pop("tokens") == plain
+        run["first_difference_from_k0"] = _first_difference(run["tokens"], plain)
+    for run in known.values():
+        run["tokens_equal_own"] = run["tokens"] == own
+    gaps = _top2_gaps(fn.engine, prompts[0], n, graphs)
+    for run in (*runs.values(), *known.values()):
+        at = run["first_difference_from_k0"]
+        run["tokens_equal_k0"] = at is None
+        run["k0_top2_gap_there"] = round(gaps[at], 5) if at is not None else None
+        del run["tokens"]
     return {
         "batch": BATCH,
         "prompt_tokens": PROMPT_TOKENS,
@@ -61,23 +78,77 @@ def mode_mtp(args: argparse.Namespace, make_function, sync) -> dict[str, Any]:
         "graphs": graphs,
         "by_k": runs,
         "known": known,
+        # plain decode's own spread: the first prompt as 4 rows of one batch against batch 1
+        "k0_batch4_first_difference": _batch_difference(fn.engine, prompts[0], n, graphs, plain),
+        "k0_top2_gap_median": round(sorted(gaps)[len(gaps) // 2], 5),
     }
 
 
-def _known_drafts(refs: dict[tuple[int, ...], list[int]], wrong: float, vocab: int, pick):
-    """A drafter's pick that reads the MTP layer's own pick, then drafts the plain run's token
-    at that place instead (off by one at a share `wrong` of the places)."""
+def _first_difference(tokens: list[int], want: list[int]) -> int | None:
+    """The first place where `tokens` is not `want`; None where they are equal."""
+    at = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None)
+    return at if at is not None or len(tokens) == len(want) else min(len(tokens), len(want))
 
-    def known(req, logits, drafts):
-        pick(req, logits, drafts)  # the MTP layer's draft, read as always (its host sync too)
-        index = len(req.output_ids) + len(drafts)
-        ref = refs[tuple(req.prompt_ids)]
-        token = ref[index] if index < len(ref) else 0
-        if (index * 2654435761) % 1000 < wrong * 1000:  # a place's hash, fixed: not aligned to k
-            token = (token + 1) % vocab
-        return token, logits.new_empty(0)
 
-    return known
+def _plain_engine(engine, graphs: bool, batch: int, max_seq_len: int):
+    from snapfn.handler.llm.engine.engine import Engine, SchedulerConfig
+
+    sched = SchedulerConfig(
+        page_size=engine.kv.page_size,
+        max_num_batched_tokens=engine.scheduler.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        prefix_caching=False,
+    )
+    plain = Engine(engine.model, engine.kv, sched, engine.tokenizer, engine.eos_token_ids)
+    if graphs:
+        plain.capture_graphs([batch], max_seq_len)
+    return plain
+
+
+def _top2_gaps(engine, prompt: list[int], n: int, graphs: bool) -> list[float]:
+    """Plain decode's margin at each token of `prompt`'s greedy output: its logprob over the
+    runner-up's (how near a tie each pick was)."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+
+    plain = _plain_engine(engine, graphs, 1, PROMPT_TOKENS + n + 1)
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True, top_logprobs=2)
+    plain.add_request(prompt, params)
+    tops = []
+    while plain.has_work():
+        tops += [top for out in plain.step() for top in out.new_top_logprobs]
+    return [top[0][1] - top[1][1] for top in tops]
+
+
+def _batch_difference(engine, prompt: list[int], n: int, graphs: bool, want: list[int]):
+    """Where plain greedy decode of `prompt` as row 0 of a batch of 4 copies first differs from
+    batch 1's tokens `want` (None: nowhere)."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+
+    plain = _plain_engine(engine, graphs, 4, PROMPT_TOKENS + n + 1)
+    results = plain.generate([prompt] * 4, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return _first_difference(list(results[0].token_ids), want[:n])
+
+
+def _known_drafts(drafter, refs: dict[tuple[int, ...], list[int]], wrong: float, vocab: int):
+    """`drafter` drafting as always (the MTP layer's forwards and its drafts read back), then
+    its drafts replaced by the tokens of `refs` at their places (off by one at a share
+    `wrong` of the places)."""
+    propose = drafter.propose
+
+    def known(rows) -> None:
+        propose(rows)
+        for row in rows:
+            req, ref = row.req, refs[tuple(row.req.prompt_ids)]
+            start = len(req.output_ids)
+            drafts = []
+            for index in range(start, start + len(req.draft_ids)):
+                token = ref[index] if index < len(ref) else 0
+                if (index * 2654435761) % 1000 < wrong * 1000:  # a place's hash: not aligned to k
+                    token = (token + 1) % vocab
+                drafts.append(token)
+            req.draft_ids = drafts
+
+    drafter.propose = known
 
 
 def _decode(
@@ -102,8 +173,7 @@ def _decode(
     bench = Engine(engine.model, engine.kv, sched, engine.tokenizer, engine.eos_token_ids)
     if known is not None:
         refs, wrong = known
-        vocab = engine.model.config.vocab_size
-        bench.drafter.pick = _known_drafts(refs, wrong, vocab, bench.drafter.pick)
+        _known_drafts(bench.drafter, refs, wrong, engine.model.config.vocab_size)
     if graphs:
         max_seq_len = PROMPT_TOKENS + n + k + 1
         bench.capture_graphs([len(prompts)], max_seq_len)

@@ -338,6 +338,7 @@ class Engine:
             rows = _logit_rows(batch, starts, num_drafts)
         outputs: dict[str, RequestOutput] = {}
         plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
+        picks = _argmax_picks(logits, reqs, num_drafts, rows)
         for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
             if _scores_prompt(req):
                 self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
@@ -350,10 +351,17 @@ class Engine:
                 plain.append((req, mine[-1]))
                 continue
             req.draft_ids = req.draft_ids[:d]
-            tokens = verify_request(req, mine)
+            if picks is not None and _argmax_verified(req):
+                best, logprobs = (p[rows[i] : rows[i] + 1 + d] for p in picks)
+                kept = next((j for j, t in enumerate(req.draft_ids) if t != best[j]), d)
+                tokens = [*req.draft_ids[:kept], best[kept]]
+                out = self._append_picked(req, tokens, logprobs)
+            else:
+                tokens = verify_request(req, mine)
+                out = self._append_verified(req, tokens, mine)
             self.drafter.count(d, len(tokens) - 1)
             req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
-            outputs[req.request_id] = self._append_verified(req, tokens, mine)
+            outputs[req.request_id] = out
         if plain:
             picks = sample(torch.stack([r for _, r in plain]), [q for q, _ in plain], self._picks)
             for (req, _), t, lp, top in zip(
@@ -371,6 +379,15 @@ class Engine:
             if out is not None:
                 return out
         return self.model.forward_hidden(batch.to(self.model.device), self.kv)
+
+    def _append_picked(self, req: Request, tokens: list[int], logprobs: list[float]):
+        """Append `tokens` (their logprobs given), up to where `req` ends; one output."""
+        outs = []
+        for token, lp in zip(tokens, logprobs, strict=False):
+            outs.append(self._append(req, token, lp))
+            if req.finished:
+                break
+        return merge_outputs(outs)
 
     def _append_verified(
         self, req: Request, tokens: list[int], rows: torch.Tensor
@@ -611,6 +628,23 @@ class Engine:
         flag = torch.tensor([int(busy)], device=self.model.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _argmax_verified(req: Request) -> bool:
+    """Whether `req`'s verify is the argmax of the raw logits and its logprob alone."""
+    return req.params.plain_greedy
+
+
+def _argmax_picks(
+    logits: torch.Tensor, reqs: list[Request], num_drafts: list[int], rows: list[int]
+) -> tuple[list[int], list[float]] | None:
+    """Every row's argmax and its logprob, read back at once, where a request with drafts is
+    verified by the argmax (None where none is: their rows are read one by one)."""
+    if not any(d and _argmax_verified(r) for r, d in zip(reqs, num_drafts, strict=True)):
+        return None
+    best = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]
+    return best.tolist(), logprobs.tolist()
 
 
 def _logit_rows(batch: ForwardBatch, starts: list[int], num_drafts: list[int]) -> list[int]:

@@ -64,11 +64,12 @@ class DraftGraphs(DecodeGraphs):
         return out[0][:b], out[1][:b]
 
     def replay_draft(
-        self, batch: ForwardBatch, n: int, hidden: torch.Tensor
+        self, batch: ForwardBatch, n: int, hidden: torch.Tensor, input_ids=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`batch`'s rows with `hidden [b, H]` their states, through bucket `n`'s graph."""
+        """`batch`'s rows with `hidden [b, H]` their states (and `input_ids`, on the device,
+        their tokens), through bucket `n`'s graph."""
         self.hidden[: hidden.shape[0]].copy_(hidden)
-        return self.replay(batch, n)
+        return self.replay(batch, n, input_ids)
 
 
 class SpecGraphs:
@@ -106,16 +107,16 @@ class SpecGraphs:
         return self.verify.replay(batch, n)
 
     def run_draft(
-        self, batch: ForwardBatch, hidden: torch.Tensor, use: str
+        self, batch: ForwardBatch, hidden: torch.Tensor, use: str, input_ids=None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A draft-extend or draft step (`use`) of one-token-a-row `batch` from its graph;
-        None where none fits."""
+        """A draft-extend or draft step (`use`) of one-token-a-row `batch` from its graph
+        (`input_ids` on the device in place of its tokens); None where none fits."""
         n = self.draft.bucket_for(batch)
         if n is None:
             self.stats.eager_fallbacks += 1
             return None
         self._count(use)
-        return self.draft.replay_draft(batch, n, hidden)
+        return self.draft.replay_draft(batch, n, hidden, input_ids)
 
     def _count(self, use: str) -> None:
         self.stats.replays += 1

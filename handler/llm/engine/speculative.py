@@ -40,6 +40,7 @@ tokens (`Scheduler.computed`), so the entries are the same for every request tha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -213,9 +214,6 @@ class MTPDrafter:
         self.num_tokens = num_tokens
         self.stats = SpecStats()
         self.graphs = None  # SpecGraphs, once captured (Engine.capture_graphs)
-        # (request, MTP logits, drafts before) -> (draft, its distribution); `snapfn bench
-        # --modes mtp` swaps in drafts of known acceptance to time the mechanism against it
-        self.pick = draft_token
 
     def rows_fit(self, token_ids: list[list[int]]) -> bool:
         """Whether a step of these requests' new tokens runs one token a row: each brings at
@@ -250,7 +248,7 @@ class MTPDrafter:
         if self.rows_fit(tokens):  # every row's logits; the drafting ones' last kept
             batch = one_token_rows(tokens, starts, [r.req.pages for r in rows], self.kv.page_size)
             logits, out = self._forward(batch, hidden, "draft_extend")
-            logits = logits[last.to(logits.device)]
+            logits = logits[_on(last, logits.device)]
         else:
             batch = ForwardBatch.build(
                 tokens,
@@ -262,11 +260,14 @@ class MTPDrafter:
             )
             logits, out = self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)
         drafting = [rows[i] for i in drafting_at]
-        states = out[last.to(out.device)]
+        states = out[_on(last, out.device)]
+        if drafting and all(_argmax_drafts(r.req) for r in drafting):
+            self._propose_on_device(drafting, logits, states)
+            return
         probs: dict[int, list[torch.Tensor]] = {id(r.req): [] for r in drafting}
         for step in range(max((r.num_drafts for r in drafting), default=0)):
             for r, row_logits in zip(drafting, logits, strict=True):
-                token, dist = self.pick(r.req, row_logits, r.req.draft_ids)
+                token, dist = draft_token(r.req, row_logits, r.req.draft_ids)
                 r.req.draft_ids.append(token)
                 probs[id(r.req)].append(dist)
             going = [i for i, r in enumerate(drafting) if r.num_drafts > step + 1]
@@ -277,6 +278,31 @@ class MTPDrafter:
         for r in rows:
             if r.num_drafts > 0 and not r.req.params.greedy:
                 r.req.draft_probs = torch.stack(probs[id(r.req)])
+
+    def _propose_on_device(
+        self, rows: list[DraftRow], logits: torch.Tensor, states: torch.Tensor
+    ) -> None:
+        """Every drafting request drafts the argmax of the raw logits: each draft stays on the
+        device as the next draft step's input, and all are read back at once. A request whose
+        drafts are done rides along on the scratch page, so every step keeps its rows (its
+        output is not read)."""
+        picks = [logits.argmax(dim=-1)]  # draft 1 of each request
+        scratch = [self.kv.scratch_page]
+        for step in range(1, max(r.num_drafts for r in rows)):
+            going = [r.num_drafts > step for r in rows]
+            at = [r.start + len(r.tokens) + step - 1 for r in rows]  # its last draft's place
+            batch = ForwardBatch.build(
+                [[0]] * len(rows),  # replaced by the last drafts, on the device
+                [p if g else 0 for p, g in zip(at, going, strict=True)],
+                [r.req.pages if g else scratch for r, g in zip(rows, going, strict=True)],
+                self.kv.page_size,
+                "cpu",
+            )
+            logits, states = self._forward(batch, states, "draft", input_ids=picks[-1])
+            picks.append(logits.argmax(dim=-1))
+        drafts = torch.stack(picks, dim=1).tolist()  # the one wait for the GPU
+        for r, ids in zip(rows, drafts, strict=True):
+            r.req.draft_ids = ids[: r.num_drafts]
 
     def _draft_step(
         self, rows: list[DraftRow], states: torch.Tensor
@@ -293,12 +319,32 @@ class MTPDrafter:
         return self._forward(batch, states, "draft")
 
     def _forward(
-        self, batch: ForwardBatch, hidden: torch.Tensor, use: str
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        use: str,
+        input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP layer 0 over one-token-a-row `batch` (on the host): its graph's replay where one
-        fits, else eagerly."""
+        """MTP layer 0 over one-token-a-row `batch` (on the host; `input_ids` on the device in
+        place of its tokens): its graph's replay where one fits, else eagerly."""
         if self.graphs is not None:
-            out = self.graphs.run_draft(batch, hidden, use)
+            out = self.graphs.run_draft(batch, hidden, use, input_ids)
             if out is not None:
                 return out
-        return self.model.draft_forward(batch.to(self.model.device), self.kv, hidden)
+        moved = batch.to(self.model.device)
+        if input_ids is not None:
+            moved = dataclasses.replace(moved, input_ids=input_ids)
+        return self.model.draft_forward(moved, self.kv, hidden)
+
+
+def _argmax_drafts(req: Request) -> bool:
+    """Whether `req`'s drafts are the argmax of the MTP layer's raw logits."""
+    return req.params.greedy and not req.params.shapes_logits
+
+
+def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device` without the host waiting for the GPU (a pageable copy
+    to the GPU would wait for the stream's work before it)."""
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
