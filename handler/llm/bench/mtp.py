@@ -206,8 +206,31 @@ def _decode(
         "ms_per_token": round(seconds / tokens * len(prompts) * 1e3, 3),
         "acceptance_rate": stats["acceptance_rate"],
         "graphs": graph_stats.to_json() if graph_stats is not None else None,
+        "gpu_ms_per_step": _gpu_ms_per_step(bench, prompts, params) if graphs else None,
         "tokens": [t for ids in by_request.values() for t in ids],
     }
+
+
+def _gpu_ms_per_step(bench, prompts: list[list[int]], params) -> float | None:
+    """The GPU's own time (kernels and copies, from the profiler's trace) per decode step of
+    one more generation: the rest of a step's wall time is the host's. None where the trace
+    has no device events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for prompt in prompts:
+        bench.add_request(prompt, params)
+    bench.step()  # the prefill, outside the trace
+    torch.cuda.synchronize()
+    steps = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        while bench.has_work():
+            bench.step()
+            steps += 1
+        torch.cuda.synchronize()
+    device = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in device)
+    return round(busy_us / steps / 1e3, 3) if device and steps else None
 
 
 def brief(result: dict[str, Any]) -> str:

@@ -338,7 +338,7 @@ class Engine:
             rows = _logit_rows(batch, starts, num_drafts)
         outputs: dict[str, RequestOutput] = {}
         plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
-        picks = _argmax_picks(logits, reqs, num_drafts, rows)
+        picks = _argmax_picks(logits, reqs, num_drafts, self._picks)
         for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
             if _scores_prompt(req):
                 self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
@@ -636,15 +636,16 @@ def _argmax_verified(req: Request) -> bool:
 
 
 def _argmax_picks(
-    logits: torch.Tensor, reqs: list[Request], num_drafts: list[int], rows: list[int]
+    logits: torch.Tensor, reqs: list[Request], num_drafts: list[int], picks
 ) -> tuple[list[int], list[float]] | None:
-    """Every row's argmax and its logprob, read back at once, where a request with drafts is
-    verified by the argmax (None where none is: their rows are read one by one)."""
+    """Every row's argmax and its logprob by `picks` (the plain loop's, so that a tie breaks
+    as there), read back at once, where a request with drafts is verified by the argmax (None
+    where none is: their rows are read one by one)."""
     if not any(d and _argmax_verified(r) for r, d in zip(reqs, num_drafts, strict=True)):
         return None
-    best = logits.argmax(dim=-1)
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]
-    return best.tolist(), logprobs.tolist()
+    _, pairs = picks(logits)
+    pairs = pairs.tolist()  # (token id, logprob) a row: one copy
+    return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
 
 
 def _logit_rows(batch: ForwardBatch, starts: list[int], num_drafts: list[int]) -> list[int]:
