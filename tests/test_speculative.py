@@ -293,6 +293,50 @@ def test_one_token_rows_give_the_chunks_logits_and_hidden_states(glm_dirs):
     torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=1e-4)
 
 
+def finished_requests(eng, prompts, params):
+    """Every request of one run, as it finished (its prompt logprobs and alternatives kept)."""
+    kept, forget = {}, eng._forget
+
+    def keep(req):
+        kept[req.request_id] = req
+        forget(req)
+
+    eng._forget = keep
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    while eng.has_work():
+        eng.step()
+    return [kept[i] for i in ids]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("tokens", [2048, 3])
+def test_mixed_requests_give_the_plain_engines_outputs(glm_dirs, k, tokens):
+    """One-token prompts, prompts of at most k + 1 tokens (a token a row) and longer ones, in a
+    3-token budget or not, with prompt logprobs, alternatives, biases, a stop token, penalties
+    and a single token: what the plain engine gives, field by field."""
+    prompts = random_prompts(VOCAB, [1, 2, 3, 4, 5, 17], seed=3)
+    params = [
+        SamplingParams(max_new_tokens=9, prompt_logprobs=1),
+        SamplingParams(max_new_tokens=9, top_logprobs=3),
+        SamplingParams(max_new_tokens=9, logit_bias=((5, 3.0), (7, -2.0))),
+        SamplingParams(max_new_tokens=9, stop_token_ids=(11,), prompt_logprobs=2),
+        SamplingParams(max_new_tokens=1),
+        SamplingParams(max_new_tokens=12, repetition_penalty=1.2, top_logprobs=1),
+    ]
+    want = finished_requests(engine(glm_dirs["mtp"]), prompts, params)
+    got = finished_requests(engine(glm_dirs["mtp"], k, tokens=tokens), prompts, params)
+    for a, b in zip(got, want, strict=True):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        prompt_a = [x for x in a.prompt_logprobs if x is not None]
+        prompt_b = [x for x in b.prompt_logprobs if x is not None]
+        torch.testing.assert_close(prompt_a, prompt_b, atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [
+            [t for t, _ in top] for top in b.top_logprobs
+        ]
+    assert [len(r.prompt_logprobs) for r in got] == [1, 0, 0, 4, 0, 0]
+
+
 def test_spec_buckets_cover_every_verify_and_draft_step():
     from snapfn.handler.llm.engine.spec_graphs import spec_buckets
 
