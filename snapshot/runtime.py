@@ -46,8 +46,10 @@ from typing import Any, Protocol
 
 from snapfn.snapshot.errors import InitFailed, SnapfnError, bad_snapshot, one_line
 from snapfn.snapshot.function import SnapshotFunction
+from snapfn.snapshot.portable import pagecache
 from snapfn.snapshot.portable.compat import LAYOUT_FIELDS, cache_drift, compat_key
 from snapfn.snapshot.portable.format import parse_manifest, read_manifest, validate_snapshot
+from snapfn.snapshot.portable.pagecache import ReadAhead
 from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
 
@@ -154,6 +156,7 @@ def restore(
     runner = StageRunner(StartupManifest(kind="restore", tier="portable"), log=log)
     runner.manifest.info["versions"] = _versions()
     raw = arriving.manifest_bytes if arriving is not None else None
+    ahead = _read_ahead(fn, snapshot_dir, arriving)
     try:
         # NOTE: the environment (CUDA_MODULE_LOADING, compile-cache dirs) is set before the
         # validation below, whose compat key is the first thing to import torch.
@@ -170,10 +173,15 @@ def restore(
             runner.run(name, stage)
         if arriving is not None:
             runner.run("download", arriving.finish)
+        if ahead is not None:
+            runner.manifest.info["read_ahead"] = ahead.figures()
         return fn, runner.finish(ok=True)
     except Exception as exc:  # any failure of any stage: never serve from this snapshot
         failed = runner.manifest.stages[-1].name if runner.manifest.stages else "start"
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if ahead is not None:
+            ahead.stop()  # what it read is not trusted for anything: the stream checks bytes
+            runner.manifest.info["read_ahead"] = ahead.figures()
         if arriving is not None:
             arriving.release()
         join = getattr(fn, "join_failed_restore", None)
@@ -191,6 +199,17 @@ def restore(
     if rewrite_on_fallback and arriving is None:
         _rewrite(cold, snapshot_dir, startup, log)
     return cold, startup
+
+
+def _read_ahead(fn: SnapshotFunction, snapshot_dir: Path, arriving) -> ReadAhead | None:
+    """The files the restore of `fn` will read (its `restore_reads`), started into the page
+    cache while the first stages run (nothing while the snapshot is still arriving: the pull
+    writes them). Advice only: the bytes are checked where the restore reads them."""
+    reads = getattr(fn, "restore_reads", None)
+    if reads is None or arriving is not None:
+        return None
+    paths = reads(snapshot_dir)
+    return pagecache.read_ahead(paths) if paths else None
 
 
 def _fallback_function(make_fn, fallback, recorded, refused) -> SnapshotFunction:

@@ -69,3 +69,46 @@ def test_drop_lowers_residency(files):
 def test_drop_with_nothing_resident(files):
     drop(files)
     assert drop([files[2]])  # an empty file: nothing to drop, nothing left
+
+
+def finished(job, timeout_s: float = 10.0):
+    job._thread.join(timeout_s)
+    assert not job._thread.is_alive()
+    return job.figures()
+
+
+def test_read_ahead_reads_dropped_files_and_skips_resident_ones(files):
+    from snapfn.snapshot.portable.pagecache import read_ahead
+
+    prewarm(files)
+    assert read_ahead(files).figures() == {"skipped": "100% resident already"}
+    if not drop(files):
+        pytest.skip(f"posix_fadvise(DONTNEED) is ignored on {filesystem_of(files[0])}")
+    figures = finished(read_ahead(files))
+    assert figures["done"] and figures["read_bytes"] == sum(p.stat().st_size for p in files)
+    assert residency(files).fraction >= 0.99
+
+
+def test_read_ahead_starts_nothing_past_the_free_memory_or_without_files(files, monkeypatch):
+    from snapfn.snapshot.portable import pagecache
+
+    drop(files)
+    if residency(files).fraction >= pagecache.READ_AHEAD_RESIDENT:
+        pytest.skip(f"posix_fadvise(DONTNEED) is ignored on {filesystem_of(files[0])}")
+    monkeypatch.setattr(pagecache, "_mem_available", lambda: 1 << 20)  # 1 MB free
+    assert "of memory free" in pagecache.read_ahead(files).figures()["skipped"]
+    assert pagecache.read_ahead([]).figures() == {"skipped": "no files"}
+
+
+def test_a_stopped_read_ahead_ends_between_blocks(tmp_path, monkeypatch):
+    from snapfn.snapshot.portable import pagecache
+
+    big = write_synced(tmp_path / "big", 8 << 20)
+    drop([big])
+    if residency([big]).fraction >= pagecache.READ_AHEAD_RESIDENT:
+        pytest.skip(f"posix_fadvise(DONTNEED) is ignored on {filesystem_of(big)}")
+    monkeypatch.setattr(pagecache, "READ_AHEAD_BLOCK", 1 << 20)
+    job = pagecache.ReadAhead([big])
+    job.stop()  # before it starts: it reads nothing
+    job._start()
+    assert finished(job) == {"read_bytes": 0, "done": True, "seconds": job.figures()["seconds"]}

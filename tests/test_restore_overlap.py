@@ -1,6 +1,9 @@
-"""A tier-0 restore that makes and warms its KV pool while the weights stream
-(`InitConfig.restore_overlap`, recipes/function.py): the same answer as the restore in turn,
-its stages in their order, and a stream that fails after the warmup began still refused."""
+"""What a tier-0 restore runs beside its stages. The KV pool and warmup while the weights
+stream (`InitConfig.restore_overlap`, recipes/function.py): the same answer as the restore in
+turn, its stages in their order, and a stream that fails after the warmup began still refused.
+The weights file read into the page cache from the restore's start
+(`InitConfig.restore_read_ahead`, snapshot/runtime.py): read where it was dropped, skipped
+where resident, off when switched off, the answer the same."""
 
 from __future__ import annotations
 
@@ -110,3 +113,26 @@ def test_on_cuda_the_overlapped_restore_gives_the_same_bits(llama_with_tokenizer
         out[overlap] = (result.token_ids, result.logprobs, fn.health)
         fn.release()
     assert out[True] == out[False]
+
+
+def test_the_weights_file_is_read_ahead_where_the_page_cache_dropped_it(made, tmp_path):
+    from dataclasses import replace
+
+    from snapfn.snapshot.portable.pagecache import drop, residency
+
+    model_dir, snap = made
+    weights = snap / "weights" / "rank0.bin"
+    runs = {}
+    for name, ahead, dropped in (("cold", True, True), ("warm", True, False), ("off", False, True)):
+        if dropped and not drop([weights]):
+            pytest.skip("posix_fadvise(DONTNEED) is ignored on this filesystem")
+        cfg = replace(config(tmp_path / name, False), restore_read_ahead=ahead)
+        fn, startup = restore(lambda c=cfg: LLMFunction(c, model_dir), snap, log=None)
+        assert startup.tier == "portable" and not startup.fallbacks
+        runs[name] = (startup.info.get("read_ahead"), fn.health)
+        fn.release()
+    assert runs["cold"][0]["read_bytes"] <= weights.stat().st_size
+    assert runs["warm"][0] == {"skipped": "100% resident already"}
+    assert runs["off"][0] is None
+    assert runs["cold"][1] == runs["warm"][1] == runs["off"][1]  # the init's token, each time
+    assert residency([weights]).fraction >= 0.99

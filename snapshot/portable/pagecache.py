@@ -8,6 +8,12 @@ Contract:
 - `prewarm(paths)` reads every byte of every file with a pool of threads, each read one
   `block_bytes` range (`os.preadv` into a reusable per-thread buffer), so that a later restore
   reads from memory instead of disk. It reports bytes, seconds, GB/s and residency before/after.
+- `read_ahead(paths)` reads the files into the page cache on a daemon thread, in order, one
+  `READ_AHEAD_BLOCK` at a time into one reused buffer, and returns at once, so that a
+  restore's first stages (its interpreter's imports) run while the disk reads. (Not
+  `POSIX_FADV_WILLNEED`: the kernel caps one advice at its readahead window, a few MB.) It
+  starts nothing where the files are mostly resident already or would not fit the memory the
+  kernel has free (they would evict each other), and says which.
 - `drop(paths)` asks the kernel to evict the files' clean pages (`POSIX_FADV_DONTNEED`; no fsync
   is done, so dirty pages stay) and says whether residency actually went down. Writing "1" to
   /proc/sys/vm/drop_caches (every clean page of every file on the host) happens only when the
@@ -145,6 +151,98 @@ def _read_all(paths: list[Path], num_threads: int, block_bytes: int) -> int:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+READ_AHEAD_BLOCK = 8 << 20  # bytes one read of the read-ahead takes: it notices a stop between
+READ_AHEAD_RESIDENT = 0.9  # resident share above which a read-ahead starts nothing
+READ_AHEAD_MEMORY_SHARE = 0.5  # of MemAvailable, the most a read-ahead may ask for
+
+
+class ReadAhead:
+    """A `read_ahead` in flight: `stop()` ends it between ranges; `figures()` says what it did."""
+
+    def __init__(self, paths: list[Path], skipped: str | None = None) -> None:
+        self.paths = paths
+        self.skipped = skipped
+        self.read_bytes = 0
+        self.seconds = 0.0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="snapfn-readahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        buf = memoryview(bytearray(READ_AHEAD_BLOCK))
+        try:
+            for path in self.paths:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    offset = 0
+                    while not self._stop.is_set():
+                        got = os.preadv(fd, [buf], offset)  # the GIL is let go while it reads
+                        if got == 0:
+                            break
+                        offset += got
+                        self.read_bytes += got
+                finally:
+                    os.close(fd)
+        except OSError as exc:  # advice only: a restore reads the files itself all the same
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def figures(self) -> dict[str, object]:
+        if self.skipped is not None:
+            return {"skipped": self.skipped}
+        done = self._thread is not None and not self._thread.is_alive()
+        out: dict[str, object] = {"read_bytes": self.read_bytes, "done": done}
+        if done:
+            out["seconds"] = round(self.seconds, 3)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def read_ahead(paths: Iterable[str | os.PathLike]) -> ReadAhead:
+    """Start reading `paths` into the page cache in the background (see the module docstring);
+    the returned job has started, or says in `skipped` why not."""
+    files = [Path(p) for p in paths if Path(p).is_file()]
+    if not files:
+        return ReadAhead(files, skipped="no files")
+    try:
+        held = residency(files)
+    except OSError as exc:
+        return ReadAhead(files, skipped=f"residency unknown ({exc.strerror})")
+    if held.fraction >= READ_AHEAD_RESIDENT:
+        return ReadAhead(files, skipped=f"{held.fraction:.0%} resident already")
+    free = _mem_available()
+    missing = held.total_bytes - held.resident_bytes
+    if free is not None and missing > free * READ_AHEAD_MEMORY_SHARE:
+        return ReadAhead(
+            files, skipped=f"{missing / 1e9:.1f} GB to read, {free / 1e9:.1f} GB of memory free"
+        )
+    job = ReadAhead(files)
+    job._start()
+    return job
+
+
+def _mem_available() -> int | None:
+    """The kernel's estimate of memory free for new pages (bytes), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def prewarm(

@@ -603,6 +603,11 @@ class LLMFunction:
     def stage_stream_weights(self, figures: Figures) -> None:
         self._stream_figures(figures, self._stream_weights())
 
+    def restore_reads(self, snapshot_dir: Path) -> list[Path]:
+        """The big file a tier-0 restore of this rank reads (its weights), for the runtime to
+        start into the page cache before the first stage (`InitConfig.restore_read_ahead`)."""
+        return [Path(snapshot_dir) / self.weights_file] if self.config.restore_read_ahead else []
+
     def _overlaps_stream(self) -> bool:
         """Whether this restore makes and warms the KV pool while its weights stream
         (`InitConfig.restore_overlap`): one rank (several meet in collectives after agreeing),
