@@ -51,7 +51,7 @@ class InitConfig:
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     restore_overlap: bool = False  # tier 0: the KV pool and warmup while weights stream
-    restore_read_ahead: bool = True  # tier 0: the weights file into the page cache from the start
+    restore_read_ahead: bool = False  # tier 0: the weights file into the page cache from the start
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
     prefill_chunk_sizes: tuple[
         int, ...
