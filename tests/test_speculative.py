@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from snapfn.handler.llm.bench.mtp import known_drafts
 from snapfn.handler.llm.build import EngineOptions, build_engine
 from snapfn.handler.llm.engine import speculative
 from snapfn.handler.llm.engine.batch import ForwardBatch
@@ -94,32 +95,21 @@ def test_greedy_equals_the_plain_engine(glm_dirs, model, k):
     assert stats["draft_tokens"] > 0 and 0 <= stats["accepted_tokens"] <= stats["draft_tokens"]
 
 
-def oracle(monkeypatch, refs: dict[tuple[int, ...], list[int]], wrong_every: int):
+def oracle(eng, refs: dict[tuple[int, ...], list[int]], wrong_every: int):
     """Drafts are the plain run's tokens (`refs` by prompt), each `wrong_every`-th one off by 1:
     the MTP layer drafts as always, then its drafts are replaced (greedy requests only)."""
-    propose = speculative.MTPDrafter.propose
-
-    def known(self, rows):
-        propose(self, rows)
-        for row in rows:
-            req, ref = row.req, refs[tuple(row.req.prompt_ids)]
-            start = len(req.output_ids)
-            drafts = []
-            for index in range(start, start + len(req.draft_ids)):
-                token = ref[index] if index < len(ref) else 0
-                if wrong_every and index % wrong_every == wrong_every - 1:
-                    token = (token + 1) % VOCAB
-                drafts.append(token)
-            req.draft_ids = drafts
-
-    monkeypatch.setattr(speculative.MTPDrafter, "propose", known)
+    known_drafts(
+        eng.drafter,
+        refs,
+        lambda index: wrong_every and index % wrong_every == wrong_every - 1,
+        VOCAB,
+    )
+    return eng
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3, 5])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_kept_drafts_give_the_plain_tokens_and_end_where_plain_ends(
-    glm_dirs, monkeypatch, k, wrong_every
-):
+def test_kept_drafts_give_the_plain_tokens_and_end_where_plain_ends(glm_dirs, k, wrong_every):
     prompts = random_prompts(VOCAB, PROMPTS, seed=4)
     long = engine(glm_dirs["mtp"]).generate(prompts, greedy(30))
     refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, long, strict=True)}
@@ -132,8 +122,7 @@ def test_kept_drafts_give_the_plain_tokens_and_end_where_plain_ends(
         SamplingParams(max_new_tokens=2, ignore_eos=True),
     ]
     want = run_waves(engine(glm_dirs["mtp"], max_model_len=50), prompts, params)
-    oracle(monkeypatch, refs, wrong_every)
-    eng = engine(glm_dirs["mtp"], k, tokens=16, max_model_len=50)
+    eng = oracle(engine(glm_dirs["mtp"], k, tokens=16, max_model_len=50), refs, wrong_every)
     got = run_waves(eng, prompts, params)
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert want[3][1] == "length" and len(want[3][0]) == 50 - len(prompts[3])
@@ -144,11 +133,10 @@ def test_kept_drafts_give_the_plain_tokens_and_end_where_plain_ends(
         assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
 
 
-def test_every_draft_kept_takes_one_step_per_k_plus_one_tokens(glm_dirs, monkeypatch):
+def test_every_draft_kept_takes_one_step_per_k_plus_one_tokens(glm_dirs):
     (prompt,) = random_prompts(VOCAB, [10], seed=6)
     ref = engine(glm_dirs["mtp"]).generate([prompt], greedy(25))[0].token_ids
-    oracle(monkeypatch, {tuple(prompt): list(ref)}, 0)
-    eng = engine(glm_dirs["mtp"], 3)
+    eng = oracle(engine(glm_dirs["mtp"], 3), {tuple(prompt): list(ref)}, 0)
     eng.add_request(prompt, greedy(25))
     outputs = []
     while eng.has_work():
@@ -197,13 +185,13 @@ def test_with_drafts_a_prompt_page_ending_at_its_last_token_is_not_registered(gl
     assert counts == {0: 4, 2: 3}
 
 
-def test_an_exact_pool_is_never_written_past(glm_dirs, monkeypatch):
+def test_an_exact_pool_is_never_written_past(glm_dirs):
     """Drafts stop short of each request's reserved pages: a pool of just the pages the
     requests reserve serves them (a slot past a page list would fail the batch build)."""
     prompts = random_prompts(VOCAB, [7, 9], seed=5)
     ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(9))
-    oracle(monkeypatch, {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}, 0)
-    eng = engine(glm_dirs["mtp"], 3, num_pages=8)  # 16 tokens of 4 pages each
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}
+    eng = oracle(engine(glm_dirs["mtp"], 3, num_pages=8), refs, 0)  # 16 tokens, pages of 4
     got = eng.generate(prompts, greedy(9))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
 
@@ -398,11 +386,11 @@ def test_graph_replays_give_the_plain_tokens_and_the_eager_drafts(glm_dirs, k):
     assert stats.eager_fallbacks == 0 and stats.replays == sum(uses.values())
 
 
-def test_steps_past_the_largest_bucket_run_eagerly_and_are_counted(glm_dirs, monkeypatch):
+def test_steps_past_the_largest_bucket_run_eagerly_and_are_counted(glm_dirs):
     prompts = random_prompts(VOCAB, PROMPTS, seed=3)
     ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(12))
-    oracle(monkeypatch, {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}, 4)
-    eng = engine(glm_dirs["mtp"], 2)
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}
+    eng = oracle(engine(glm_dirs["mtp"], 2), refs, 4)
     stats = replayed_eagerly(eng, [1, 2])  # verify rows up to 6: five requests of 3 do not fit
     got = eng.generate(prompts, greedy(12))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]

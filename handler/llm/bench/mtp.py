@@ -129,10 +129,10 @@ def _batch_difference(engine, prompt: list[int], n: int, graphs: bool, want: lis
     return _first_difference(list(results[0].token_ids), want[:n])
 
 
-def _known_drafts(drafter, refs: dict[tuple[int, ...], list[int]], wrong: float, vocab: int):
+def known_drafts(drafter, refs: dict[tuple[int, ...], list[int]], wrong, vocab: int) -> None:
     """`drafter` drafting as always (the MTP layer's forwards and its drafts read back), then
-    its drafts replaced by the tokens of `refs` at their places (off by one at a share
-    `wrong` of the places)."""
+    its drafts replaced by the tokens of `refs` (by prompt) at their places, off by one at the
+    places `wrong(index)` names (the tests' oracle too)."""
     propose = drafter.propose
 
     def known(rows) -> None:
@@ -143,12 +143,16 @@ def _known_drafts(drafter, refs: dict[tuple[int, ...], list[int]], wrong: float,
             drafts = []
             for index in range(start, start + len(req.draft_ids)):
                 token = ref[index] if index < len(ref) else 0
-                if (index * 2654435761) % 1000 < wrong * 1000:  # a place's hash: not aligned to k
-                    token = (token + 1) % vocab
-                drafts.append(token)
+                drafts.append((token + 1) % vocab if wrong(index) else token)
             req.draft_ids = drafts
 
     drafter.propose = known
+
+
+def hashed_share(share: float):
+    """`wrong` for `known_drafts`: a share of the places, fixed by a hash of the place (not
+    aligned to any draft count)."""
+    return lambda index: (index * 2654435761) % 1000 < share * 1000
 
 
 def _decode(
@@ -172,8 +176,8 @@ def _decode(
     )
     bench = Engine(engine.model, engine.kv, sched, engine.tokenizer, engine.eos_token_ids)
     if known is not None:
-        refs, wrong = known
-        _known_drafts(bench.drafter, refs, wrong, engine.model.config.vocab_size)
+        refs, share = known
+        known_drafts(bench.drafter, refs, hashed_share(share), engine.model.config.vocab_size)
     if graphs:
         max_seq_len = PROMPT_TOKENS + n + k + 1
         bench.capture_graphs([len(prompts)], max_seq_len)
