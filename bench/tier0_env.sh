@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Tier 0 over one snapshot with SNAPFN_* settings in turns: a cold init, then ROUNDS times each
+# variant's `snapfn bench --modes MODES` (each mode a fresh process; restore_cold drops the page
+# cache first), then the GPU test of the restore path (tests/test_restore_overlap.py). The
+# device is cuda where nvidia-smi sees a GPU, else cpu. Writes
+# <date>-<machine>-tier0-env-<model>[-TAG]/, a JSON per run named by its variant and round.
+#
+# Usage: bash bench/tier0_env.sh [--model llama8b] [--modes restore,restore_zygote]
+#          [--rounds 1] [--variant VAR=VALUE[,VAR=VALUE...]]... [--tag TAG]
+#   --model    a bench/device-env.sh model name or a directory
+#   --variant  one setting of the runs, repeated for each (default: SNAPFN_RESTORE_OVERLAP=0,
+#              then =1)
+# The overlap: --modes restore,restore_zygote --rounds 2 (the default variants). A dropped page
+# cache and the read-ahead: --modes restore_cold --variant SNAPFN_RESTORE_READ_AHEAD=0
+#   --variant SNAPFN_RESTORE_READ_AHEAD=1 --variant SNAPFN_RESTORE_READ_AHEAD=1,SNAPFN_RESTORE_OVERLAP=1
+set -uo pipefail
+. bench/device-env.sh
+name=llama8b modes=restore,restore_zygote rounds=1 tag=
+variants=()
+argv=("$@")
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) name=$2 ;;
+    --modes) modes=$2 ;;
+    --rounds) rounds=$2 ;;
+    --variant) variants+=("$2") ;;
+    --tag) tag=-$2 ;;
+    *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+[ ${#variants[@]} -gt 0 ] || variants=(SNAPFN_RESTORE_OVERLAP=0 SNAPFN_RESTORE_OVERLAP=1)
+what=$name
+[ -d "$name" ] && what=$(basename "$name")
+results_dir "tier0-env-${what//[:\/]/-}$tag" bash "$0" "${argv[@]}"
+device=cuda
+[ "$(machine_tag)" = cpu ] && device=cpu
+t0=$SECONDS
+dir=$(model "$name") || exit 1
+echo "[$((SECONDS - t0)) s] model ready"
+bench=$work/tier0-env-bench
+rm -rf "$bench"
+bench_modes init 300 --model "$dir" --device "$device" --workdir "$bench" --modes cold_init \
+  --decode-batches 1 --decode-tokens 8
+echo "[$((SECONDS - t0)) s] cold init done"
+for round in $(seq "$rounds"); do
+  for variant in "${variants[@]}"; do
+    # the run's name: each setting's name after SNAPFN_, lower case, and its value
+    run=$(echo "$variant" | sed 's/SNAPFN_//g; s/=//g; s/,/-/g' | tr '[:upper:]_' '[:lower:]-')
+    (IFS=,; for setting in $variant; do export "${setting?}"; done
+     bench_modes "$run-$round" 200 --model "$dir" --device "$device" --workdir "$bench" \
+       --modes "$modes" --decode-batches 1 --decode-tokens 8)
+    echo "[$((SECONDS - t0)) s] $variant, round $round done"
+  done
+done
+python3 bench/startup_summary.py "$res"/*-[0-9]*.json
+gpu_tests restore_overlap 120 tests/test_restore_overlap.py ""
+tests_summary
+echo "[$((SECONDS - t0)) s] done"
