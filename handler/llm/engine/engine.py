@@ -338,7 +338,7 @@ class Engine:
             rows = _logit_rows(batch, starts, num_drafts)
         outputs: dict[str, RequestOutput] = {}
         plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
-        picks = _argmax_picks(logits, reqs, num_drafts, self._picks)
+        argmax = _argmax_picks(logits, reqs, num_drafts, self._picks)  # read back at once
         for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
             if _scores_prompt(req):
                 self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
@@ -351,8 +351,8 @@ class Engine:
                 plain.append((req, mine[-1]))
                 continue
             req.draft_ids = req.draft_ids[:d]
-            if picks is not None and _argmax_verified(req):
-                best, logprobs = (p[rows[i] : rows[i] + 1 + d] for p in picks)
+            if argmax is not None and _argmax_verified(req):
+                best, logprobs = (p[rows[i] : rows[i] + 1 + d] for p in argmax)
                 kept = next((j for j, t in enumerate(req.draft_ids) if t != best[j]), d)
                 tokens = [*req.draft_ids[:kept], best[kept]]
                 out = self._append_picked(req, tokens, logprobs)
