@@ -8,6 +8,7 @@ keeps runs of drafts, ends requests inside them and leaves rejected drafts' KV b
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,6 +410,108 @@ def test_sampled_requests_through_the_graphs_repeat_themselves(glm_dirs):
             replayed_eagerly(eng, [1, 2, 4])
         runs.append([r.token_ids for r in eng.generate(prompts, params)])
     assert runs[0] == runs[1]
+
+
+# ---- with a grammar --------------------------------------------------------------------------
+
+GUIDES = {
+    "json": {
+        "guided_json": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            },
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        }
+    },
+    "regex": {"guided_regex": "[0-9]{3}-[a-z]{2,4}"},
+    "choice": {"guided_choice": ["yes", "no", "perhaps"]},
+}
+
+
+@pytest.fixture(scope="module")
+def guided_glm(tmp_path_factory):
+    """The tiny GLM with an MTP layer at the embedded model's vocabulary, with its tokenizer:
+    grammars compile against it."""
+    import shutil
+
+    from snapfn.handler.llm.embedded import embedded_model_dir
+
+    root = tmp_path_factory.mktemp("guided")
+    plain = save_tiny_glm(root / "plain", seed=3, vocab_size=4096, eos_token_id=1)
+    write_with_mtp(plain, root / "mtp")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(embedded_model_dir()) / name, root / "mtp" / name)
+    return root / "mtp"
+
+
+def guided_engine(model_dir, k=0, **sched):
+    from snapfn.handler.llm.structured.compiler import GrammarCache
+
+    eng = engine(model_dir, k, **sched)
+    eng.attach_grammars(GrammarCache(eng.tokenizer, eng.model.config.vocab_size, eng.eos_token_ids))
+    return eng
+
+
+def guided_params(seed=None):
+    from snapfn.handler.llm.structured.spec import spec_from_fields
+
+    sampled = {"temperature": 1.0, "seed": seed} if seed is not None else {}
+    return [
+        SamplingParams(max_new_tokens=40, guide=spec_from_fields(fields), **sampled)
+        for fields in GUIDES.values()
+    ]
+
+
+def check_guided(results):
+    import re
+
+    import jsonschema
+
+    json_out, regex_out, choice_out = results
+    jsonschema.validate(json.loads(json_out.text), GUIDES["json"]["guided_json"])
+    assert re.fullmatch(GUIDES["regex"]["guided_regex"], regex_out.text), regex_out.text
+    assert choice_out.text in GUIDES["choice"]["guided_choice"]
+    assert all(r.finish_reason == "stop" for r in results)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_guided_requests_draft_and_give_the_plain_tokens(guided_glm, k):
+    prompts = [guided_engine(guided_glm).tokenizer.encode(t) for t in ("A", "B", "C")]
+    want = guided_engine(guided_glm).generate(prompts, guided_params())
+    eng = guided_engine(guided_glm, k)
+    got = eng.generate(prompts, guided_params())
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(list(a.logprobs), list(b.logprobs), atol=1e-4, rtol=0)
+    check_guided(got)
+    assert eng.spec_stats()["draft_tokens"] > 0  # the guided requests drafted
+
+
+def test_guided_drafts_of_the_plain_tokens_are_kept_and_end_with_the_grammar(guided_glm):
+    prompts = [guided_engine(guided_glm).tokenizer.encode(t) for t in ("A", "B", "C")]
+    want = guided_engine(guided_glm).generate(prompts, guided_params())
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, want, strict=True)}
+    for wrong_every in (0, 3):
+        eng = oracle(guided_engine(guided_glm, 3), refs, wrong_every)
+        got = eng.generate(prompts, guided_params())
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        stats = eng.spec_stats()
+        assert stats["accepted_tokens"] > 0
+        if wrong_every == 0:
+            assert stats["accepted_tokens"] == stats["draft_tokens"]
+        else:  # wrong drafts, some of them refused by the grammar, rejected in the verify
+            assert stats["accepted_tokens"] < stats["draft_tokens"]
+
+
+def test_sampled_guided_requests_stay_in_their_grammars(guided_glm):
+    eng = guided_engine(guided_glm, 2)
+    prompts = [eng.tokenizer.encode(t) for t in ("A", "B", "C")]
+    for seed in (1, 2, 3):
+        check_guided(eng.generate(prompts, guided_params(seed)))
+    assert eng.spec_stats()["draft_tokens"] > 0
 
 
 # ---- the rejection rule --------------------------------------------------------------------

@@ -80,6 +80,7 @@ from snapfn.handler.llm.engine.speculative import (
 )
 from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.models.tensor_parallel import broadcast_tokens, runs_every_request
+from snapfn.handler.llm.structured.bitmask import mask_along
 from snapfn.handler.llm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from snapfn.snapshot.errors import BadRequest
 
@@ -356,9 +357,10 @@ class Engine:
                 kept = next((j for j, t in enumerate(req.draft_ids) if t != best[j]), d)
                 tokens = [*req.draft_ids[:kept], best[kept]]
                 out = self._append_picked(req, tokens, logprobs)
-            else:
-                tokens = verify_request(req, mine)
-                out = self._append_verified(req, tokens, mine)
+            else:  # a guided request's rows masked by its grammar at each place
+                held = mine if req.matcher is None else mask_along(mine, req.matcher, req.draft_ids)
+                tokens = verify_request(req, held)
+                out = self._append_verified(req, tokens, mine)  # logprobs of the raw rows
             self.drafter.count(d, len(tokens) - 1)
             req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
             outputs[req.request_id] = out

@@ -31,9 +31,12 @@ graphs hold it (`spec_graphs.py`); longer prefill chunks run as chunks, eagerly.
 
 The KV the verify writes at rejected drafts' positions, and the MTP layer's at draft
 positions, is overwritten by later steps before anything reads it: a request's lengths come
-from `num_computed`. A request with a grammar (`SamplingParams.guide`) gets no drafts: its
-matcher cannot take tokens back. The MTP layer still runs over its positions, as over every
-prompt's, so that any page the prefix cache hands out holds the MTP layer's entries too; with
+from `num_computed`. A request with a grammar (`SamplingParams.guide`) drafts under its
+grammar's mask, its matcher looking ahead past each draft and taking them back after
+(`GrammarMatcher.look_ahead`, `rollback`), and stops drafting where the grammar ends; its
+verify masks each position by the grammar's state there (`structured.bitmask.mask_along`), so
+its tokens are the plain loop's. The MTP layer runs over every prompt's positions, so that
+any page the prefix cache hands out holds the MTP layer's entries too; with
 speculation on, a prompt's page is registered only once its positions' next tokens are prompt
 tokens (`Scheduler.computed`), so the entries are the same for every request that matches it.
 """
@@ -50,6 +53,7 @@ from snapfn.handler.llm.engine.kv_pool import KVPool
 from snapfn.handler.llm.engine.request import Request, RequestOutput
 from snapfn.handler.llm.engine.sampler import sampling_probs, shape_logits
 from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.structured.bitmask import mask_logits
 from snapfn.snapshot.errors import UnsupportedModel
 
 MAX_SPECULATIVE_TOKENS = 8
@@ -107,11 +111,6 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         prompt_logprobs=first.prompt_logprobs,
         prompt_top_logprobs=first.prompt_top_logprobs,
     )
-
-
-def drafts_allowed(req: Request) -> bool:
-    """Whether `req` gets drafts (a grammar's matcher cannot take tokens back)."""
-    return req.params.guide is None
 
 
 def accept_sampled(
@@ -228,8 +227,6 @@ class MTPDrafter:
 
     def max_drafts(self, req: Request, max_model_len: int) -> int:
         """Drafts worth verifying for `req` now: one fewer than the tokens it can still append."""
-        if not drafts_allowed(req):
-            return 0
         end = min(len(req.prompt_ids) + req.params.max_new_tokens, max_model_len)
         return max(0, min(self.num_tokens, end - req.num_tokens - 1))
 
@@ -265,17 +262,29 @@ class MTPDrafter:
             self._propose_on_device(drafting, logits, states)
             return
         probs: dict[int, list[torch.Tensor]] = {id(r.req): [] for r in drafting}
+        ahead: dict[int, int] = {}  # a guided request's drafts its matcher looked past
         for step in range(max((r.num_drafts for r in drafting), default=0)):
             for r, row_logits in zip(drafting, logits, strict=True):
+                matcher = r.req.matcher
+                if matcher is not None:  # drafted under its grammar, at its place
+                    row_logits = mask_logits(row_logits[None], [matcher])[0]
                 token, dist = draft_token(r.req, row_logits, r.req.draft_ids)
                 r.req.draft_ids.append(token)
                 probs[id(r.req)].append(dist)
+                if matcher is not None:
+                    if matcher.look_ahead(token) and not matcher.finished:
+                        ahead[id(r.req)] = ahead.get(id(r.req), 0) + 1
+                    else:  # the grammar ends here (or took nothing): no draft after it
+                        ahead[id(r.req)] = ahead.get(id(r.req), 0) + int(matcher.finished)
+                        r.num_drafts = len(r.req.draft_ids)
             going = [i for i, r in enumerate(drafting) if r.num_drafts > step + 1]
             if not going:
                 break
             drafting, states = [drafting[i] for i in going], states[going]
             logits, states = self._draft_step(drafting, states)
         for r in rows:
+            if r.req.matcher is not None:
+                r.req.matcher.rollback(ahead.get(id(r.req), 0))
             if r.num_drafts > 0 and not r.req.params.greedy:
                 r.req.draft_probs = torch.stack(probs[id(r.req)])
 
@@ -339,7 +348,7 @@ class MTPDrafter:
 
 def _argmax_drafts(req: Request) -> bool:
     """Whether `req`'s drafts are the argmax of the MTP layer's raw logits."""
-    return req.params.greedy and not req.params.shapes_logits
+    return req.params.greedy and not req.params.shapes_logits and req.matcher is None
 
 
 def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -46,3 +46,23 @@ def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
     index = torch.tensor(rows, device=logits.device)
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return masked
+
+
+def mask_along(rows: torch.Tensor, matcher: GrammarMatcher, tokens: list[int]) -> torch.Tensor:
+    """`rows [len(tokens) + 1, V]` (a verify's: at a request's last token and at each of its
+    drafts `tokens`) with row `i`'s refused tokens at -inf by the grammar's state after
+    `tokens[:i]`; past a token the grammar refuses or ends on, the rows keep that state's mask
+    (a verify never keeps a draft past it). The matcher is left where it was."""
+    vocab = rows.shape[-1]
+    host = torch.empty((len(tokens) + 1, bitmask_words(vocab)), dtype=torch.int32)
+    matcher.fill_bitmask(host[0])
+    ahead = 0
+    for i, token in enumerate(tokens):
+        if ahead == i and matcher.look_ahead(token):
+            ahead += 1
+            matcher.fill_bitmask(host[i + 1])
+        else:
+            host[i + 1] = host[i]
+    matcher.rollback(ahead)
+    allowed = allowed_tokens(host.to(rows.device), vocab)
+    return rows.masked_fill(~allowed, float("-inf"))

@@ -7,6 +7,11 @@ memory); `accept(token)` advances past a token the engine appended; `finished` i
 grammar has reached its end (nothing but eos may follow), where the engine ends the request
 with finish_reason "stop". A token the grammar refuses (only possible when the mask was not
 applied) puts the matcher in an error state: `accept` raises, naming the library's reason.
+
+Speculative decoding looks ahead: `look_ahead(token)` advances past a draft (False, and no
+change, where the grammar refuses it or has ended), so that the next draft and each verified
+position get the mask of their own place; `rollback(n)` takes the `n` drafts back before the
+engine accepts what the verify keeps.
 """
 
 from __future__ import annotations
@@ -41,3 +46,19 @@ class GrammarMatcher:
     @property
     def finished(self) -> bool:
         return self._matcher.is_stopped()
+
+    def look_ahead(self, token: int) -> bool:
+        """Advance past a draft; False (and nothing changed) where the grammar has ended or
+        refuses it."""
+        # NOTE: checked first: a refused token put into consume_token leaves the matcher in
+        # its error state for good
+        if self._matcher.is_stopped() or self._matcher.validate_tokens([token]) != 1:
+            return False
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused draft {token}: {self._matcher.get_error()}")
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` tokens `look_ahead` advanced past."""
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"the grammar matcher could not take back {num_tokens} tokens")
