@@ -38,19 +38,20 @@ PROMPTS = [[5, 17, 3, 9, 12, 40, 7, 2], [30, 1, 4], [8, 8, 21, 6, 19, 23, 2, 9, 
 SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, ignore_eos=True)
 
 
-def generate(model_dir: Path, parallel: ParallelConfig, sampled: bool = False) -> dict:
+def generate(model_dir: Path, parallel: ParallelConfig, sampled: bool = False, k: int = 0) -> dict:
     opts = EngineOptions(
         device="cpu",
         dtype="float32",
         num_pages=64,
         parallel=parallel,
-        scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256, speculative_tokens=k),
     )
     engine = build_engine(model_dir, opts).engine
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = engine.generate(PROMPTS, SAMPLED if sampled else params)
     runs = [{"tokens": list(r.token_ids), "logprobs": list(r.logprobs)} for r in results]
-    return {"runs": runs, "vocab_rows": engine.model.model.embed_tokens.num_embeddings}
+    vocab_rows = engine.model.model.embed_tokens.num_embeddings
+    return {"runs": runs, "vocab_rows": vocab_rows, "speculative": engine.spec_stats()}
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, out: str, tp: int, ep: int) -> None:
@@ -121,6 +122,40 @@ def test_glm_moe_dsa_at_tp_2_generates_what_one_rank_does(glm_dir, tmp_path):
     """MLA's heads split (q_b, kv_b, o_proj), its low-rank inputs and the DSA indexer
     replicated, each routed expert's intermediate columns split across the ranks."""
     _check_ranks(glm_dir, tmp_path, tp=2)
+
+
+def _speculating_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    join_group(rank, world, port)
+    try:
+        parallel = rank_layout(world, 1, rank, "replicated")
+        result = {"greedy": generate(Path(model_dir), parallel, k=2)}
+        result["sampled"] = generate(Path(model_dir), parallel, sampled=True, k=2)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_glm_moe_dsa_at_tp_2_speculates_what_one_rank_decodes(glm_dir, tmp_path):
+    """MTP speculative decoding on two ranks (the MTP layer split as the others are): greedy
+    requests draft and give one plain rank's tokens; sampled ones, not drafted there (a draw
+    is each rank's own), stay together on rank 0's draws."""
+    from glm_checkpoints import write_with_mtp
+
+    model = tmp_path / "mtp"
+    write_with_mtp(glm_dir, model)
+    run_ranks(_speculating_rank, 2, str(model), str(tmp_path))
+    one = generate(model, ParallelConfig())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for got in ranks:
+        for mine, theirs in zip(got["greedy"]["runs"], one["runs"], strict=True):
+            assert mine["tokens"] == theirs["tokens"]
+            for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True):
+                assert abs(a - b) < 1e-4, (a, b)
+        assert got["greedy"]["speculative"]["draft_tokens"] > 0
+        assert got["sampled"]["speculative"]["draft_tokens"] == 0
+        tokens = [r["tokens"] for r in got["sampled"]["runs"]]
+        assert tokens == [r["tokens"] for r in ranks[0]["sampled"]["runs"]]
+    assert ranks[0]["greedy"]["speculative"] == ranks[1]["greedy"]["speculative"]
 
 
 @pytest.mark.slow

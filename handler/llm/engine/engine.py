@@ -28,7 +28,7 @@ the step, none ending by length; a request that stops on a token or string, or i
 drops its speculated row. Tokens and logprobs are those of the plain loop.
 
 Speculative decoding (`SchedulerConfig.speculative_tokens = k`, off by default; a model with
-MTP layers on one rank): each step verifies every decode's drafts in one forward, appends the
+MTP layers, on ranks that each run every request): each step verifies every decode's drafts in one forward, appends the
 tokens the rejection rule keeps (greedy: exactly the tokens of the plain loop), then drafts
 the next step's with the MTP layer (`speculative.py`). A step of decoding requests runs a
 token a row, which CUDA graphs hold (the verify's, the draft-extend's and the draft steps':
@@ -365,7 +365,7 @@ class Engine:
             req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
             outputs[req.request_id] = out
         if plain:
-            picks = sample(torch.stack([r for _, r in plain]), [q for q, _ in plain], self._picks)
+            picks = self._sample(torch.stack([r for _, r in plain]), [q for q, _ in plain])
             for (req, _), t, lp, top in zip(
                 plain, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
             ):
@@ -497,19 +497,25 @@ class Engine:
         # NOTE: a decode step's rows are all ready: indexing with a host list would copy it to
         # the GPU, which waits for the step's kernels before the sampler's own copy does
         rows = logits if len(ready) == len(requests) else logits[ready]
-        picks = sample(rows, ready_reqs, self._picks)
-        parallel = self.model.parallel
-        if runs_every_request(parallel) and not all(r.params.plain_greedy for r in ready_reqs):
-            # a draw is each rank's own; greedy picks agree (the logits are the same bits)
-            picks = replace(
-                picks, tokens=broadcast_tokens(picks.tokens, parallel, self.model.device)
-            )
+        picks = self._sample(rows, ready_reqs)
         return [
             self._append(req, t, lp, top)
             for req, t, lp, top in zip(
                 ready_reqs, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
             )
         ]
+
+    def _sample(self, rows: torch.Tensor, requests: list[Request]):
+        """The sampler's picks of `rows [B, V]`, one per request; on ranks that run every
+        request, a draw is rank 0's everywhere (greedy picks agree: the logits are the same
+        bits)."""
+        picks = sample(rows, requests, self._picks)
+        parallel = self.model.parallel
+        if runs_every_request(parallel) and not all(r.params.plain_greedy for r in requests):
+            picks = replace(
+                picks, tokens=broadcast_tokens(picks.tokens, parallel, self.model.device)
+            )
+        return picks
 
     def _score_prompts(
         self, requests: list[Request], num_new: list[int], logits: torch.Tensor

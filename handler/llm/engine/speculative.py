@@ -53,6 +53,7 @@ from snapfn.handler.llm.engine.kv_pool import KVPool
 from snapfn.handler.llm.engine.request import Request, RequestOutput
 from snapfn.handler.llm.engine.sampler import sampling_probs, shape_logits
 from snapfn.handler.llm.models.base import CausalLM
+from snapfn.handler.llm.models.tensor_parallel import runs_every_request
 from snapfn.handler.llm.structured.bitmask import mask_logits
 from snapfn.snapshot.errors import UnsupportedModel
 
@@ -203,10 +204,10 @@ class MTPDrafter:
                 "the model was built without its MTP layers' KV cache: build it with "
                 "speculative_tokens set (build_model), then its KV pool"
             )
-        if model.lockstep or model.parallel.tp_size * model.parallel.ep_size > 1:
+        if model.lockstep:
             raise UnsupportedModel(
-                "speculative decoding runs on one rank: set SNAPFN_SPECULATIVE_TOKENS=0 with "
-                "tp_size or ep_size > 1"
+                "speculative decoding needs every rank to run every request: set "
+                "SNAPFN_SPECULATIVE_TOKENS=0 with ep_dispatch 'all_to_all' or 'deepep'"
             )
         self.model = model
         self.kv = kv
@@ -226,7 +227,11 @@ class MTPDrafter:
         self.stats.accepted_tokens += accepted
 
     def max_drafts(self, req: Request, max_model_len: int) -> int:
-        """Drafts worth verifying for `req` now: one fewer than the tokens it can still append."""
+        """Drafts worth verifying for `req` now: one fewer than the tokens it can still append.
+        None for a sampled request on ranks that run every request: a draw is each rank's own,
+        and only the plain loop's pick is made the same on every rank (`broadcast_tokens`)."""
+        if not req.params.greedy and runs_every_request(self.model.parallel):
+            return 0
         end = min(len(req.prompt_ids) + req.params.max_new_tokens, max_model_len)
         return max(0, min(self.num_tokens, end - req.num_tokens - 1))
 
