@@ -412,6 +412,47 @@ def test_sampled_requests_through_the_graphs_repeat_themselves(glm_dirs):
     assert runs[0] == runs[1]
 
 
+# ---- a snapshot of a speculating engine ----------------------------------------------------
+
+
+def test_a_snapshot_restores_speculating_and_one_without_drafts_is_refused(glm_dirs, tmp_path):
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+    def config(k, name):
+        return InitConfig(
+            page_size=4,
+            max_num_batched_tokens=64,
+            kv_cache_bytes_cpu=1 << 20,
+            cache_dir=tmp_path / name,
+            speculative_tokens=k,
+        )
+
+    prompt = random_prompts(VOCAB, [6], seed=12)
+    fn = LLMFunction(config(2, "init"), glm_dirs["mtp"])
+    init_and_snapshot(fn, tmp_path / "snap", log=None)
+    want = fn.engine.generate(prompt, greedy(12))[0].token_ids
+    fn.release()
+    for k in (2, 3):  # the same pages: any draft count restores
+        got, startup = restore(
+            lambda k=k: LLMFunction(config(k, f"r{k}"), glm_dirs["mtp"]), tmp_path / "snap",
+            log=None, rewrite_on_fallback=False,
+        )  # fmt: skip
+        assert startup.tier == "portable" and not startup.fallbacks
+        assert got.engine.generate(prompt, greedy(12))[0].token_ids == want
+        assert got.engine.spec_stats()["draft_tokens"] > 0
+        got.release()
+    got, startup = restore(
+        lambda: LLMFunction(config(0, "r0"), glm_dirs["mtp"]), tmp_path / "snap",
+        log=None, rewrite_on_fallback=False,
+    )  # fmt: skip
+    (fallback,) = startup.fallbacks
+    assert fallback["step"] == "validate" and "speculative_tokens=2" in fallback["reason"]
+    assert "SNAPFN_SPECULATIVE_TOKENS" in fallback["reason"]
+    assert got.engine.generate(prompt, greedy(12))[0].token_ids == want  # the cold init's
+    got.release()
+
+
 # ---- with a grammar --------------------------------------------------------------------------
 
 GUIDES = {

@@ -243,6 +243,15 @@ def _checked_plan(plan: Any, layout: Any, made_with: Any, config: Any) -> dict[s
             f"memory_plan page_size is {plan['page_size']}, this configuration's is "
             f"{config.page_size}"
         )
+    made_k = made_with.get("speculative_tokens") or 0
+    if bool(made_k) != bool(config.speculative_tokens):  # the MTP layers' KV in a page, or not
+        fix = "0" if not made_k else "1 to 8"
+        raise _refuse(
+            f"it was made with speculative_tokens={made_k!r:.20} (its KV pages "
+            f"{'hold' if made_k else 'leave out'} the MTP layers' cache), this configuration "
+            f"asks for {config.speculative_tokens}: set SNAPFN_SPECULATIVE_TOKENS to {fix}, or "
+            "make the snapshot again"
+        )
     if config.device.startswith("cuda"):
         _check_profiled_plan(plan, made_with, config)
     else:
