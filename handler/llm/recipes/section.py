@@ -37,7 +37,8 @@ weights bytes), against itself (`kv_bytes = num_pages × bytes_per_page`), again
 `init_config` it was made with (on CPU the page count its KV budget gives; on CUDA its memory
 fraction, and pages that fit the GPU memory it records beside the weights and the activations'
 peak) and against the configuration this restore runs with (the same page size, which the
-scheduler uses; a pool no larger than its KV budget on CPU; a memory fraction no larger than its
+scheduler uses; speculation on in both or in neither, since its pages hold the MTP layers'
+cache or not; a pool no larger than its KV budget on CPU; a memory fraction no larger than its
 own on CUDA) — an edited plan, or one that would not fit, is refused instead of served or
 OOM-killed.
 `check_against_model` (once the model is built from the snapshot's config): the model type,
