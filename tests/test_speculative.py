@@ -623,3 +623,34 @@ def test_cuda_greedy_equals_the_plain_engine(glm_dirs, backend):
     assert all(n > 0 for n in stats.replays_by_use.values()) and stats.eager_fallbacks == 0
     same = sum(a == b for a, b in zip(drafts, eager_drafts, strict=True))
     assert len(drafts) == len(eager_drafts) and same >= 0.9 * len(drafts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_guided_requests_draft_from_the_graphs_and_give_the_plain_tokens(guided_glm):
+    """Guided requests on the triton backend from the verify and draft graphs: the plain
+    engine's tokens, in their grammars, with drafts made."""
+    from snapfn.handler.llm.structured.compiler import GrammarCache
+
+    def cuda_engine(k):
+        opts = EngineOptions(
+            device="cuda",
+            dtype="float32",
+            backend="triton",
+            num_pages=256,
+            scheduler=SchedulerConfig(page_size=16, speculative_tokens=k),
+        )
+        eng = build_engine(guided_glm, opts).engine
+        vocab = eng.model.config.vocab_size
+        eng.attach_grammars(GrammarCache(eng.tokenizer, vocab, eng.eos_token_ids))
+        return eng
+
+    base = cuda_engine(0)
+    prompts = [base.tokenizer.encode(t) for t in ("A", "B", "C")]
+    want = base.generate(prompts, guided_params())
+    eng = cuda_engine(2)
+    stats = eng.capture_graphs([1, 2, 4], 128)
+    got = eng.generate(prompts, guided_params())
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    check_guided(got)
+    assert eng.spec_stats()["draft_tokens"] > 0 and stats.replays_by_use["verify"] > 0
