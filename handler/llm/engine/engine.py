@@ -382,11 +382,14 @@ class Engine:
                 return out
         return self.model.forward_hidden(batch.to(self.model.device), self.kv)
 
-    def _append_picked(self, req: Request, tokens: list[int], logprobs: list[float]):
-        """Append `tokens` (their logprobs given), up to where `req` ends; one output."""
+    def _append_picked(
+        self, req: Request, tokens: list[int], logprobs: list[float], tops=None
+    ) -> RequestOutput:
+        """Append `tokens` (their logprobs, and alternatives where `tops`, given), up to where
+        `req` ends; one output for them all."""
         outs = []
-        for token, lp in zip(tokens, logprobs, strict=False):
-            outs.append(self._append(req, token, lp))
+        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=False)):
+            outs.append(self._append(req, token, lp, tops[i] if tops else ()))
             if req.finished:
                 break
         return merge_outputs(outs)
@@ -399,12 +402,8 @@ class Engine:
         logprobs = torch.log_softmax(rows[: len(tokens)], dim=-1)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=rows.device)[:, None])
         k = req.params.top_logprobs
-        outs = []
-        for token, lp, row in zip(tokens, chosen[:, 0].tolist(), logprobs, strict=True):
-            outs.append(self._append(req, token, lp, top_logprobs(row, k) if k else ()))
-            if req.finished:
-                break
-        return merge_outputs(outs)
+        tops = [top_logprobs(row, k) for row in logprobs] if k else None
+        return self._append_picked(req, tokens, chosen[:, 0].tolist(), tops)
 
     def _draft_rows(
         self, scheduled: ScheduledStep, starts: list[int], hidden: torch.Tensor

@@ -166,8 +166,9 @@ class DecodeGraphs:
         return self.model(batch, self.kv)
 
     def _rows(self, out: Any, b: int) -> Any:
-        """A replay's result: the first `b` rows of a bucket's output."""
-        return out[:b]
+        """A replay's result: the first `b` rows of a bucket's output (of each of its tensors,
+        where `_run` returns several)."""
+        return tuple(t[:b] for t in out) if isinstance(out, tuple) else out[:b]
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that can replay this batch, or None (then it runs eagerly)."""

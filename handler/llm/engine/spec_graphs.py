@@ -22,8 +22,6 @@ the captured width, runs eagerly and counts as an eager fallback.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
@@ -45,9 +43,6 @@ class VerifyGraphs(DecodeGraphs):
     def _run(self, batch: ForwardBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_hidden(batch, self.kv)
 
-    def _rows(self, out: Any, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return out[0][:b], out[1][:b]
-
 
 class DraftGraphs(DecodeGraphs):
     """MTP layer 0 over decode rows: its hidden-state input is a static buffer too."""
@@ -59,9 +54,6 @@ class DraftGraphs(DecodeGraphs):
 
     def _run(self, batch: ForwardBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.draft_forward(batch, self.kv, self.hidden[:n])
-
-    def _rows(self, out: Any, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return out[0][:b], out[1][:b]
 
     def replay_draft(
         self, batch: ForwardBatch, n: int, hidden: torch.Tensor, input_ids=None
