@@ -29,6 +29,17 @@ def child_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "snapfn.handler.llm.bench.child", *argv]
 
 
+def restore_argv(mode: str, model, snapshot, device: str, cache_dir, *extra: str) -> list[str]:
+    """A child's `argv` for `mode` over `snapshot`: its model, device and compile cache, and
+    `--t0` now (what its figures count from)."""
+    return [
+        mode,
+        *("--model", str(model), "--snapshot", str(snapshot)),
+        *("--device", device, "--cache-dir", str(cache_dir)),
+        *("--t0", repr(time.time()), *extra),
+    ]
+
+
 def since(t0: float) -> float:
     return round(time.time() - t0, 4)
 

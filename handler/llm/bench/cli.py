@@ -152,12 +152,9 @@ def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[s
     cache = workdir / "cache"
     if mode == "restore_drifted":
         snapshot, cache = workdir / "snapshot_drifted", workdir / "cache_drifted"
-    return [
-        child_mode,
-        *("--model", str(args.model), "--snapshot", str(snapshot)),
-        *("--device", args.device, "--cache-dir", str(cache)),
-        *("--t0", repr(time.time()), *extra),
-    ]
+    from snapfn.handler.llm.bench.child import restore_argv
+
+    return restore_argv(child_mode, args.model, snapshot, args.device, cache, *extra)
 
 
 def drifted_copy(snapshot: Path, dest: Path) -> None:
@@ -376,7 +373,7 @@ def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     pulled whole first, the restore overlapped with its pull (each into an empty cache)."""
     if not (workdir / "snapshot" / "manifest.json").exists():
         return {"restore_s3": {"mode": "restore_s3", "skipped": "no snapshot (run cold_init)"}}
-    from snapfn.handler.llm.bench.child import child_command
+    from snapfn.handler.llm.bench.child import child_command, restore_argv
     from snapfn.snapshot.store.transfer import push
 
     uri, out = f"s3://{S3_BUCKET}/bench/{workdir.name}/snapshot", {}
@@ -391,10 +388,8 @@ def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "SNAPFN_SNAPSHOT_CACHE": str(workdir / f"s3-{name}" / "snapshots"),
                 "SNAPFN_SNAPSHOT_CACHE_OVERLAP": overlap,
             }
-            argv = [child_mode, "--model", str(args.model), "--snapshot", uri]
-            argv += ["--device", args.device, "--cache-dir", str(workdir / f"s3-{name}" / "c")]
-            cmd = child_command(argv)
-            cmd += ["--t0", repr(time.time())]
+            cache = workdir / f"s3-{name}" / "c"
+            cmd = child_command(restore_argv(child_mode, args.model, uri, args.device, cache))
             mode = f"restore_s3_{name}"
             out[mode] = run_mode_process(mode, cmd, args.timeout_s, env=child_env)
             print(f"[snapfn bench] {mode}: {_s3_brief(out[mode])}", file=sys.stderr, flush=True)

@@ -93,7 +93,7 @@ def structured_latency(engine, device: str) -> dict[str, Any]:
 
 def run_structured_modes(args: argparse.Namespace, workdir: Path, run_process) -> dict[str, Any]:
     """Each of `RUNS`: the init then the restore, each in a fresh process (module docstring)."""
-    from snapfn.handler.llm.bench.child import child_command  # NOTE: child imports us
+    from snapfn.handler.llm.bench.child import child_command, restore_argv  # NOTE: child imports us
 
     workdir.mkdir(parents=True, exist_ok=True)
     schemas = workdir / "structured-schemas.json"
@@ -105,10 +105,8 @@ def run_structured_modes(args: argparse.Namespace, workdir: Path, run_process) -
             env["SNAPFN_STRUCTURED_SCHEMAS"] = str(schemas)
         snapshot = workdir / f"snapshot-structured-{name}"
         for child_mode in ("structured_init", "structured_restore"):
-            argv = [child_mode, "--model", str(args.model), "--snapshot", str(snapshot)]
-            argv += ["--device", args.device, "--cache-dir", str(workdir / f"cache-{name}")]
-            cmd = child_command(argv)
-            cmd += ["--t0", repr(time.time())]
+            cache = workdir / f"cache-{name}"
+            cmd = child_command(restore_argv(child_mode, args.model, snapshot, args.device, cache))
             mode = f"{child_mode}_{name}"
             out[mode] = run_process(mode, cmd, args.timeout_s, env=env)
             print(f"[snapfn bench] {mode}: {brief(out[mode])}", file=sys.stderr, flush=True)
