@@ -66,15 +66,21 @@ def in_waves(eng, prompts, params, every=3):
     return ids
 
 
-def run_waves(eng, prompts, params):
-    results = {}
-    orig = eng._forget
+def keeping_finished(eng) -> dict:
+    """The engine's requests by id as they finish (their prompt logprobs and alternatives
+    kept), filled from now on."""
+    kept, forget = {}, eng._forget
 
     def keep(req):
-        results[req.request_id] = req
-        orig(req)
+        kept[req.request_id] = req
+        forget(req)
 
     eng._forget = keep
+    return kept
+
+
+def run_waves(eng, prompts, params):
+    results = keeping_finished(eng)
     ids = in_waves(eng, prompts, params)
     return [
         (tuple(results[i].output_ids), results[i].finish_reason, tuple(results[i].logprobs))
@@ -284,13 +290,7 @@ def test_one_token_rows_give_the_chunks_logits_and_hidden_states(glm_dirs):
 
 def finished_requests(eng, prompts, params):
     """Every request of one run, as it finished (its prompt logprobs and alternatives kept)."""
-    kept, forget = {}, eng._forget
-
-    def keep(req):
-        kept[req.request_id] = req
-        forget(req)
-
-    eng._forget = keep
+    kept = keeping_finished(eng)
     ids = [eng.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     while eng.has_work():
         eng.step()
