@@ -78,7 +78,8 @@ record_machine() {
 
 # model NAME: the directory of a benchmark model, written by `snapfn make-model` into $work the
 # first time (its log in $res). NAME: llama8b (Llama-3-8B shapes, bf16), glm5 (GLM-5's per-layer
-# shapes, FP8, $glm5_layers layers, 2 by default: 1 dense + 1 MoE, + the MTP layer), embedded
+# shapes, FP8, $glm5_layers layers, 2 by default: 1 dense + 1 MoE, + the MTP layer; with
+# $glm5_experts set, that many of its 256 routed experts a MoE layer, top 8 kept), embedded
 # (the package's own model), PRESET[:DTYPE] (any make-model preset, seed 5), or a directory.
 model() {
   local name=$1 dir device
@@ -87,7 +88,10 @@ model() {
   case $name in
     embedded) python3 -c "from snapfn.handler.llm.embedded import embedded_model_dir as d; print(d())"; return ;;
     llama8b) dir=$work/llama8b; set -- --preset 8b --dtype bf16 ;;
-    glm5) dir=$work/glm5-l${glm5_layers:-2}; set -- --preset glm5-reduced --num-layers "${glm5_layers:-2}" --dtype fp8 ;;
+    glm5)
+      dir=$work/glm5-l${glm5_layers:-2}${glm5_experts:+-e$glm5_experts}
+      set -- --preset glm5-reduced --num-layers "${glm5_layers:-2}" --dtype fp8 \
+        ${glm5_experts:+--experts "$glm5_experts"} ;;
     */*) echo "$name"; return ;;
     *:*) dir=$work/${name/:/-}; set -- --preset "${name%%:*}" --dtype "${name#*:}" --seed 5 ;;
     *) dir=$work/$name; set -- --preset "$name" --seed 5 ;;

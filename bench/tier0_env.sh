@@ -6,20 +6,23 @@
 # <date>-<machine>-tier0-env-<model>[-TAG]/, a JSON per run named by its variant and round.
 #
 # Usage: bash bench/tier0_env.sh [--model llama8b] [--modes restore,restore_zygote]
-#          [--rounds 1] [--variant VAR=VALUE[,VAR=VALUE...]]... [--tag TAG]
+#          [--rounds 1] [--variant VAR=VALUE[,VAR=VALUE...]]... [--profile-warmup] [--tag TAG]
 #   --model    a bench/device-env.sh model name or a directory
 #   --variant  one setting of the runs, repeated for each (default: SNAPFN_RESTORE_OVERLAP=0,
 #              then =1)
+#   --profile-warmup  after the cold init, bench/probes/warmup_profile.py on its snapshot
+#              (warmup-profile.json: where the restore's warmup and graph capture spend time)
 # The overlap: --modes restore,restore_zygote --rounds 2 (the default variants). A dropped page
 # cache and the read-ahead: --modes restore_cold --variant SNAPFN_RESTORE_READ_AHEAD=0
 #   --variant SNAPFN_RESTORE_READ_AHEAD=1 --variant SNAPFN_RESTORE_READ_AHEAD=1,SNAPFN_RESTORE_OVERLAP=1
 set -uo pipefail
 . bench/device-env.sh
-name=llama8b modes=restore,restore_zygote rounds=1 tag=
+name=llama8b modes=restore,restore_zygote rounds=1 tag= profile=
 variants=()
 argv=("$@")
 while [ $# -gt 0 ]; do
   case $1 in
+    --profile-warmup) profile=1; shift; continue ;;
     --model) name=$2 ;;
     --modes) modes=$2 ;;
     --rounds) rounds=$2 ;;
@@ -43,6 +46,13 @@ rm -rf "$bench"
 bench_modes init 300 --model "$dir" --device "$device" --workdir "$bench" --modes cold_init \
   --decode-batches 1 --decode-tokens 8
 echo "[$((SECONDS - t0)) s] cold init done"
+if [ -n "$profile" ]; then
+  timeout 200 python3 bench/probes/warmup_profile.py "$bench/snapshot" --model "$dir" \
+    --device "$device" --cache-dir "$bench/cache" > "$res/warmup-profile.json" 2> "$res/warmup-profile.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['stages'], 'again', d['warmup_again_s'], 'triton', {k: d[k]['slow_s'] for k in ('triton_first_process', 'triton_again')})" \
+    "$res/warmup-profile.json" || tail -5 "$res/warmup-profile.err"
+  echo "[$((SECONDS - t0)) s] warmup profiled"
+fi
 for round in $(seq "$rounds"); do
   for variant in "${variants[@]}"; do
     # the run's name: each setting's name after SNAPFN_, lower case, and its value

@@ -296,6 +296,29 @@ def test_big_preset_sizes_match_the_published_models():
     assert all(e.dtype == "F32" for e in scales)
 
 
+def test_experts_override_keeps_every_other_shape_and_loads_in_transformers(made, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = made("glm-tiny", experts=4)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["n_routed_experts"] == 4
+    names = {name: entry["shape"] for name, (_, entry) in read_headers(model_dir).items()}
+    full = {name: entry["shape"] for name, (_, entry) in read_headers(made("glm-tiny")).items()}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.1.mlp.experts.4.down_proj.weight" not in names
+    assert names["model.layers.1.mlp.gate.weight"] == [4, 64]
+    kept = {k: v for k, v in full.items() if ".experts." not in k and ".mlp.gate." not in k}
+    assert kept == {k: v for k, v in names.items() if k in kept}
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"]
+    with pytest.raises(BadRequest, match="num_experts_per_tok"):
+        make_model("glm-tiny", tmp_path / "one", experts=1)
+    with pytest.raises(BadRequest, match="multiple of n_group"):
+        make_model("glm-tiny", tmp_path / "odd", experts=5)
+    with pytest.raises(BadRequest, match="glm_moe_dsa presets"):
+        make_model("tiny", tmp_path / "dense", experts=4)
+
+
 def test_failed_write_leaves_no_checkpoint_behind(tmp_path, monkeypatch):
     calls = []
 

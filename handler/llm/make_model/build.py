@@ -30,7 +30,7 @@ from snapfn.handler.llm.make_model.hf_layout import (
     storage_units,
     tensor_specs,
 )
-from snapfn.handler.llm.make_model.presets import Preset, get_preset
+from snapfn.handler.llm.make_model.presets import Preset, get_preset, with_experts
 from snapfn.handler.llm.make_model.safetensors_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -60,6 +60,7 @@ def make_model(
     dtype: str = "bf16",
     seed: int = 0,
     num_layers: int | None = None,
+    experts: int | None = None,
     device: str = "cpu",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
@@ -67,11 +68,12 @@ def make_model(
 ) -> Path:
     """Write preset `preset` as a Hugging Face model dir at `out_dir` and return `out_dir`.
 
-    `dtype` is "bf16", "fp32" or "fp8" (128x128 block-quantized projections). Progress goes to
+    `dtype` is "bf16", "fp32" or "fp8" (128x128 block-quantized projections); `num_layers` and
+    `experts` (routed experts per MoE layer) override the preset's. Progress goes to
     `progress` (default: stderr for checkpoints of 1 GiB or more). Raises `BadRequest` for bad
     options, or when `out_dir` is non-empty and `overwrite` is false.
     """
-    spec = get_preset(preset)
+    spec = with_experts(get_preset(preset), experts)
     layers = resolve_num_layers(spec, num_layers)
     _check_options(spec, device, max_shard_bytes)
     tensors = tensor_specs(spec, layers)

@@ -17,6 +17,7 @@ from snapfn.handler.llm.make_model.presets import (
     get_preset,
     list_archs,
     list_presets,
+    with_experts,
 )
 from snapfn.handler.llm.make_model.safetensors_writer import DEFAULT_MAX_SHARD_BYTES
 from snapfn.snapshot.errors import BadRequest
@@ -35,6 +36,7 @@ class MakeModelArgs:
     dtype: str = "bf16"
     seed: int = 0
     num_layers: int | None = None
+    experts: int | None = None
     device: str = "cpu"
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     force: bool = False
@@ -72,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--num-layers", type=int, default=d.num_layers, help="override depth")
+    parser.add_argument(
+        "--experts", type=int, default=d.experts, help="override routed experts per MoE layer"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="RNG device")
     parser.add_argument(
         "--max-shard-bytes", type=parse_size, default=d.max_shard_bytes, help="e.g. 4GiB"
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if opts.out is None:
         raise BadRequest("make-model needs --out DIR")
     name = opts.preset_name()
-    total = checkpoint_bytes(get_preset(name), opts.dtype, opts.num_layers)
+    preset = with_experts(get_preset(name), opts.experts)
+    total = checkpoint_bytes(preset, opts.dtype, opts.num_layers)
     print(
         f"make-model: {name} {opts.dtype}: {total} bytes ({total / 2**30:.2f} GiB)", file=sys.stderr
     )
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=opts.dtype,
         seed=opts.seed,
         num_layers=opts.num_layers,
+        experts=opts.experts,
         device=opts.device,
         max_shard_bytes=opts.max_shard_bytes,
         overwrite=opts.force,

@@ -239,6 +239,21 @@ DEFAULT_PRESET_OF_ARCH = MappingProxyType(
 )
 
 
+def with_experts(preset: Preset, experts: int | None) -> Preset:
+    """`preset` with `experts` routed experts per MoE layer (None: its own count), every other
+    dimension kept: a checkpoint of a MoE model's layer shapes at a size one disk holds."""
+    if experts is None:
+        return preset
+    if not isinstance(preset, GlmMoeDsaPreset):
+        raise BadRequest(f"--experts applies to glm_moe_dsa presets, not {preset.model_type}")
+    if experts < preset.num_experts_per_tok or experts % preset.n_group:
+        raise BadRequest(
+            f"experts must be at least num_experts_per_tok ({preset.num_experts_per_tok}) and "
+            f"a multiple of n_group ({preset.n_group}), got {experts}"
+        )
+    return replace(preset, n_routed_experts=experts)
+
+
 def list_presets() -> list[str]:
     """Preset names, in table order."""
     return list(PRESETS)
