@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tier 0 over one snapshot with SNAPFN_* settings in turns: a cold init, then ROUNDS times each
 # variant's `snapfn bench --modes MODES` (each mode a fresh process; restore_cold drops the page
-# cache first), then the GPU test of the restore path (tests/test_restore_overlap.py). The
+# cache first), then the GPU tests of the restore path (tests/test_restore_overlap.py,
+# tests/test_compiler_warm.py). The
 # device is cuda where nvidia-smi sees a GPU, else cpu. Writes
 # <date>-<machine>-tier0-env-<model>[-TAG]/, a JSON per run named by its variant and round.
 #
@@ -12,7 +13,9 @@
 #              then =1)
 #   --profile-warmup  after the cold init, bench/probes/warmup_profile.py on its snapshot
 #              (warmup-profile.json: where the restore's warmup and graph capture spend time)
-# The overlap: --modes restore,restore_zygote --rounds 2 (the default variants). A dropped page
+# The overlap: --modes restore,restore_zygote --rounds 2 (the default variants). Triton's
+# start-up work done ahead: the same with --variant SNAPFN_WARM_COMPILER=off
+#   --variant SNAPFN_WARM_COMPILER=on. A dropped page
 # cache and the read-ahead: --modes restore_cold --variant SNAPFN_RESTORE_READ_AHEAD=0
 #   --variant SNAPFN_RESTORE_READ_AHEAD=1 --variant SNAPFN_RESTORE_READ_AHEAD=1,SNAPFN_RESTORE_OVERLAP=1
 set -uo pipefail
@@ -65,5 +68,6 @@ for round in $(seq "$rounds"); do
 done
 python3 bench/startup_summary.py "$res"/*-[0-9]*.json
 gpu_tests restore_overlap 120 tests/test_restore_overlap.py ""
+gpu_tests compiler_warm 120 tests/test_compiler_warm.py ""
 tests_summary
 echo "[$((SECONDS - t0)) s] done"

@@ -200,6 +200,22 @@ def test_missing_preload_module_fails_start_with_the_reason(tmp_path):
         start(["zygote_targets", "no_such_module_zz"], tmp_path)
 
 
+def test_a_module_function_entry_is_called_once_before_fork(tmp_path, fork):
+    zygote = start(["zygote_targets", "zygote_targets:preload_call"], tmp_path)
+    try:
+        got = [fork(zygote, "zygote_targets:preloaded_calls", {}) for _ in range(2)]
+        for worker in got:
+            assert worker.channel.recv(timeout_s=10)["calls"] == [zygote.process.pid]
+        assert "zygote_targets:preload_call" in zygote.preload_seconds_by_module
+    finally:
+        zygote.close()
+
+
+def test_a_missing_preload_function_fails_start_with_the_reason(tmp_path):
+    with pytest.raises(InitFailed, match="no_such_call"):
+        start(["zygote_targets:no_such_call"], tmp_path)
+
+
 def test_start_times_out_with_a_clear_error(tmp_path):
     with pytest.raises(InitFailed, match="not ready within 0.01 s"):
         start(["torch"], tmp_path, start_timeout_s=0.01)

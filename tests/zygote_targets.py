@@ -29,6 +29,18 @@ def report(args, channel):
     )
 
 
+PRELOADED_CALLS = []  # what `preload_call` appended: a preload entry's call, made before fork
+
+
+def preload_call():
+    PRELOADED_CALLS.append(os.getpid())
+
+
+def preloaded_calls(args, channel):
+    """Send what the zygote's `zygote_targets:preload_call` entry left behind."""
+    channel.send({"calls": PRELOADED_CALLS, "ppid": os.getppid()})
+
+
 def echo(args, channel):
     """Send back every message until the requester closes its end, then a count."""
     count = 0

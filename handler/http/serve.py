@@ -135,9 +135,8 @@ def preload_for_fork(target: Any, environ=os.environ) -> None:
     unless its snapshot holds a process image (workers restore that: nothing to import here)
     or SNAPFN_PRELOAD=off. NOTE: nothing here may initialise CUDA: a module that does at import
     is refused, with how to fix it."""
-    import importlib
 
-    from snapfn.snapshot.zygote.fork_safety import fork_safety_problem
+    from snapfn.snapshot.zygote.fork_safety import fork_safety_problem, preload
 
     if target.kind == "llm":
         from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
@@ -149,7 +148,7 @@ def preload_for_fork(target: Any, environ=os.environ) -> None:
         if not modules:
             return
     for module in modules:
-        importlib.import_module(module)
+        preload(module)
     problem = fork_safety_problem()
     if problem is not None:
         raise RuntimeError(

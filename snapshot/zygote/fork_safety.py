@@ -7,7 +7,8 @@ one running (a lock another thread holds stays held forever in the child). Nativ
 shut themselves down at fork (OpenBLAS) are fine; a worker calls `torch.set_num_threads` itself,
 after fork.
 
-Before fork the zygote imports its preload modules (`preload_modules`, timed per module). After
+Before fork the zygote imports its preload modules and runs their preload calls
+(`preload_modules`, timed per entry). After
 fork the child resets the signal handling the zygote installed (`reset_signals`), takes the
 requester's fds as its stdin/stdout/stderr (`adopt_stdio`) and reseeds `random` and, when
 loaded, numpy's global state (`reseed`), so workers forked in a row do not share random streams.
@@ -26,13 +27,22 @@ from collections.abc import Sequence
 
 
 def preload_modules(modules: Sequence[str]) -> dict[str, float]:
-    """Import each module in order; seconds per module."""
+    """Preload each entry in order (`preload`); seconds per entry."""
     seconds: dict[str, float] = {}
     for name in modules:
         start = time.perf_counter()
-        importlib.import_module(name)
+        preload(name)
         seconds[name] = time.perf_counter() - start
     return seconds
+
+
+def preload(entry: str) -> None:
+    """Import `entry`, a module; `module:function`: import it, then call the function (no
+    arguments: start-up work that needs no CUDA, done once for every child)."""
+    module, _, function = entry.partition(":")
+    imported = importlib.import_module(module)
+    if function:
+        getattr(imported, function)()
 
 
 def fork_safety_problem() -> str | None:

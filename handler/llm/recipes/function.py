@@ -64,7 +64,8 @@ WEIGHTS_FILE = "weights/rank0.bin"
 # how far a restore's replay logprob may move when its caches were dropped (another GPU, driver
 # or library: other kernels, another summation order; bf16 moves logprobs by ~1e-3 that way)
 REPLAY_LOGPROB_TOLERANCE = 0.05
-# Modules a zygote imports before forking restore workers (none of them touches CUDA at import).
+# Modules a zygote imports before forking restore workers (none of them touches CUDA at import),
+# and `module:function` calls it makes after them (fork_safety.preload)
 ZYGOTE_PRELOAD = (
     "torch",
     "safetensors",
@@ -82,6 +83,7 @@ ZYGOTE_PRELOAD = (
     "snapfn.handler.llm.models.llama",
     "snapfn.handler.llm.models.glm_moe_dsa",
     "snapfn.handler.llm.kernels.torch_ref",
+    "snapfn.handler.llm.kernels.triton.warm:warm_compiler",  # Triton's compiler, where installed
 )
 
 
@@ -134,6 +136,7 @@ class LLMFunction:
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
         self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
         self._tokenizer = None
+        self._compiler_warm = None  # Triton's start-up work, on a side thread (runtime_env)
         self._checkpoint = None
         self.grammar_specs: list = []  # structured-output specs compiled at start-up
         self.memory = None
@@ -169,6 +172,12 @@ class LLMFunction:
         tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
         use_tuning(tuning)
         figures["kernel_tuning"] = tuning.mode
+        if self.device.startswith("cuda"):  # joined by the warmup (kernels/triton/warm.py)
+            from snapfn.handler.llm.kernels.triton.warm import warm_compiler
+
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-warm")
+            self._compiler_warm = pool.submit(warm_compiler)
+            pool.shutdown(wait=False)
 
     def stage_prewarm(self, figures: Figures) -> None:
         from snapfn.handler.llm.weights.checkpoint import Checkpoint
@@ -288,6 +297,9 @@ class LLMFunction:
             chunks = tuple(dict.fromkeys((*self.config.chunk_sizes, *SHORT_PREFILLS)))
         else:  # the CPU path compiles nothing: touch each code path once, cheaply
             decode, chunks = [1], (min(16, self.config.max_num_batched_tokens),)
+        if self._compiler_warm is not None:
+            figures["compiler_warm"] = _joined(self._compiler_warm)
+            self._compiler_warm = None
         if self.world_size > 1:  # every communicator made and run before graphs capture them
             from snapfn.handler.llm.models.tensor_parallel import warm_collectives
 
@@ -714,3 +726,12 @@ def _count_kernel_choices(figures: Figures) -> None:
     counts = choice_counts()
     if counts:
         figures["kernel_choices"] = counts
+
+
+def _joined(warm) -> dict[str, Any]:
+    """The compiler warm's figures; its failure as a figure (the first launch does the work
+    then, and raises there if it must)."""
+    try:
+        return warm.result()
+    except Exception as exc:  # noqa: BLE001  (an optimisation's failure, reported)
+        return {"error": f"{type(exc).__name__}: {exc}"}
