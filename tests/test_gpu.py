@@ -43,17 +43,24 @@ def test_cuda_bf16_logits_close_to_fp32_reference(tiny_llama_dir):
     assert result.logprobs[0] == pytest.approx(float(ref[result.token_ids[0]]), abs=5e-2)
 
 
+@pytest.mark.parametrize("on_first_use", [False, True])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_graph_replay_matches_eager(fixture, request):
+def test_graph_replay_matches_eager(fixture, on_first_use, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts(256, [4, 19, 11], seed=5)
     eager = cuda_engine(model_dir).generate(prompts, greedy(16))
     engine = cuda_engine(model_dir)
-    stats = engine.capture_graphs([1, 2, 4], max_seq_len=256)
+    stats = engine.capture_graphs([1, 2, 4], max_seq_len=256, on_first_use=on_first_use)
+    if on_first_use:  # one request first: bucket 1 captured, then the three's bucket 4
+        (alone,) = engine.generate(prompts[:1], greedy(16))
+        assert alone.token_ids == eager[0].token_ids
+        assert stats.captured_on_first_use == [1]
     graphed = engine.generate(prompts, greedy(16))
     assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
     assert [r.logprobs for r in graphed] == pytest.approx([r.logprobs for r in eager], abs=1e-5)
     assert stats.replays > 0 and stats.eager_fallbacks == 0
+    if on_first_use:
+        assert stats.captured_on_first_use == [1, 4]
     # five requests exceed the largest bucket (4): decode runs eagerly and is counted
     more = random_prompts(256, [3, 5, 7, 9, 2], seed=6)
     engine.generate(more, greedy(4))

@@ -86,3 +86,35 @@ def test_too_wide_or_prefill_batches_run_eagerly():
     prefill = ForwardBatch.build([[1, 2]], [0], [[1]], PAGE, "cpu")
     too_many = ForwardBatch.build([[1]] * 5, [0] * 5, [[1]] * 5, PAGE, "cpu")
     assert [graphs.bucket_for(b) for b in (wide, prefill, too_many)] == [None, None, None]
+
+
+def test_first_use_capture_takes_each_bucket_once_over_padding_rows():
+    """A bucket captured at its first replay sees every static row on the scratch page, even
+    where the last replay left a real request's rows; later replays reuse it."""
+    kv = KVPool([KVBufferSpec("k", 1, (2, 8))], 10, PAGE, torch.float32, "cpu")
+    model = SimpleNamespace(device=torch.device("cpu"), backend=get_backend("torch"))
+    graphs = DecodeGraphs(model, kv, [1, 4], max_seq_len=12)
+    graphs.capture_on_first_use()
+    captured = []
+
+    def capture_bucket(n, error_mode):
+        static = graphs._batches[n] = graphs._static_batch(n)
+        captured.append((n, error_mode, static.slot_mapping.tolist(), static.page_table.tolist()))
+        graphs._graphs[n] = SimpleNamespace(replay=lambda: None)
+        graphs._outputs[n] = torch.arange(n * 3).view(n, 3)
+
+    graphs._capture_bucket = capture_bucket
+    s = kv.scratch_page
+    two = ForwardBatch.build([[7], [9]], [5, 2], [[3, 6], [8]], PAGE, "cpu")
+    assert graphs.replay(two, 4).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert graphs.slot_mapping[:2].tolist() == [6 * PAGE + 1, 8 * PAGE + 2]  # real rows left
+    one = ForwardBatch.build([[5]], [9], [[2, 4, 1]], PAGE, "cpu")
+    graphs.replay(one, 1)
+    assert graphs.slot_mapping[:1].tolist() == [1 * PAGE + 1]  # the replay's own rows after
+    graphs.replay(two, 4)
+    assert captured == [
+        (4, "thread_local", [s * PAGE] * 4, [[s] * 3] * 4),
+        (1, "thread_local", [s * PAGE], [[s] * 3]),
+    ]
+    assert graphs.stats.captured_on_first_use == [4, 1]
+    assert graphs.stats.to_json()["captured_on_first_use"] == [4, 1]

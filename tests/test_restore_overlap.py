@@ -3,7 +3,9 @@ stream (`InitConfig.restore_overlap`, recipes/function.py): the same answer as t
 turn, its stages in their order, and a stream that fails after the warmup began still refused.
 The weights file read into the page cache from the restore's start
 (`InitConfig.restore_read_ahead`, snapshot/runtime.py): read where it was dropped, skipped
-where resident, off when switched off, the answer the same."""
+where resident, off when switched off, the answer the same. Decode graphs captured by their
+first decode steps (`InitConfig.restore_graphs_on_first_use`, engine/graphs.py): the bits of
+the graphs captured before ready."""
 
 from __future__ import annotations
 
@@ -111,6 +113,36 @@ def test_on_cuda_the_overlapped_restore_gives_the_same_bits(llama_with_tokenizer
         prompt = fn.engine.tokenizer.encode("Hello there")
         (result,) = fn.engine.generate([prompt], greedy(8))
         out[overlap] = (result.token_ids, result.logprobs, fn.health)
+        fn.release()
+    assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_on_cuda_graphs_captured_on_first_use_give_the_same_bits(llama_with_tokenizer, tmp_path):
+    from dataclasses import replace
+
+    from parity import greedy
+
+    base = replace(config(tmp_path, False), device="cuda", graph_max_batch=4)
+    init_and_snapshot(LLMFunction(base, llama_with_tokenizer), tmp_path / "snap", log=None)
+    out = {}
+    for late in (False, True):
+        cfg = replace(base, restore_graphs_on_first_use=late)
+        fn, startup = restore(
+            lambda c=cfg: LLMFunction(c, llama_with_tokenizer), tmp_path / "snap", log=None
+        )
+        assert startup.tier == "portable" and not startup.fallbacks
+        capture = startup.stage("capture_graphs").figures
+        assert ("captured" in capture) == late and capture["compiled_files"] == 0
+        prompts = [fn.engine.tokenizer.encode(t) for t in ("Hello there", "A", "Once upon")]
+        first = fn.engine.generate(prompts[:1], greedy(8))
+        every = fn.engine.generate(prompts, greedy(8))
+        stats = fn.graph_stats
+        assert stats.eager_fallbacks == 0 and stats.replays > 0
+        if late:
+            assert stats.captured_on_first_use[:2] == [1, 4]
+        out[late] = [(r.token_ids, r.logprobs) for r in (*first, *every)], fn.health
         fn.release()
     assert out[True] == out[False]
 

@@ -52,6 +52,8 @@ class InitConfig:
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     restore_overlap: bool = False  # tier 0: the KV pool and warmup while weights stream
     restore_read_ahead: bool = False  # tier 0: the weights file into the page cache from the start
+    # tier 0: each decode graph captured by its first decode step, not before ready (graphs.py)
+    restore_graphs_on_first_use: bool = True
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
     prefill_chunk_sizes: tuple[
         int, ...

@@ -138,10 +138,13 @@ class Engine:
         )
         self.grammars = None  # a structured.GrammarCache of the tokenizer (attach_grammars)
 
-    def capture_graphs(self, buckets: list[int], max_seq_len: int, pool=None) -> GraphStats:
-        """Capture decode CUDA graphs for `buckets`; later decode steps replay them. With
+    def capture_graphs(
+        self, buckets: list[int], max_seq_len: int, pool=None, on_first_use: bool = False
+    ) -> GraphStats:
+        """Capture decode CUDA graphs for `buckets`; later decode steps replay them
+        (`on_first_use`: each captured by the first step that needs it, `graphs.py`). With
         speculative decoding: the verify and draft graphs of those batch sizes instead
-        (`spec_graphs.py`)."""
+        (`spec_graphs.py`), all at once."""
         if self.model.lockstep:
             raise BadRequest(
                 "this model exchanges tokens all-to-all across ep ranks (ep_dispatch="
@@ -154,7 +157,10 @@ class Engine:
             self.spec_graphs = self.drafter.graphs = spec
             return spec.stats
         graphs = DecodeGraphs(self.model, self.kv, buckets, max_seq_len)
-        graphs.capture(pool)
+        if on_first_use:
+            graphs.capture_on_first_use(pool)
+        else:
+            graphs.capture(pool)
         self.graphs = graphs
         self._pick_buffers = PickBuffers(max(graphs.buckets))
         return graphs.stats

@@ -5,10 +5,19 @@ smallest bucket `>= b`: its inputs are copied into static buffers, padded rows p
 pool's scratch page (they read and write nothing real), and the first `b` logits rows are
 returned. A batch larger than the largest bucket, or one whose page table is wider than the
 captured width, runs eagerly and counts as an eager fallback.
+
+`capture` takes every bucket at once (the init: its eager runs fill the compile caches the
+snapshot keeps). `capture_on_first_use` takes none: each bucket is captured by the first
+replay that needs it (a tier-0 restore, whose caches compile nothing, leaves capture out of
+its time to ready; that replay pays the bucket's capture, tens of ms on an 8B model). Before
+such a capture every static row is made padding again, so its eager run and the captured one
+touch only the scratch page whatever the last replay left there, and the capture runs in
+thread-local mode, so another thread's CUDA calls (a metrics scrape) cannot break it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +51,8 @@ class GraphStats:
     replays: int = 0
     eager_fallbacks: int = 0
     capture_s: float = 0.0
+    # captured by their first replay (`capture_on_first_use`), in that order; None: all at once
+    captured_on_first_use: list[int] | None = None
     # speculative decoding's families (spec_graphs.py): each one's buckets, replays per use
     families: dict[str, list[int]] = field(default_factory=dict)
     replays_by_use: dict[str, int] = field(default_factory=dict)
@@ -53,6 +64,8 @@ class GraphStats:
             "eager_fallbacks": self.eager_fallbacks,
             "capture_s": round(self.capture_s, 3),
         }
+        if self.captured_on_first_use is not None:
+            out["captured_on_first_use"] = self.captured_on_first_use
         if self.families:
             out.update(families=self.families, replays_by_use=self.replays_by_use)
         return out
@@ -140,26 +153,44 @@ class DecodeGraphs:
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into one shared graph memory pool (`pool`: a
         MemPool id to capture into, e.g. one whose memory a process snapshot releases)."""
-        import time
-
         start = time.perf_counter()
-        for n in sorted(self.buckets, reverse=True):
-            batch = self._batches[n] = self._static_batch(n)
-            self.model.backend.begin_forward(batch, graph=True)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                # one warm-up run outside the graph: allocator pools, lazy kernel loads
-                self._run(batch, n)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[n] = self._run(batch, n)
-            pool = graph.pool()
-            self._graphs[n] = graph
-        torch.cuda.synchronize()
         self.pool = pool
+        for n in sorted(self.buckets, reverse=True):
+            self._capture_bucket(n, "global")
+        torch.cuda.synchronize()
         self.stats.capture_s = time.perf_counter() - start
+
+    def capture_on_first_use(self, pool=None) -> None:
+        """Capture nothing now: each bucket when a replay first needs it, into `pool` (see the
+        module docstring)."""
+        self.pool = pool
+        self.stats.captured_on_first_use = []
+
+    def _capture_late(self, n: int) -> None:
+        """Bucket `n`'s capture at its first replay, over static rows that are all padding."""
+        start = time.perf_counter()
+        self._copied.wait()
+        self._reset_padding(0)
+        self._upload()
+        self._capture_bucket(n, "thread_local")
+        self.stats.capture_s += time.perf_counter() - start
+        self.stats.captured_on_first_use.append(n)
+
+    def _capture_bucket(self, n: int, error_mode: str) -> None:
+        """One warm-up run of bucket `n` outside a graph (allocator pools, lazy kernel loads),
+        then its capture into `self.pool`."""
+        batch = self._batches[n] = self._static_batch(n)
+        self.model.backend.begin_forward(batch, graph=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(batch, n)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=error_mode):
+            self._outputs[n] = self._run(batch, n)
+        self.pool = graph.pool()
+        self._graphs[n] = graph
 
     def _run(self, batch: ForwardBatch, n: int) -> Any:
         """What bucket `n`'s graph holds: the model's decode step over `batch` (its logits)."""
@@ -182,6 +213,8 @@ class DecodeGraphs:
         """Run decode `batch` (on the host or the device) through bucket `n`'s graph.
         `input_ids` (on the device) replaces the batch's: a step whose tokens the previous
         step produced is launched before the host has seen them."""
+        if n not in self._graphs:
+            self._capture_late(n)
         b, w = batch.num_seqs, batch.page_table.shape[1]
         self._copied.wait()  # the mirror's last copy must be done before it changes
         host = self._host_views

@@ -307,17 +307,28 @@ class LLMFunction:
         with compile_caches.compiles_counted(self.config.cache_dir, figures):
             figures.update(warmup(self.model, self.engine.kv, decode, chunks))
 
-    def stage_capture_graphs(self, figures: Figures) -> None:
+    def stage_capture_graphs(self, figures: Figures, restoring: bool = False) -> None:
         if self.config.speculative_tokens > 0:
             figures["speculative_tokens"] = self.config.speculative_tokens
         if self.uses_graphs():
             pool = self.memory.graph_pool() if self.memory is not None else None
             # decode kernels JIT-compile in the run before each capture: a restore must add none
+            # a tier-0 restore's caches compile nothing: its decode graphs can wait for their
+            # first decode steps (InitConfig.restore_graphs_on_first_use). Not speculation's
+            # families, nor several ranks' (whose captures hold collectives): all at once.
+            late = (
+                restoring
+                and self.config.restore_graphs_on_first_use
+                and self.config.speculative_tokens == 0
+                and self.world_size == 1
+            )
             with compile_caches.compiles_counted(self.config.cache_dir, figures):
                 max_seq_len = self.config.graph_max_seq_len
-                stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool)
+                stats = self.engine.capture_graphs(self.buckets(), max_seq_len, pool, late)
             self.graph_stats = stats
             figures.update(buckets=stats.buckets, seconds_capture=round(stats.capture_s, 3))
+            if late:
+                figures["captured"] = "each bucket at its first decode step"
             if stats.families:  # speculative decoding's: each family's row buckets and count
                 figures["families"] = stats.families
                 figures["graphs"] = sum(len(b) for b in stats.families.values())
@@ -511,7 +522,7 @@ class LLMFunction:
             ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
             *middle,
-            ("capture_graphs", self.stage_capture_graphs),
+            ("capture_graphs", lambda f: self.stage_capture_graphs(f, restoring=True)),
             ("tokenizer", lambda f: self.stage_tokenizer(f, snapshot_dir / "model")),
             ("grammars", lambda f: self.stage_grammars(f, self._checked.grammars)),
             *self._warm_stage(self._checked.prefix_warm),
