@@ -1,5 +1,5 @@
 """One line per mode of cold-start bench results: ready / first token, the first token and its
-logprob, the decode figure, what each startup stage compiled, restored or skipped (a restore
+logprob, the next two-token generation's seconds (restores), the decode figure, what each startup stage compiled, restored or skipped (a restore
 must show `compiled_files` 0), and each stage's seconds.
 Usage: python3 bench/startup_summary.py RESULT.json [RESULT.json ...]"""
 
@@ -7,7 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-KEEP = ("compiled_files", "restored_cache_files", "cache_files", "backend", "buckets", "skipped")
+KEEP = (
+    "compiled_files",
+    "restored_cache_files",
+    "cache_files",
+    "backend",
+    "buckets",
+    "skipped",
+    "captured",
+    "compiler_warm",
+)
 
 for path in sys.argv[1:]:
     for mode, m in json.loads(Path(path).read_text())["modes"].items():
@@ -20,6 +29,7 @@ for path in sys.argv[1:]:
             m.get("ready_s"),
             m.get("first_token_s"),
             first,
+            m.get("next_two_tokens_s"),
             m.get("decode"),
             {k: v for k, v in found.items() if v},
             seconds,

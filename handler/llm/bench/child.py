@@ -104,6 +104,8 @@ def mode_restore(args: argparse.Namespace) -> dict[str, Any]:
 
     fn, startup = restore(lambda: _function(args, None), Path(args.snapshot), log=None)
     result = {"ready_s": since(args.t0), **_first_token(fn.engine, args)}
+    # the first decode step's cost, where a decode graph is captured at its first use
+    result["next_two_tokens_s"] = _two_tokens_s(fn.engine, args)
     result["decode"] = _decode_figures(fn.engine, args) if args.decode_batches else {}
     return {**result, "startup": startup.to_json(), "fallbacks": startup.fallbacks}
 
@@ -275,6 +277,17 @@ def _first_token(engine, args: argparse.Namespace) -> dict[str, Any]:
         "token": result.token_ids[0],
         "logprob": result.logprobs[0],
     }
+
+
+def _two_tokens_s(engine, args: argparse.Namespace) -> float:
+    """Seconds of a two-token generation of the first token's prompt (a prefill and one decode
+    step), right after it."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.generate([PROMPT_IDS], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    _sync(args.device)
+    return round(time.perf_counter() - t0, 4)
 
 
 def distinct_prompts(batch: int, vocab: int) -> list[list[int]]:
