@@ -136,7 +136,7 @@ def preload_for_fork(target: Any, environ=os.environ) -> None:
     or SNAPFN_PRELOAD=off. NOTE: nothing here may initialise CUDA: a module that does at import
     is refused, with how to fix it."""
 
-    from snapfn.snapshot.zygote.fork_safety import fork_safety_problem, preload
+    from snapfn.snapshot.zygote.fork_safety import fork_safety_problem, preload_modules
 
     if target.kind == "llm":
         from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
@@ -147,8 +147,7 @@ def preload_for_fork(target: Any, environ=os.environ) -> None:
         what = f"importing {', '.join(modules)}"
         if not modules:
             return
-    for module in modules:
-        preload(module)
+    preload_modules(modules)
     problem = fork_safety_problem()
     if problem is not None:
         raise RuntimeError(
