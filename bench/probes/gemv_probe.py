@@ -7,6 +7,7 @@ fused kernel takes them on), on the shapes of the 8B llama and the GLM-5-shaped 
 python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
     [--splits auto,1,4] [--configs all|fp8]
 python3 bench/probes/gemv_probe.py --summarise OUT.jsonl   # each shape's 4 fastest configs
+python3 bench/probes/gemv_probe.py --moe 32,256 --rows 1,2,4   # routed experts, moe_gemv vs fused
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
@@ -99,6 +100,13 @@ def main() -> None:
     parser.add_argument("--splits", default="auto", help="comma-separated K splits or auto")
     parser.add_argument("--configs", default="all", choices=("all", "fp8", "fp8-wide"))
     parser.add_argument(
+        "--moe",
+        default="",
+        metavar="EXPERTS",
+        help="instead: GLM-5's routed FP8 experts (comma-separated counts, top 8) at each of "
+        "--rows, `moe_gemv` against `fused_moe`",
+    )
+    parser.add_argument(
         "--summarise",
         metavar="JSONL",
         help="print each shape's 4 fastest configs from an earlier run",
@@ -109,6 +117,11 @@ def main() -> None:
         return
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
+    if args.moe:
+        for experts in [int(e) for e in args.moe.split(",")]:
+            for m in [int(r) for r in args.rows.split(",")]:
+                print(json.dumps(probe_moe(experts, m, args.reps, dev)), flush=True)
+        return
     for name, rows_w, k, kind in SHAPES:
         if args.only and name not in args.only.split(","):
             continue
@@ -126,6 +139,38 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del weights
         torch.cuda.empty_cache()
+
+
+def probe_moe(num_experts: int, m: int, reps: int, dev: torch.device) -> dict:
+    """GLM-5's routed experts (hidden 6144, intermediate 2048, FP8, top 8 of `num_experts`) for
+    `m` tokens: `moe_gemv` (tuned) against `fused_moe`, over 16 routings drawn at random (each
+    token its own 8 experts; tokens may share some), and the experts' distinct bytes read."""
+    from snapfn.handler.llm.kernels.base import ExpertWeights
+    from snapfn.handler.llm.kernels.triton import moe as triton_moe
+
+    hidden, inter, topk = 6144, 2048, 8
+    gate, up = (quantize_fp8_block(torch.randn(num_experts, inter, hidden, device=dev) / 80)
+                for _ in "gu")  # fmt: skip
+    down = quantize_fp8_block(torch.randn(num_experts, hidden, inter, device=dev) / 45)
+    experts = ExpertWeights(gate[0], up[0], down[0], gate[1], up[1], down[1])
+    x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+    routings = [
+        torch.stack([torch.randperm(num_experts, device=dev)[:topk] for _ in range(m)])
+        for _ in range(16)
+    ]
+    weights = torch.rand(m, topk, device=dev)
+    distinct = sum(len(set(r.flatten().tolist())) for r in routings) / len(routings)
+    expert_bytes = 3 * hidden * inter
+    row = {"shape": f"glm5.moe.e{num_experts}", "rows": m, "distinct_experts": distinct}
+    ref = triton_moe.fused_moe(x, experts, routings[0], weights).float()
+    got = triton_moe.moe_gemv(x, experts, routings[0], weights).float()
+    row["max_rel_err"] = round(((got - ref).abs().max() / ref.abs().max()).item(), 5)
+    for label, fn in (("fused_moe", triton_moe.fused_moe), ("moe_gemv", triton_moe.moe_gemv)):
+        us = graph_us(lambda i, f=fn: f(x, experts, routings[i], weights), reps, len(routings))
+        row[f"{label}_us"] = round(us, 2)
+        row[f"{label}_tbps"] = round(distinct * expert_bytes / us / 1e6, 3)
+    row["speedup"] = round(row["fused_moe_us"] / row["moe_gemv_us"], 3)
+    return row
 
 
 def summarise(path: str) -> None:
@@ -180,7 +225,7 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
     auto = triton_gemv.split_count(rows_w // (2 if swiglu else 1), k, weights[0].dtype, x.device)
     row["auto_splits"] = auto
-    sweep = SWEEP if m == 1 else triton_gemv.GEMV_ALL_CONFIGS
+    sweep = SWEEP if m == 1 else triton_gemv.GEMV_ROWS_CONFIGS
     if args.configs == "fp8":
         sweep = triton_gemv.GEMV_FP8_CONFIGS
     elif args.configs == "fp8-wide":  # and the sweep's tiles of 8K weights or more

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from snapfn.handler.llm.kernels.base import ExpertWeights
+from snapfn.handler.llm.kernels.triton.gemv import GEMV_MAX_ROWS
 from snapfn.handler.llm.kernels.triton.kernels import (
     _check_device,
     autotuned,
@@ -311,23 +312,27 @@ def _scaled_row(x, scale_ptr, expert, col0, ks, k_mask, num_out, num_in, SCALED:
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr,  # [H]
+    x_ptr,  # [T, H]
     gate_ptr,  # [E, I, H]
     up_ptr,  # [E, I, H]
     gate_scale_ptr,  # [E, ceil(I/128), ceil(H/128)] when FP8
     up_scale_ptr,
-    topk_ids_ptr,  # [TOPK] global expert ids
-    act_ptr,  # [TOPK, I]
+    topk_ids_ptr,  # [T * TOPK] global expert ids
+    act_ptr,  # [T * TOPK, I]
     first_expert,
     num_local,
     hidden,
     inter,
+    topk,
     FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one program per (slot, BLOCK_N columns of I); a slot routed off this rank does nothing
+    # one program per (slot, BLOCK_N columns of I), slots of token t at t * topk on; a slot
+    # routed off this rank does nothing. The slots of a column block are neighbours in the
+    # grid: tokens that picked the same expert read its tile at about the same time (from L2)
     slot = tl.program_id(0)
+    x_ptr += (slot // topk).to(tl.int64) * hidden
     expert = tl.load(topk_ids_ptr + slot).to(tl.int64) - first_expert
     if (expert >= 0) & (expert < num_local):
         col0 = tl.program_id(1) * BLOCK_N
@@ -358,12 +363,12 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    act_ptr,  # [TOPK, I]
+    act_ptr,  # [T * TOPK, I]
     down_ptr,  # [E, H, I]
     down_scale_ptr,  # [E, ceil(H/128), ceil(I/128)] when FP8
-    topk_ids_ptr,  # [TOPK]
-    weights_ptr,  # [TOPK] router weights
-    out_ptr,  # [H] in x's dtype
+    topk_ids_ptr,  # [T * TOPK]
+    weights_ptr,  # [T * TOPK] router weights
+    out_ptr,  # [T, H] in x's dtype
     first_expert,
     num_local,
     hidden,
@@ -374,14 +379,18 @@ def _down_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one program per BLOCK_N columns of H, over every slot: the slots' sum stays in registers
-    col0 = tl.program_id(0) * BLOCK_N
+    # one program per (token, BLOCK_N columns of H), over the token's slots: their sum stays in
+    # registers. The tokens of a column block are neighbours in the grid, as in gate | up
+    token = tl.program_id(0)
+    first_slot = token * TOPK
+    out_ptr += token.to(tl.int64) * hidden
+    col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     dtype = act_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     LANE: tl.constexpr = min(128 // down_ptr.dtype.element_ty.primitive_bitwidth, BLOCK_K)
-    for slot in range(0, TOPK):
+    for slot in range(first_slot, first_slot + TOPK):
         expert = tl.load(topk_ids_ptr + slot).to(tl.int64) - first_expert
         if (expert >= 0) & (expert < num_local):
             rows = expert * hidden * inter + cols.to(tl.int64)[:, None] * inter
@@ -423,6 +432,8 @@ MOE_GEMV_CONFIGS = [
         (16, 1024, 8),
     )
 ]
+# a verify step's 1 + k drafts, as the dense GEMV's rows
+MOE_GEMV_MAX_TOKENS = GEMV_MAX_ROWS
 MOE_GEMV_INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 64}
 _gate_up_gemv_tuned = autotuned(
     _gate_up_gemv_kernel, MOE_GEMV_CONFIGS, key=["hidden", "inter", "FP8"]
@@ -433,25 +444,31 @@ _down_gemv_tuned = autotuned(
 
 
 def moe_gemv(
-    x: torch.Tensor,  # [1, H]
+    x: torch.Tensor,  # [T, H], T at most MOE_GEMV_MAX_TOKENS
     experts: ExpertWeights,
-    topk_ids: torch.Tensor,  # [1, k] global expert ids
-    topk_weights: torch.Tensor,  # [1, k]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    topk_weights: torch.Tensor,  # [T, k]
     config: triton.Config | None = None,  # default: tuned (interpreter: MOE_GEMV_INTERPRETED)
-) -> torch.Tensor:  # [1, H] in x's dtype: this rank's experts' contributions
-    """`fused_moe` for one token: each of its `k` experts' SwiGLU MLP as matrix-vector
-    products, each weight byte read once. Two launches: gate | up with the activation per
-    (slot, column block), then down for every slot with the router-weighted sum over the slots
-    in registers. No sorting by expert, no padding, no float32 `[k, H]` buffer to sum."""
+) -> torch.Tensor:  # [T, H] in x's dtype: this rank's experts' contributions
+    """`fused_moe` for a decode step's few tokens (one; or a verify step's 1 + k drafts): each
+    of a token's `k` experts' SwiGLU MLP as matrix-vector products, each weight byte read once
+    a token (an expert that several tokens picked is read by each, at about the same time: from
+    L2 after the first). Two launches: gate | up with the activation per (slot, column block),
+    then down per (token, column block) with the router-weighted sum over the token's slots in
+    registers. No sorting by expert, no padding, no float32 `[T * k, H]` buffer to sum."""
     _check_device(x, experts.gate, topk_ids, topk_weights)
-    if x.shape[0] != 1 or topk_ids.shape[0] != 1:
-        raise ValueError(f"moe_gemv takes one token, got {x.shape[0]}")
+    tokens = x.shape[0]
+    if not 0 < tokens <= MOE_GEMV_MAX_TOKENS or topk_ids.shape[0] != tokens:
+        raise ValueError(
+            f"moe_gemv takes 1 to {MOE_GEMV_MAX_TOKENS} tokens and their ids, got {tokens} "
+            f"and {topk_ids.shape[0]}"
+        )
     fp8 = experts.gate_scale_inv is not None
     hidden, inter, topk = x.shape[1], experts.gate.shape[1], topk_ids.shape[1]
-    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if not experts.num_local:
         return out.zero_()
-    act = torch.empty(topk, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(tokens * topk, inter, dtype=x.dtype, device=x.device)
     gate, up, down = (w.contiguous() for w in (experts.gate, experts.up, experts.down))
     scales = [experts.gate_scale_inv, experts.up_scale_inv, experts.down_scale_inv]
     gate_s, up_s, down_s = (s.contiguous() if fp8 else gate for s in scales)  # unread if 16-bit
@@ -460,11 +477,11 @@ def moe_gemv(
     local = (experts.first_expert, experts.num_local)
     gate_up, gate_up_tile = tuned_or_fixed(_gate_up_gemv_tuned, config, **MOE_GEMV_INTERPRETED)
     down_k, down_tile = tuned_or_fixed(_down_gemv_tuned, config, **MOE_GEMV_INTERPRETED)
-    gate_up[lambda meta: (topk, triton.cdiv(inter, meta["BLOCK_N"]))](
-        x.contiguous(), gate, up, gate_s, up_s, ids, act, *local, hidden, inter, FP8=fp8,
+    gate_up[lambda meta: (tokens * topk, triton.cdiv(inter, meta["BLOCK_N"]))](
+        x.contiguous(), gate, up, gate_s, up_s, ids, act, *local, hidden, inter, topk, FP8=fp8,
         **gate_up_tile,
     )  # fmt: skip
-    down_k[lambda meta: (triton.cdiv(hidden, meta["BLOCK_N"]),)](
+    down_k[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         act, down, down_s, ids, weights, out, *local, hidden, inter, TOPK=topk,
         ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) != torch.float32, FP8=fp8,
         **down_tile,
