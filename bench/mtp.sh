@@ -2,12 +2,11 @@
 # MTP speculative decoding on one GPU, in one run:
 # - the GPU tests of its paths (tests/test_speculative.py: greedy equality eager and from the
 #   verify and draft graphs), of the kernels a verify step runs (tests/test_triton_kernels.py's
-#   cases of several rows and tokens) and, with the restore, of structured output's first
+#   MoE and GEMV cases) and, with the restore, of structured output's first
 #   request after one (tests/test_gpu_structured.py; carry .servewhl for llguidance);
-# - with --probe-rows, beside the tests, the verify's products at those row counts
-#   (bench/probes/gemv_probe.py: the GEMVs against the unfused kernels on the GLM-5-shaped
-#   model's FP8 and the 8B's bf16 shapes; the routed experts, `moe_gemv` against `fused_moe`,
-#   at 32 and 256 experts);
+# - with --probe-rows, beside the tests, the verify's routed experts at 1 and those token
+#   counts: `moe_gemv` against `fused_moe`, GLM-5's FP8 experts, top 8 of 32 and of 256
+#   (bench/probes/gemv_probe.py --moe);
 # - on the GLM-5-shaped model (bench/device-env.sh's glm5, FP8, --layers deep, --experts
 #   routed experts a MoE layer), `snapfn bench --modes mtp`: greedy decode with 0..3 drafts a
 #   step and with drafts of known acceptance, each engine from its CUDA graphs
@@ -24,8 +23,9 @@
 #   --graph-max-batch  SNAPFN_GRAPH_MAX_BATCH for the init and restore (their decode buckets)
 #   --no-bench         the tests and probes only (no model, no bench, no restore)
 # $mtp_timeout: seconds each bench may take (420)
-# The verify's GEMVs against the kernels before them: --layers 16 --experts 32 --no-restore
-#   --probe-rows 2,4 --variant SNAPFN_GEMV_ROWS=off --variant SNAPFN_GEMV_ROWS=auto
+# The verify's experts as GEMVs against the sorted-pairs kernels: --layers 16 --experts 32
+#   --no-restore --probe-rows 2,4 --variant SNAPFN_MOE_GEMV_ROWS=off
+#   --variant SNAPFN_MOE_GEMV_ROWS=auto
 set -uo pipefail
 . bench/device-env.sh
 tests=1 restore=1 run_bench=1 tag= graph_max_batch=4 probe_rows=
@@ -51,7 +51,7 @@ t0=$SECONDS
 if [ -n "$tests" ]; then
   gpu_tests speculative 200 tests/test_speculative.py "" &
   pids=($!)
-  gpu_tests triton 200 tests/test_triton_kernels.py "rows or tokens or backend_gemv or autotune" &
+  gpu_tests triton 200 tests/test_triton_kernels.py "moe-gemv or backend_gemv or autotune" &
   pids+=($!)
   if [ -n "$restore" ]; then
     gpu_tests gpu_structured 200 tests/test_gpu_structured.py "" &
@@ -59,11 +59,6 @@ if [ -n "$tests" ]; then
   fi
 fi
 if [ -n "$probe_rows" ]; then  # beside the tests: each figure the best of 5 graph replays
-  (cd bench/probes && TRITON_CACHE_DIR=$work/tc-probe timeout 120 python3 gemv_probe.py \
-    --rows "$probe_rows" --only glm5.fp8.qkv_a,glm5.fp8.o,glm5.fp8.gate_up,glm5.fp8.shared_gate_up,llama8b.qkv,llama8b.down) \
-    > "$res/gemv-probe-rows.jsonl" 2> "$res/gemv-probe-rows.err"
-  python3 -c "import json,sys; [print(r['shape'], r['rows'], {k: r[k] for k in ('unfused_us', 'tuned_us', 'speedup', 'tuned_err')}) for r in map(json.loads, open(sys.argv[1]))]" \
-    "$res/gemv-probe-rows.jsonl" || tail -5 "$res/gemv-probe-rows.err"
   (cd bench/probes && TRITON_CACHE_DIR=$work/tc-probe timeout 90 python3 gemv_probe.py \
     --rows "1,$probe_rows" --moe 32,256) > "$res/moe-probe-rows.jsonl" 2> "$res/moe-probe-rows.err"
   cat "$res/moe-probe-rows.jsonl" || tail -5 "$res/moe-probe-rows.err"

@@ -133,20 +133,20 @@ def test_kernel_switches_default_on_and_are_read_from_the_environment(monkeypatc
         "SNAPFN_INDEXER_SELECT",
         "SNAPFN_GEMV_SPLIT",
         "SNAPFN_CACHE_STORES",
-        "SNAPFN_GEMV_ROWS",
+        "SNAPFN_MOE_GEMV_ROWS",
     )
     for name in on_by_default:
         monkeypatch.delenv(name, raising=False)
     backend = get_backend("triton")
     assert backend._gemv and backend._prefill_indexer and backend._deepgemm_mode == "auto"
     assert backend._router and backend._indexer_select and backend._cache_stores
-    assert backend._gemv_splits is None and backend._gemv_rows  # split_count decides
+    assert backend._gemv_splits is None and backend._moe_gemv_rows  # split_count decides
     for name in on_by_default:
         monkeypatch.setenv(name, "off")
     backend = get_backend("triton")
     assert not backend._gemv and not backend._prefill_indexer and backend._deepgemm_mode == "off"
     assert not backend._router and not backend._indexer_select and not backend._cache_stores
-    assert backend._gemv_splits == 1 and not backend._gemv_rows
+    assert backend._gemv_splits == 1 and not backend._moe_gemv_rows
     monkeypatch.setenv("SNAPFN_PREFILL_INDEXER", "on")  # only auto | off
     with pytest.raises(ValueError, match="prefill_indexer must be 'auto' or 'off'"):
         get_backend("triton")

@@ -154,14 +154,6 @@ GEMV_KINDS = (
     "fp8_add_norm_split3",
     "fp8_swiglu_split3",
     "fp32w_split5",
-    # several rows (`_gemv_rows_kernel`): a verify step's 1 + k drafts, 3 padded to 4
-    "plain_rows2",
-    "add_norm_rows3",
-    "fp8_swiglu_rows4",
-    "fp8_add_norm_split3_rows3",
-    "swiglu_split3_rows2",
-    "fp32w_rows4",
-    "add_norm_float_rows3",
 )
 GEMV_SHAPE = (72, 300)
 # FP8 weights: output columns ending inside a 128-row scale block and K inside a 128-wide one;
@@ -276,7 +268,6 @@ AUTOTUNED_KERNELS = {
     "_absorb_kernel": 1,  # GLM-5's FP8 kv_b
     "_expand_kernel": 1,
     "_gemv_kernel": 2,  # a 16-bit and an FP8 weight (SCALED is a key)
-    "_gemv_rows_kernel": 2,  # the same for a verify step's four rows
     "_route_kernel": 1,
     "_select_topk_kernel": 1,
     "_fill_kv_indices_kernel": 1,
@@ -586,17 +577,15 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels.triton import gemv as tg
 
     ref = TorchBackend()
-    kind, _, rows_in = kind.partition("_rows")
     kind, _, split = kind.partition("_split")
     splits = int(split) if split else None
-    m = int(rows_in) if rows_in else 1
     float_out = kind.endswith("_float")
     kind = kind.removesuffix("_float")
     n, k = GEMV_FP8_SHAPES.get(kind, GEMV_SHAPE)
     gen = torch.Generator().manual_seed(len(kind))
     swiglu = kind.endswith("swiglu")
     rows = 2 * n if swiglu else n
-    x, residual = (torch.randn(m, k, generator=gen).to(dtype).to(device) for _ in "xr")
+    x, residual = (torch.randn(1, k, generator=gen).to(dtype).to(device) for _ in "xr")
     scale_inv = None
     if kind.startswith("fp8"):
         weight, scale_inv = _random_fp8((rows, k), device)
@@ -636,16 +625,13 @@ def _check_gemv(kind: str, dtype: torch.dtype, device: str) -> dict:
 
 
 def _gemv_tol(want: torch.Tensor, fp8: bool) -> tuple[float, float]:
-    """GEMV_TOL; for an FP8 weight, the absolute part scaled to the output: in 16-bit the
+    """GEMV_TOL; for an FP8 weight in 16-bit, the absolute part scaled to the output: the
     reference rounds each dequantized weight to the input dtype (the kernel does not), and the
     weights' mixed block scales make outputs of ~30 (one bf16 ulp there: 0.125) whose
-    cancellations leave some near 0; in float32 the kernel scales x where the reference scales
-    the weight (a few float32 ulps of ~30)."""
+    cancellations leave some near 0."""
     atol, rtol = GEMV_TOL[want.dtype]
     if fp8 and want.dtype != torch.float32:
         atol = max(atol, 2**-7 * want.float().abs().max().item())
-    elif fp8:  # float32: the scale multiplies x, not the weight; other roundings, of that scale
-        atol = max(atol, 2**-18 * want.abs().max().item())
     return atol, rtol
 
 
@@ -661,11 +647,9 @@ def _counting(module, name: str):
 
 
 def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
-    """The triton backend's `add_norm_linear` and `linear` against the torch backend's: one or
-    two 16-bit rows through the fused GEMV (counted); five rows (more than `GEMV_MAX_ROWS`) or
-    float32 through the unfused kernels, bit for bit (their accuracy: their own cases)."""
+    """The triton backend's `add_norm_linear` and `linear` against the torch backend's: a
+    16-bit row through the fused GEMV (counted), two rows or float32 through the unfused ops."""
     from snapfn.handler.llm.kernels import get_backend
-    from snapfn.handler.llm.kernels.torch_ref import TorchBackend
     from snapfn.handler.llm.kernels.triton import gemv as tg
 
     triton, torch_ref = get_backend("triton"), get_backend("torch")
@@ -673,43 +657,44 @@ def _check_backend_gemv(dtype: torch.dtype, device: str) -> dict:
     n, k = GEMV_SHAPE
     weight = (torch.randn(2 * n, k, generator=gen) / k**0.5).to(dtype).to(device)
     norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
-    fp8, fp8_scale = _random_fp8((256, k), device)  # gate | up: 2 x 128 rows
-    errors = []
-
-    def compare(name: str, op: str, *args, fp8: bool = False, unfused: bool = False):
-        got = getattr(triton, op)(*args)
-        if unfused:  # the triton backend's other kernels
-            want = getattr(TorchBackend, op)(triton, *args)
-            assert all(map(torch.equal, got, want)), f"{name}: not the unfused kernels"
-            return got
-        want = getattr(torch_ref, op)(*args)
-        got1, want1 = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
-        assert got1.dtype == want1.dtype, f"{name}: {got1.dtype}, want {want1.dtype}"
-        tol = _gemv_tol(want1, True) if fp8 else GEMV_TOL[want1.dtype]
-        errors.append(_check_close(name, got1, want1, tol)["max_abs_err"])
-        if isinstance(got, tuple):  # the residual sum
-            _check_close(f"{name} residual sum", got[1], want[1], (BF16_ULP * 8, BF16_ULP))
-        return got
-
     with _counting(tg, "gemv") as calls:
-        for rows in (1, 2, tg.GEMV_MAX_ROWS + 1):
+        errors = []
+        for rows in (1, 2):
             x, residual = (torch.randn(rows, k, generator=gen).to(dtype).to(device) for _ in "xr")
-            past = rows > tg.GEMV_MAX_ROWS
             for swiglu in (False, True):
-                args = (x, residual, norm, 1e-6, weight, None, None, swiglu)
-                compare(f"add_norm_linear {rows} rows", "add_norm_linear", *args, unfused=past)
-            compare(f"linear {rows} rows", "linear", x, weight)
-            # FP8: gate | up with the norm and SwiGLU, then a plain product (past the GEMV's
-            # rows: the FP8 tile kernel)
-            args = (x, residual, norm, 1e-6, fp8, None, fp8_scale, True)
-            compare(f"fp8 swiglu {rows} rows", "add_norm_linear", *args, fp8=True, unfused=past)
-            compare(f"fp8 linear {rows} rows", "linear", x, fp8, None, fp8_scale, fp8=True)
+                got, h = triton.add_norm_linear(x, residual, norm, 1e-6, weight, swiglu=swiglu)
+                want, h_want = torch_ref.add_norm_linear(
+                    x, residual, norm, 1e-6, weight, swiglu=swiglu
+                )
+                tol = GEMV_TOL[dtype]  # unfused, bf16 differs too: the norm kernel's rounding
+                errors.append(
+                    _check_close(f"add_norm_linear {rows} rows", got, want, tol)["max_abs_err"]
+                )
+                _check_close("residual sum", h, h_want, (BF16_ULP * 8, BF16_ULP))
+            got = triton.linear(x, weight)
+            errors.append(
+                _check_close(
+                    f"linear {rows} rows", got, torch_ref.linear(x, weight), GEMV_TOL[dtype]
+                )["max_abs_err"]
+            )
+            # FP8: gate | up (2 x 128 rows) with the norm and SwiGLU, then a plain product
+            fp8, fp8_scale = _random_fp8((256, k), device)
+            got, _ = triton.add_norm_linear(x, residual, norm, 1e-6, fp8, None, fp8_scale, True)
+            want, _ = torch_ref.add_norm_linear(x, residual, norm, 1e-6, fp8, None, fp8_scale, True)
+            tol = _gemv_tol(want, True)
+            errors.append(_check_close(f"fp8 swiglu {rows} rows", got, want, tol)["max_abs_err"])
+            got = triton.linear(x, fp8, None, fp8_scale)
+            want = torch_ref.linear(x, fp8, None, fp8_scale)
+            tol = _gemv_tol(want, True)
+            errors.append(_check_close(f"fp8 linear {rows} rows", got, want, tol)["max_abs_err"])
             # a float32 weight (a float32 module): a float32 product whatever x's dtype
-            got = compare(f"fp32 linear {rows} rows", "linear", x, weight.float())
-            assert got.dtype == torch.float32, got.dtype
-    # each of one and two 16-bit rows: two add_norm_linear and one linear, the FP8 swiglu and
-    # linear, float32 W
-    want_calls = 12 if dtype != torch.float32 else 0
+            fp32 = weight.float()
+            got, want = triton.linear(x, fp32), torch_ref.linear(x, fp32)
+            assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
+            tol = GEMV_TOL[torch.float32]
+            errors.append(_check_close(f"fp32 linear {rows} rows", got, want, tol)["max_abs_err"])
+    # one 16-bit row: two add_norm_linear and one linear, the FP8 swiglu and linear, float32 W
+    want_calls = 6 if dtype != torch.float32 else 0
     assert len(calls) == want_calls, f"gemv ran {len(calls)} times, expected {want_calls}"
     return {"max_abs_err": max(errors)}
 
@@ -872,7 +857,26 @@ def _check_moe(name: str, dtype: torch.dtype, device: str, config=None) -> dict:
     # reference: bounded relative to the output's scale
     atol, rtol = MOE_TOL[dtype]
     scale = float(want.abs().max())
+    if gemv and tokens > 1:
+        _check_moe_gemv_tokens(args, got, config)
     return _check_close("moe", got.float().cpu(), want, (atol * max(1.0, scale), rtol))
+
+
+def _check_moe_gemv_tokens(args: tuple, got: torch.Tensor, config) -> None:
+    """`moe_gemv` of several tokens: each token's row the bits its call alone gives (a verify
+    step's row as plain decode's), and the triton backend sending those tokens to it unless
+    `moe_gemv_rows` is off (then `fused_moe`)."""
+    from snapfn.handler.llm.kernels.triton import moe as tm
+    from snapfn.handler.llm.kernels.triton.backend import TritonBackend
+
+    x, experts, ids, weights = args
+    for t in range(x.shape[0]):
+        alone = tm.moe_gemv(x[t : t + 1], experts, ids[t : t + 1], weights[t : t + 1], config)
+        assert torch.equal(alone[0], got[t]), f"token {t}: not its one-token result"
+    with _counting(tm, "moe_gemv") as gemvs, _counting(tm, "fused_moe") as fused:
+        for mode in ("off", "auto"):
+            TritonBackend(moe_gemv_rows=mode).moe(x, experts, ids, weights)
+    assert (len(gemvs), len(fused)) == (1, 1), f"moe_gemv {len(gemvs)}, fused_moe {len(fused)}"
 
 
 def _check_route(name: str, device: str) -> dict:
@@ -1265,8 +1269,6 @@ def _run_llama_kernels(device: str, tokens: int = 4) -> None:
     row = _randn(1, 4096, device=device)
     norm = _randn(4096, device=device)
     tg.gemv(row, _randn(6144, 4096, device=device), norm_weight=norm, residual=row)
-    rows = _randn(4, 4096, device=device)  # a verify step's 1 + 3 drafts
-    tg.gemv(rows, _randn(6144, 4096, device=device), norm_weight=norm, residual=rows)
     ts.greedy_picks(torch.randn(1, 128256, device=device))
 
 
@@ -1311,7 +1313,6 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
     tm.route(torch.randn(tokens, 256, device=device), torch.zeros(256, device=device), routing)
     q_a, q_a_scale = _random_fp8_on(2048, 6144, device=device)  # an FP8 projection of one row
     tg.gemv(x[:1], q_a, weight_scale_inv=q_a_scale)
-    tg.gemv(x[:4], q_a, weight_scale_inv=q_a_scale)
     latent = _randn(tokens, 576, device=device)  # MLA's latent: norm(c) | rope(k_rope)
     angles = torch.rand(tokens, 32, device=device)
     slots = torch.arange(tokens, device=device)

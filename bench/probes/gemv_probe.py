@@ -11,14 +11,17 @@ python3 bench/probes/gemv_probe.py --moe 32,256 --rows 1,2,4   # routed experts,
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
-again. Prints one JSON object per (shape, rows): the unfused sequence's and the tuned kernel's
-microseconds per call and bandwidth (weight bytes / time), each config's microseconds, and the
-largest difference from the unfused sequence relative to its largest value. `--splits` times
+again. Prints one JSON object per (shape, rows): the unfused sequence's microseconds per call
+and, at the rows `gemv` takes (`GEMV_MAX_ROWS`), the tuned kernel's and their bandwidths
+(weight bytes / time), each config's microseconds, and the largest difference from the
+unfused sequence relative to its largest value. `--splits` times
 each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
 labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries,
 `fp8-wide` those and the sweep's tiles of 8K weights or more. NOTE: the output recorded in
 commit 22ad861 comes from a version that ran SwiGLU as a silu_mul launch after the product by
-default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel.
+default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel; the
+gemv-probe-rows.jsonl of bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows, from commit
+40d5608, whose `gemv` took 2-4 rows in a kernel of their own (not kept: see GEMV_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -225,7 +228,9 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
     auto = triton_gemv.split_count(rows_w // (2 if swiglu else 1), k, weights[0].dtype, x.device)
     row["auto_splits"] = auto
-    sweep = SWEEP if m == 1 else triton_gemv.GEMV_ROWS_CONFIGS
+    if m > triton_gemv.GEMV_MAX_ROWS:  # the unfused sequence alone: what such a step runs
+        return row
+    sweep = SWEEP if m == 1 else triton_gemv.GEMV_ALL_CONFIGS
     if args.configs == "fp8":
         sweep = triton_gemv.GEMV_FP8_CONFIGS
     elif args.configs == "fp8-wide":  # and the sweep's tiles of 8K weights or more

@@ -16,8 +16,9 @@ prefill chunks with the reference's float32 GEMM instead of Triton; `SNAPFN_MOE_
 routes MoE tokens with the reference's torch ops instead of one Triton kernel
 (`triton.moe.route`), and `SNAPFN_INDEXER_SELECT=off` picks the DSA indexer's decode top-k
 with the reference's sort instead of one (`triton.indexer.select_topk_decode`).
-`SNAPFN_GEMV_ROWS=off` keeps steps of 2 to 4 rows (a verify step's 1 + k drafts, a decode
-batch of 2-4) off the GEMVs, on the kernels above (`triton.gemv.GEMV_MAX_ROWS`).
+`SNAPFN_MOE_GEMV_ROWS=off` keeps the routed experts of a step of 2 to 4 tokens (a verify step's
+1 + k drafts, a decode batch of 2-4) on the sorted-pairs kernels; by default `moe_gemv` takes
+them as it takes one token's (`triton.moe.MOE_GEMV_MAX_TOKENS`).
 `SNAPFN_GEMV_SPLIT=off` never splits a GEMV's K (`triton.gemv.split_count`), and
 `SNAPFN_CACHE_STORES=off` writes MLA's latent and the DSA indexer's key into their caches with
 the reference's ops instead of one launch each (`triton.kernels.norm_rope_store`,
@@ -67,7 +68,7 @@ def _triton_modes() -> dict[str, str]:
         "cache_stores": os.environ.get("SNAPFN_CACHE_STORES", "auto"),
         "mla_decode": os.environ.get("SNAPFN_MLA_DECODE", "auto"),
         "mla_absorb": os.environ.get("SNAPFN_MLA_ABSORB", "auto"),
-        "gemv_rows": os.environ.get("SNAPFN_GEMV_ROWS", "auto"),
+        "moe_gemv_rows": os.environ.get("SNAPFN_MOE_GEMV_ROWS", "auto"),
     }
 
 

@@ -91,12 +91,12 @@ class TritonBackend(TorchBackend):
         cache_stores: str = "auto",
         mla_decode: str = "auto",
         mla_absorb: str = "auto",
-        gemv_rows: str = "auto",
+        moe_gemv_rows: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
             ("gemv", gemv),
-            ("gemv_rows", gemv_rows),
+            ("moe_gemv_rows", moe_gemv_rows),
             ("prefill_indexer", prefill_indexer),
             ("router", router),
             ("indexer_select", indexer_select),
@@ -106,7 +106,7 @@ class TritonBackend(TorchBackend):
             if value not in ("auto", "off"):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
-        self._gemv_rows = gemv_rows == "auto"  # several rows as GEMVs too (off: one row only)
+        self._moe_gemv_rows = moe_gemv_rows == "auto"  # 2-4 tokens' experts as GEMVs too
         self._prefill_indexer = prefill_indexer == "auto"
         self._router = router == "auto"
         self._indexer_select = indexer_select == "auto"
@@ -137,20 +137,16 @@ class TritonBackend(TorchBackend):
     def _gemv_kernels(
         self, x: torch.Tensor, weight: torch.Tensor, scale_inv, swiglu: bool = False
     ) -> ModuleType | None:
-        """`triton.gemv` where it takes this product: on, 16-bit input rows (one, or with
-        `gemv_rows` up to `triton.gemv.GEMV_MAX_ROWS`: a verify step's), and a 2-D weight of
-        x's dtype, a float32 one, or an FP8 one that `triton.gemv.takes_fp8`."""
-        rows = x.numel() // max(1, x.shape[-1])
-        if not self._gemv or weight.dim() != 2 or rows == 0 or (rows > 1 and not self._gemv_rows):
+        """`triton.gemv` where it takes this product: on, one 16-bit input row, and a 2-D
+        weight of x's dtype, a float32 one, or an FP8 one that `triton.gemv.takes_fp8`."""
+        if not self._gemv or weight.dim() != 2 or x.numel() != x.shape[-1]:  # one row only
             return None
         if x.dtype not in (torch.float16, torch.bfloat16):
             return None
         if scale_inv is None and weight.dtype not in (x.dtype, torch.float32):
             return None
         tg = _kernels(x, "gemv")
-        if tg is None or rows > tg.GEMV_MAX_ROWS:
-            return None
-        if scale_inv is not None and not tg.takes_fp8(weight, scale_inv, swiglu):
+        if tg is not None and scale_inv is not None and not tg.takes_fp8(weight, scale_inv, swiglu):
             return None
         return tg
 
@@ -217,7 +213,7 @@ class TritonBackend(TorchBackend):
         tm = _kernels(x, "moe")
         if tm is None:
             return super().moe(x, experts, topk_ids, topk_weights)
-        most = tm.MOE_GEMV_MAX_TOKENS if self._gemv_rows else 1
+        most = tm.MOE_GEMV_MAX_TOKENS if self._moe_gemv_rows else 1
         if self._gemv and 0 < x.shape[0] <= most:  # a decode or verify step's experts as GEMVs
             return tm.moe_gemv(x, experts, topk_ids, topk_weights)
         return tm.fused_moe(x, experts, topk_ids, topk_weights)

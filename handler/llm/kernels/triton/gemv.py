@@ -51,12 +51,15 @@ from snapfn.handler.llm.kernels.triton.kernels import (
 )
 from snapfn.handler.llm.weights.quant import FP8_BLOCK, FP8_DTYPE, scale_shape
 
-# a verify step's 1 + k drafts: `gemv` takes up to this many rows, 2 and more through
-# `_gemv_rows_kernel` (3 padded to 4). NOTE: an earlier multi-row form, the one-row kernel run
-# with every row, ran 1.07-2.9x slower than cuBLAS on the H200 at 2-4 rows of 16-bit weights
-# (bench/probes/gemv_probe.py, commit 60beb82); FP8 weights' other path at those rows is the
-# Triton tile kernel `fp8_block_linear`
-GEMV_MAX_ROWS = 4
+# NOTE: one input row. Tried on the H200 and not kept: at two to four rows the same kernel,
+# each weight tile multiplied by every row, ran 1.07-2.9x slower than cuBLAS
+# (bench/probes/gemv_probe.py, commit 60beb82); a kernel of its own for 2-4 rows (each tile
+# loaded and converted once, its products with every row summed in `lane_sums` runs) ran
+# 2.5-10x slower than the unfused kernels (FP8: `fp8_block_linear`; bf16: cuBLAS) on GLM-5's
+# FP8 and the 8B's bf16 shapes, e.g. GLM-5's o_proj 165 against 68 us at 2 rows
+# (bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows, commit 40d5608). A verify step's rows
+# take the tile kernels; its routed experts, `moe.moe_gemv`
+GEMV_MAX_ROWS = 1
 # K splits (`split_count`): a product with fewer column tiles than the GPU has SMs, such as
 # GLM-5's kv_a and indexer wk (N 576 and 128 over K 6144, FP8) or its float32 router and
 # weights_proj (N 256 and 32), leaves SMs idle. Splitting K gives every SM about
@@ -74,47 +77,6 @@ GEMV_PROGRAMS_PER_SM = 16
 # bench/results/2026-11-30-h200-steady-llama8b-attention). That tile GEMM is the lead
 GEMV_MIN_SPLIT_K = 512
 GEMV_MAX_SPLITS = 16
-
-
-@triton.jit
-def _finish(
-    out,
-    out_up,
-    square_sum,
-    bias_ptr,
-    cols,
-    col_mask,
-    n,
-    k,
-    eps,
-    x_dtype: tl.constexpr,
-    out_dtype: tl.constexpr,
-    NORM: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ROUND_TO_X: tl.constexpr,
-):
-    """A GEMV's products over all of K (`out`, with SWIGLU `out_up`: `[BLOCK_N]` for one row,
-    `[ROWS, BLOCK_N]` for several) finished: the norm's `rsqrt(mean(h^2) + eps)` from each
-    row's `square_sum` (a scalar, or `[ROWS, 1]`), the bias, SwiGLU, the rounding to x's dtype
-    of a float32 product; in float32, to be stored as `out_dtype`."""
-    if NORM:
-        inv_rms = tl.rsqrt(square_sum / k + eps)
-        out = out * inv_rms
-        if SWIGLU:
-            out_up = out_up * inv_rms
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if SWIGLU:
-            out_up += tl.load(bias_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if SWIGLU:
-        # rounded where the reference rounds: the projection's output, silu's output, the product
-        gate = out.to(out_dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(out_dtype).to(tl.float32)
-        out = act * out_up.to(out_dtype).to(tl.float32)
-    if ROUND_TO_X:
-        out = out.to(x_dtype).to(tl.float32)
-    return out
 
 
 @triton.jit
@@ -231,150 +193,23 @@ def _gemv_kernel(
             if NORM:
                 square_sum += tl.load(squares_at + s, mask=last, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + pid, 0, mask=last)  # ready for the next launch
-    if not SWIGLU:
-        out_up = out  # unread
-    if not NORM:
-        square_sum = 0.0  # unread
-    out = _finish(
-        out, out_up, square_sum, bias_ptr, cols, col_mask, n, k, eps,
-        x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, NORM, SWIGLU, HAS_BIAS, ROUND_TO_X,
-    )  # fmt: skip
+    if NORM:
+        inv_rms = tl.rsqrt(square_sum / k + eps)
+        out = out * inv_rms
+        if SWIGLU:
+            out_up = out_up * inv_rms
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            out_up += tl.load(bias_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        # rounded where the reference rounds: the projection's output, silu's output, the product
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = act * out_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_TO_X:
+        out = out.to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _row_lane_sums(products, LANE: tl.constexpr):
-    """`lane_sums` of `[ROWS, N, K]` products: `[ROWS, N, K // LANE]`."""
-    r: tl.constexpr = products.shape[0]
-    n: tl.constexpr = products.shape[1]
-    k: tl.constexpr = products.shape[2]
-    return tl.sum(tl.reshape(products, (r, n, k // LANE, LANE)), axis=3)
-
-
-@triton.jit
-def _gemv_rows_kernel(
-    x_ptr,
-    residual_ptr,
-    sum_ptr,
-    norm_ptr,
-    w_ptr,
-    scale_ptr,
-    bias_ptr,
-    out_ptr,
-    partial_ptr,
-    count_ptr,
-    m,
-    n,
-    k,
-    num_k_blocks,
-    eps,
-    SPLIT: tl.constexpr,
-    NORM: tl.constexpr,
-    SCALED: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ROUND_TO_X: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # `_gemv_kernel` for `m` input rows (2 <= m <= ROWS, a power of two; rows past m masked):
-    # `x`, `residual`, `sum`: [m, k]; `out`: [m, n]. Each weight tile is loaded and converted
-    # once and multiplied by every row. SPLIT: `partial` holds, per split, [ROWS, 2n] sums, then
-    # ROWS square sums per (column block, split).
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    splits = tl.num_programs(1)
-    per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), splits) * BLOCK_K
-    k_first = pid_k * per_split
-    k_last = tl.minimum(k_first + per_split, k)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n
-    rows = tl.arange(0, ROWS)
-    row_mask = rows < m
-    x_rows = rows.to(tl.int64)[:, None] * k  # [ROWS, 1]
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * k  # [BLOCK_N, 1]
-    LANE: tl.constexpr = min(128 // w_ptr.dtype.element_ty.primitive_bitwidth, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
-    if SWIGLU:
-        up_rows = w_ptr + (cols + n).to(tl.int64)[:, None] * k
-        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K // LANE), dtype=tl.float32)
-    if NORM:
-        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    if SCALED:  # one scale row for the program's columns, as in `_gemv_kernel`
-        scale_row = scale_ptr + (pid * BLOCK_N // SCALE_BLOCK) * num_k_blocks
-        if SWIGLU:
-            up_scale_row = scale_ptr + ((pid * BLOCK_N + n) // SCALE_BLOCK) * num_k_blocks
-    for k0 in range(k_first, k_last, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + x_rows + ks[None, :], mask=x_mask, other=0.0)
-        if RESIDUAL:
-            residual = tl.load(residual_ptr + x_rows + ks[None, :], mask=x_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(sum_ptr + x_rows + ks[None, :], x, mask=x_mask & (pid == 0))
-        xf = x.to(tl.float32)
-        if NORM:
-            squares += xf * xf
-            xf = xf * tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        xw = xf
-        if SCALED:
-            xw = xf * tl.load(scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)[None, :]
-        acc += _row_lane_sums(w[None, :, :] * xw[:, None, :], LANE)
-        if SWIGLU:
-            up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if SCALED:
-                xw = xf * tl.load(up_scale_row + ks // SCALE_BLOCK, mask=k_mask, other=0.0)[None, :]
-            acc_up += _row_lane_sums(up[None, :, :] * xw[:, None, :], LANE)
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    out_up = out  # unread without SWIGLU
-    if SWIGLU:
-        out_up = tl.sum(acc_up, axis=2)
-    square_sum = 0.0  # unread without NORM
-    if NORM:
-        square_sum = tl.sum(squares, axis=1)  # [ROWS]
-    if SPLIT:  # as `_gemv_kernel`'s, for every row
-        at = rows[:, None] * 2 * n + cols[None, :]  # [ROWS, BLOCK_N] in a split's sums
-        out_mask = row_mask[:, None] & col_mask[None, :]
-        part = partial_ptr + pid_k * ROWS * 2 * n
-        tl.store(part + at, out, mask=out_mask)
-        if SWIGLU:
-            tl.store(part + n + at, out_up, mask=out_mask)
-        squares_at = partial_ptr + splits * ROWS * 2 * n + pid * splits * ROWS
-        if NORM:
-            tl.store(squares_at + pid_k * ROWS + rows, square_sum)
-        tl.debug_barrier()
-        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == splits - 1
-        col_mask = col_mask & last
-        out_mask = row_mask[:, None] & col_mask[None, :]
-        out = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
-            out_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        if NORM:
-            square_sum = tl.zeros((ROWS,), dtype=tl.float32)
-        for s in range(0, splits):
-            part = partial_ptr + s * ROWS * 2 * n
-            out += tl.load(part + at, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if SWIGLU:
-                out_up += tl.load(part + n + at, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if NORM:
-                square_sum += tl.load(
-                    squares_at + s * ROWS + rows, mask=last, other=0.0, cache_modifier=".cg"
-                )
-        tl.store(count_ptr + pid, 0, mask=last)
-    if NORM:
-        square_sum = square_sum[:, None]
-    out = _finish(
-        out, out_up, square_sum, bias_ptr, cols, col_mask, n, k, eps,
-        x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, NORM, SWIGLU, HAS_BIAS, ROUND_TO_X,
-    )  # fmt: skip
-    out_at = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
-    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 # NOTE: (columns, K step, warps): a program's weight tile is BLOCK_N x BLOCK_K. `GEMV_CONFIGS`
@@ -434,21 +269,6 @@ GEMV_FP8_CONFIGS = [
         (32, 256, 4),  # q_b_proj
     )
 ]
-# several rows (`_gemv_rows_kernel`): a tile's accumulator is ROWS times the one-row kernel's,
-# so narrower K steps than the one-row winners, for either weight type (BLOCK_N divides 128)
-GEMV_ROWS_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn, bk, w in (
-        (8, 512, 4),
-        (8, 256, 4),
-        (4, 512, 4),
-        (16, 256, 4),
-        (16, 512, 8),
-        (8, 1024, 8),
-        (32, 128, 4),
-        (2, 1024, 4),
-    )
-]
 GEMV_ALL_CONFIGS = list(_CONFIGS.values())
 
 
@@ -465,13 +285,8 @@ _gemv_tuned = autotuned(
     key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED", "SPLIT"],
     prune=configs_for_weight,
 )
-_gemv_rows_tuned = autotuned(
-    _gemv_rows_kernel,
-    GEMV_ROWS_CONFIGS,
-    key=["n", "k", "NORM", "RESIDUAL", "SWIGLU", "HAS_BIAS", "SCALED", "SPLIT", "ROWS"],
-)
-# every config's BLOCK_N divides the FP8 scale block (the kernels' SCALED path needs it)
-assert all(FP8_BLOCK % c.kwargs["BLOCK_N"] == 0 for c in GEMV_FP8_CONFIGS + GEMV_ROWS_CONFIGS)
+# every config's BLOCK_N divides the FP8 scale block (the kernel's SCALED path needs it)
+assert all(FP8_BLOCK % c.kwargs["BLOCK_N"] == 0 for c in GEMV_FP8_CONFIGS)
 
 
 def takes_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor, swiglu: bool) -> bool:
@@ -498,8 +313,8 @@ def split_count(n: int, k: int, weight_dtype: torch.dtype, device: torch.device)
     return max(1, min(sms * GEMV_PROGRAMS_PER_SM // tiles, k // GEMV_MIN_SPLIT_K, GEMV_MAX_SPLITS))
 
 
-# (device, n, splits, rows) -> (partial sums [splits * 3n * rows] float32, counts [n] int32): a
-# split product's scratch, made once (before graph capture: warmup runs each shape first) and shared
+# (device, n, splits) -> (partial sums [splits * 3n] float32, counts [n] int32): a split
+# product's scratch, made once (before graph capture: warmup runs each shape first) and shared
 # by every call of that shape (one stream runs them one after another; counts end at 0)
 _SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -508,13 +323,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches it
 
 
-def _split_scratch(
-    device: torch.device, n: int, splits: int, rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (str(device), n, splits, rows)
+def _split_scratch(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), n, splits)
     if key not in _SPLIT_SCRATCH:
-        # per split and row: gate | up sums (2n), and a square sum per column block (at most n)
-        partial = torch.empty(splits * 3 * n * rows, dtype=torch.float32, device=device)
+        # per split: gate | up sums (2n), and a square sum for each column block (at most n)
+        partial = torch.empty(splits * 3 * n, dtype=torch.float32, device=device)
         _SPLIT_SCRATCH[key] = (partial, torch.zeros(n, dtype=torch.int32, device=device))
     return _SPLIT_SCRATCH[key]
 
@@ -580,17 +393,8 @@ def gemv(
         splits = split_count(n, k, weight.dtype, x.device)
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    padded = 1 if m == 1 else triton.next_power_of_2(m)  # `_gemv_rows_kernel`'s ROWS
-    if splits > 1:
-        partial, counts = _split_scratch(x.device, n, splits, padded)
-    else:
-        partial, counts = out, out  # unused
-    if m == 1:
-        kernel, params = tuned_or_fixed(_gemv_tuned, config, BLOCK_N=8, BLOCK_K=128)
-        shape = ()
-    else:
-        kernel, params = tuned_or_fixed(_gemv_rows_tuned, config, BLOCK_N=8, BLOCK_K=128)
-        shape, params = (m,), {**params, "ROWS": padded}
+    partial, counts = _split_scratch(x.device, n, splits) if splits > 1 else (out, out)
+    kernel, params = tuned_or_fixed(_gemv_tuned, config, BLOCK_N=8, BLOCK_K=128)
     flags = dict(
         SPLIT=splits > 1,
         NORM=norm_weight is not None,
@@ -616,7 +420,6 @@ def gemv(
         out,
         partial,  # unused without a split
         counts,
-        *shape,
         n,
         k,
         triton.cdiv(k, FP8_BLOCK),

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from snapfn.handler.llm.kernels.base import ExpertWeights
-from snapfn.handler.llm.kernels.triton.gemv import GEMV_MAX_ROWS
 from snapfn.handler.llm.kernels.triton.kernels import (
     _check_device,
     autotuned,
@@ -432,8 +431,10 @@ MOE_GEMV_CONFIGS = [
         (16, 1024, 8),
     )
 ]
-# a verify step's 1 + k drafts, as the dense GEMV's rows
-MOE_GEMV_MAX_TOKENS = GEMV_MAX_ROWS
+# a verify step's 1 + k drafts (k <= 3). NOTE: on the H200, GLM-5's FP8 experts (top 8 of 32 or
+# 256) at 2 and 4 tokens took 142-289 us here against 297-539 in `fused_moe`, 1.6-2.2x faster
+# (gemv_probe.py --moe, bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows, commit 40d5608)
+MOE_GEMV_MAX_TOKENS = 4
 MOE_GEMV_INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 64}
 _gate_up_gemv_tuned = autotuned(
     _gate_up_gemv_kernel, MOE_GEMV_CONFIGS, key=["hidden", "inter", "FP8"]
