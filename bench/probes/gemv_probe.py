@@ -14,10 +14,11 @@ graphs), cycling over enough copies of the weight that none is still in L2 when 
 again. Prints one JSON object per (shape, rows): the unfused sequence's microseconds per call
 and, at the rows `gemv` takes (`GEMV_MAX_ROWS`), the tuned kernel's and their bandwidths
 (weight bytes / time), each config's microseconds, and the largest difference from the
-unfused sequence relative to its largest value. `--splits` times
-each config and the tuned kernel at each K split count (`auto`: `triton_gemv.split_count`'s;
-labels get `/sN`); `--configs fp8` times only the configs the engine's tuner tries,
-`fp8-wide` those and the sweep's tiles of 8K weights or more. NOTE: the output recorded in
+unfused sequence relative to its largest value. `--splits` times each config and the tuned
+kernel at each K split count (`auto`: `triton_gemv.split_count`'s; labels get `/sN`);
+`--configs fp8` times only the configs the engine's tuner tries, `fp8-wide` those and the
+sweep's tiles of 8K weights or more. `--moe` prints one object per (experts, rows) instead
+(`probe_moe`). NOTE: the output recorded in
 commit 22ad861 comes from a version that ran SwiGLU as a silu_mul launch after the product by
 default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel; the
 gemv-probe-rows.jsonl of bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows, from commit
