@@ -6,7 +6,8 @@
 #   request after one (tests/test_gpu_structured.py; carry .servewhl for llguidance);
 # - with --probe-rows, beside the tests, the verify's routed experts at 1 and those token
 #   counts: `moe_gemv` against `fused_moe`, GLM-5's FP8 experts, top 8 of 32 and of 256
-#   (bench/probes/gemv_probe.py --moe);
+#   (bench/probes/gemv_probe.py --moe); and its FP8 projections in the tile kernel at each K
+#   split (--fp8-splits 1,auto,2,4,8);
 # - on the GLM-5-shaped model (bench/device-env.sh's glm5, FP8, --layers deep, --experts
 #   routed experts a MoE layer), `snapfn bench --modes mtp`: greedy decode with 0..3 drafts a
 #   step and with drafts of known acceptance, each engine from its CUDA graphs
@@ -23,9 +24,10 @@
 #   --graph-max-batch  SNAPFN_GRAPH_MAX_BATCH for the init and restore (their decode buckets)
 #   --no-bench         the tests and probes only (no model, no bench, no restore)
 # $mtp_timeout: seconds each bench may take (420)
-# The verify's experts as GEMVs against the sorted-pairs kernels: --layers 16 --experts 32
-#   --no-restore --probe-rows 2,4 --variant SNAPFN_MOE_GEMV_ROWS=off
-#   --variant SNAPFN_MOE_GEMV_ROWS=auto
+# The verify's experts as GEMVs against the sorted-pairs kernels, and its FP8 projections' K
+#   splits: --layers 16 --experts 32 --no-restore --probe-rows 2,4
+#   --variant SNAPFN_MOE_GEMV_ROWS=off --variant SNAPFN_MOE_GEMV_ROWS=auto
+#   --variant SNAPFN_FP8_LINEAR_SPLIT=auto
 set -uo pipefail
 . bench/device-env.sh
 tests=1 restore=1 run_bench=1 tag= graph_max_batch=4 probe_rows=
@@ -51,7 +53,8 @@ t0=$SECONDS
 if [ -n "$tests" ]; then
   gpu_tests speculative 200 tests/test_speculative.py "" &
   pids=($!)
-  gpu_tests triton 200 tests/test_triton_kernels.py "moe-gemv or backend_gemv or autotune" &
+  gpu_tests triton 200 tests/test_triton_kernels.py \
+    "moe-gemv or backend_gemv or fp8_gemm or linear_fp8 or autotune" &
   pids+=($!)
   if [ -n "$restore" ]; then
     gpu_tests gpu_structured 200 tests/test_gpu_structured.py "" &
@@ -62,6 +65,12 @@ if [ -n "$probe_rows" ]; then  # beside the tests: each figure the best of 5 gra
   (cd bench/probes && TRITON_CACHE_DIR=$work/tc-probe timeout 90 python3 gemv_probe.py \
     --rows "1,$probe_rows" --moe 32,256) > "$res/moe-probe-rows.jsonl" 2> "$res/moe-probe-rows.err"
   cat "$res/moe-probe-rows.jsonl" || tail -5 "$res/moe-probe-rows.err"
+  (cd bench/probes && TRITON_CACHE_DIR=$work/tc-probe timeout 120 python3 gemv_probe.py \
+    --rows "1,$probe_rows" --fp8-splits 1,auto,2,4,8 \
+    --only glm5.fp8.qkv_a,glm5.fp8.q_b_wq_b,glm5.fp8.o,glm5.fp8.down,glm5.fp8.shared_gate_up,glm5.fp8.shared_down) \
+    > "$res/fp8-splits-probe.jsonl" 2> "$res/fp8-splits-probe.err"
+  python3 -c "import json,sys; [print(r['shape'], r['rows'], r['fp8_auto_splits'], r['unfused_by_fp8_splits']) for r in map(json.loads, open(sys.argv[1]))]" \
+    "$res/fp8-splits-probe.jsonl" || tail -5 "$res/fp8-splits-probe.err"
   echo "[$((SECONDS - t0)) s] probes done"
 fi
 if [ -n "$run_bench" ]; then

@@ -164,6 +164,31 @@ def test_triton_mla_decode_is_on_by_default_and_off_by_its_switch(monkeypatch):
         get_backend("triton")
 
 
+def test_the_fp8_linear_split_is_off_by_default_and_refuses_unknown_values(monkeypatch):
+    monkeypatch.delenv("SNAPFN_FP8_LINEAR_SPLIT", raising=False)
+    assert get_backend("triton")._fp8_splits == 1  # not yet timed on a GPU
+    monkeypatch.setenv("SNAPFN_FP8_LINEAR_SPLIT", "auto")
+    assert get_backend("triton")._fp8_splits == "auto"
+    monkeypatch.setenv("SNAPFN_FP8_LINEAR_SPLIT", "on")
+    with pytest.raises(ValueError, match="fp8_linear_split must be 'auto' or 'off'"):
+        get_backend("triton")
+
+
+@needs_triton
+def test_fp8_splits_go_to_few_rows_over_few_column_tiles(monkeypatch):
+    from snapfn.handler.llm.kernels.triton import kernels as tk
+
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)  # an H200's SMs, without a GPU
+    cuda = torch.device("cuda", 0)
+    # GLM-5's o_proj: 192 tiles of 32 columns, 128 scale blocks of K: 132 * 8 // 192 = 5
+    assert tk.fp8_split_count(4, 6144, 16384, cuda) == 5
+    assert tk.fp8_split_count(1, 2816, 6144, cuda) == 8  # q_a | kv_a | wk: capped
+    assert tk.fp8_split_count(4, 6144, 2048, cuda) == 4  # 16 blocks of K: 4 a split at least
+    assert tk.fp8_split_count(1, 24576, 6144, cuda) == 1  # 768 tiles fill the SMs
+    assert tk.fp8_split_count(17, 6144, 16384, cuda) == 1  # more than one 16-row tile
+    assert tk.fp8_split_count(1, 6144, 16384, torch.device("cpu")) == 1
+
+
 def test_triton_absorb_is_off_by_default_and_refuses_unknown_values(monkeypatch):
     monkeypatch.delenv("SNAPFN_MLA_ABSORB", raising=False)
     assert not get_backend("triton")._mla_absorb  # the bmms were faster (commit 4314b28)

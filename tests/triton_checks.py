@@ -45,6 +45,8 @@ FP8_SHAPES = {"square": (256, 128), "edges": (300, 200), "experts": (3, 136, 260
 
 # fused FP8 GEMM: (rows of x, N, K): decode rows, partial blocks both ways, a prefill-sized tile
 FP8_GEMM_SHAPES = {"decode": (1, 384, 256), "edges": (5, 200, 136), "rows": (70, 256, 384)}
+# K split (`splits`): 3 ways over 5 scale blocks (the last split shorter), 4 over 3 (one empty)
+FP8_GEMM_SHAPES |= {"decode_split3": (1, 384, 600), "edges_split4": (5, 200, 300)}
 # (atol, rtol) against F.linear over the same dequantized weight: float32 sums in another order
 FP8_GEMM_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -520,13 +522,17 @@ def _check_linear(dtype: torch.dtype, device: str) -> dict:
     return {"max_abs_err": max(errors)}
 
 
-def _check_fp8_gemm(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> dict:
+def _check_fp8_gemm(name: str, dtype: torch.dtype, device: str) -> dict:
     from snapfn.handler.llm.kernels.triton import kernels as tk
 
-    rows, n, k = shape
+    rows, n, k = FP8_GEMM_SHAPES[name]
+    splits = int(name.partition("_split")[2] or 1)
     q, scale_inv = _random_fp8((n, k), device)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
-    got = tk.fp8_block_linear(x, q, scale_inv)
+    got = tk.fp8_block_linear(x, q, scale_inv, splits=splits)
+    if splits > 1:  # once more: the last program of each column tile left its count at 0
+        again = tk.fp8_block_linear(x, q, scale_inv, splits=splits)
+        assert torch.equal(again, got), f"fp8_gemm {name}: a second split run differs"
     weight = _reference_dequant(q, scale_inv, dtype)
     want = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
     return _check_close("fp8_gemm", got, want, FP8_GEMM_TOL[dtype])
@@ -1353,7 +1359,7 @@ def run_case(case: str, device: str) -> dict:
     if kind == "dequant_fp8":
         return _check_dequant(FP8_SHAPES[rest[0]], dtype, device)
     if kind == "fp8_gemm":
-        return _check_fp8_gemm(FP8_GEMM_SHAPES[rest[0]], dtype, device)
+        return _check_fp8_gemm(rest[0], dtype, device)
     if kind == "linear_fp8":
         return _check_linear(dtype, device)
     if kind == "engine_greedy":

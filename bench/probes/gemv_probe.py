@@ -8,6 +8,7 @@ python3 bench/probes/gemv_probe.py [--rows 1] [--reps 40] [--only llama8b.o,...]
     [--splits auto,1,4] [--configs all|fp8]
 python3 bench/probes/gemv_probe.py --summarise OUT.jsonl   # each shape's 4 fastest configs
 python3 bench/probes/gemv_probe.py --moe 32,256 --rows 1,2,4   # routed experts, moe_gemv vs fused
+python3 bench/probes/gemv_probe.py --rows 1,2,4 --fp8-splits 1,auto,2,4,8 --only glm5.fp8.o,...
 
 Each variant is timed as a CUDA graph of `reps` calls (the engine replays its decode steps as
 graphs), cycling over enough copies of the weight that none is still in L2 when it is read
@@ -17,8 +18,10 @@ and, at the rows `gemv` takes (`GEMV_MAX_ROWS`), the tuned kernel's and their ba
 unfused sequence relative to its largest value. `--splits` times each config and the tuned
 kernel at each K split count (`auto`: `triton_gemv.split_count`'s; labels get `/sN`);
 `--configs fp8` times only the configs the engine's tuner tries, `fp8-wide` those and the
-sweep's tiles of 8K weights or more. `--moe` prints one object per (experts, rows) instead
-(`probe_moe`). NOTE: the output recorded in
+sweep's tiles of 8K weights or more. `--fp8-splits 1,auto,2,4,8` times, instead of the GEMV,
+the FP8 shapes' unfused sequence at each K split of `fp8_block_linear` (`unfused_by_fp8_splits`:
+microseconds and the largest difference from the unsplit run). `--moe` prints one object per
+(experts, rows) instead (`probe_moe`). NOTE: the output recorded in
 commit 22ad861 comes from a version that ran SwiGLU as a silu_mul launch after the product by
 default: its `tuned_us` is that form, `tuned_fused_swiglu_us` SwiGLU in the kernel; the
 gemv-probe-rows.jsonl of bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows, from commit
@@ -103,6 +106,13 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated shape names")
     parser.add_argument("--splits", default="auto", help="comma-separated K splits or auto")
     parser.add_argument("--configs", default="all", choices=("all", "fp8", "fp8-wide"))
+    parser.add_argument(
+        "--fp8-splits",
+        default="",
+        metavar="LIST",
+        help="instead of the GEMV: the FP8 shapes' unfused sequence with `fp8_block_linear` at "
+        "each K split (counts or auto, comma-separated)",
+    )
     parser.add_argument(
         "--moe",
         default="",
@@ -201,7 +211,7 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     swiglu = kind.endswith("swiglu")
     fused = dict(norm_weight=norm_w, eps=1e-5, residual=residual) if normed else {}
 
-    def unfused(i):
+    def unfused(i, fp8_splits=1):
         h = x
         if normed and residual is None:
             h = triton_kernels.rms_norm(x, norm_w, 1e-5)
@@ -210,7 +220,7 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
         if scales[i] is None:
             y = F.linear(h.to(weights[i].dtype), weights[i])
         else:
-            y = triton_kernels.fp8_block_linear(h, weights[i], scales[i])
+            y = triton_kernels.fp8_block_linear(h, weights[i], scales[i], splits=fp8_splits)
         return triton_kernels.silu_mul(y) if swiglu else y
 
     def ours(i, config=None, splits=None):
@@ -227,6 +237,17 @@ def probe(weights: list, scales: list, norm_w: torch.Tensor, kind: str, m: int, 
     ref = unfused(0).float()
     scale = ref.abs().max().item()
     row = {"unfused_us": round(graph_us(unfused, reps, copies), 2)}
+    if args.fp8_splits and scales[0] is not None:  # the FP8 tile kernel's K splits alone
+        row["fp8_auto_splits"] = triton_kernels.fp8_split_count(m, rows_w, k, x.device)
+        by = {}
+        for splits in [s if s == "auto" else int(s) for s in args.fp8_splits.split(",")]:
+            got = unfused(0, splits).float()
+            err = round((got - ref).abs().max().item() / scale, 5)
+            us = graph_us(lambda i, s=splits: unfused(i, s), reps, copies)
+            by[str(splits)] = [round(us, 2), err]
+        row["unfused_by_fp8_splits"] = by
+        row["fp8_tbps_by_splits"] = {s: round(nbytes / v[0] / 1e6, 3) for s, v in by.items()}
+        return row
     auto = triton_gemv.split_count(rows_w // (2 if swiglu else 1), k, weights[0].dtype, x.device)
     row["auto_splits"] = auto
     if m > triton_gemv.GEMV_MAX_ROWS:  # the unfused sequence alone: what such a step runs

@@ -92,6 +92,7 @@ class TritonBackend(TorchBackend):
         mla_decode: str = "auto",
         mla_absorb: str = "auto",
         moe_gemv_rows: str = "auto",
+        fp8_linear_split: str = "off",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -107,6 +108,11 @@ class TritonBackend(TorchBackend):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._moe_gemv_rows = moe_gemv_rows == "auto"  # 2-4 tokens' experts as GEMVs too
+        if fp8_linear_split not in ("auto", "off"):
+            raise ValueError(f"fp8_linear_split must be 'auto' or 'off', not {fp8_linear_split!r}")
+        # decode-sized FP8 products' K split: `triton.kernels.fp8_split_count`'s, or none (the
+        # default until timed on a GPU)
+        self._fp8_splits = "auto" if fp8_linear_split == "auto" else 1
         self._prefill_indexer = prefill_indexer == "auto"
         self._router = router == "auto"
         self._indexer_select = indexer_select == "auto"
@@ -196,7 +202,7 @@ class TritonBackend(TorchBackend):
         if weight_scale_inv is None or tk is None or not fused:
             # dequantized by `_dense_weight` (the Triton kernel for FP8), then F.linear
             return super().linear(x, weight, bias, weight_scale_inv)
-        out = tk.fp8_block_linear(x, weight, weight_scale_inv)
+        out = tk.fp8_block_linear(x, weight, weight_scale_inv, splits=self._fp8_splits)
         return out if bias is None else out + bias
 
     def _dense_weight(self, weight, scale_inv, dtype):

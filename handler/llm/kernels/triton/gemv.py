@@ -45,6 +45,7 @@ import triton.language as tl
 
 from snapfn.handler.llm.kernels.triton.kernels import (
     _check_device,
+    _sm_count,
     autotuned,
     lane_sums,
     tuned_or_fixed,
@@ -317,10 +318,6 @@ def split_count(n: int, k: int, weight_dtype: torch.dtype, device: torch.device)
 # product's scratch, made once (before graph capture: warmup runs each shape first) and shared
 # by every call of that shape (one stream runs them one after another; counts end at 0)
 _SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches it
 
 
 def _split_scratch(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -251,6 +251,8 @@ def _fp8_block_linear_kernel(
     w_ptr,
     scale_ptr,
     out_ptr,
+    partial_ptr,
+    count_ptr,
     m,
     n,
     k,
@@ -258,17 +260,24 @@ def _fp8_block_linear_kernel(
     out_stride,
     num_k_blocks,
     DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # one program per [BLOCK_M, BLOCK_N] output tile; K walked one 128-wide scale block at a time
+    # one program per [BLOCK_M, BLOCK_N] output tile and K split (grid axis 2); K walked one
+    # 128-wide scale block at a time. SPLIT (one row tile): each program leaves its [BLOCK_M,
+    # BLOCK_N] sums in `partial` [splits, BLOCK_M, n]; the last of a tile's splits to finish
+    # (`count`, one per column tile, back to 0 after) adds them up in split order and stores
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
+    splits = tl.num_programs(2)
+    per_split = tl.cdiv(num_k_blocks, splits)
     row_mask, col_mask = rows < m, cols < n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     scale_rows = scale_ptr + (cols // BLOCK_K).to(tl.int64) * num_k_blocks
-    for kb in range(0, num_k_blocks):
+    for kb in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, num_k_blocks)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < k
         x = tl.load(
@@ -286,29 +295,96 @@ def _fp8_block_linear_kernel(
         # multiplied with float32 accumulation
         w = (w.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)
         acc = dot_acc(acc, x, tl.trans(w), DOT_FP32)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        # NOTE: ordered as `triton.gemv`'s split: the barrier puts every thread's partial stores
+        # before the count, whose acq_rel orders them before the last program's `.cg` loads
+        tile = tl.arange(0, BLOCK_M)[:, None] * n + cols[None, :]
+        tl.store(partial_ptr + pid_k * BLOCK_M * n + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel") == splits - 1
+        out_mask = out_mask & last
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, splits):
+            part = partial_ptr + s * BLOCK_M * n + tile
+            acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tl.program_id(1), 0, mask=last)  # ready for the next launch
     out = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # NOTE: output-tile widths and pipeline depths; each is benchmarked once per (N, K, BLOCK_M,
-# dtype) the first time that shape runs, outside any CUDA graph capture (DecodeGraphs runs each
-# bucket once before capturing it)
+# SPLIT, dtype) the first time that shape runs, outside any CUDA graph capture (DecodeGraphs
+# runs each bucket once before capturing it)
 FP8_LINEAR_CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=4, num_stages=stages)
     for bn in (32, 64, 128)
     for stages in (3, 4)
 ]
 _fp8_block_linear_tuned = autotuned(
-    _fp8_block_linear_kernel, FP8_LINEAR_CONFIGS, key=["n", "k", "BLOCK_M"]
+    _fp8_block_linear_kernel, FP8_LINEAR_CONFIGS, key=["n", "k", "BLOCK_M", "SPLIT"]
 )
+# K splits of a decode-sized product (`fp8_split_count`): about FP8_SPLIT_PROGRAMS_PER_SM
+# programs an SM over the narrowest tiles (FP8_SPLIT_TILE_N columns), each split at least
+# FP8_SPLIT_MIN_K_BLOCKS scale blocks of K long, at most FP8_MAX_SPLITS. NOTE: not yet timed
+# on a GPU; off unless asked for (`fp8_block_linear(splits=)`, the backend's
+# `fp8_linear_split`). GLM-5's FP8 products at 1-4 rows ran at 1.5 TB/s or less in this kernel
+# unsplit, a third of HBM's rate (o_proj 68 us, bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows):
+# 192 programs of 32 columns for its 6144, each walking all of K = 16384
+FP8_SPLIT_PROGRAMS_PER_SM = 8
+FP8_SPLIT_TILE_N = 32
+FP8_SPLIT_MIN_K_BLOCKS = 4
+FP8_MAX_SPLITS = 8
+FP8_SPLIT_MAX_ROWS = 16  # one 16-row tile: a decode or verify step's
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches it
+
+
+def fp8_split_count(m: int, n: int, k: int, device: torch.device, block: int = FP8_BLOCK) -> int:
+    """How many K splits `fp8_block_linear(splits="auto")` gives an `[m, k] @ [n, k].T`
+    product on `device`: none past one 16-row tile or on the CPU (the interpreter splits only
+    when given a count), else enough for about FP8_SPLIT_PROGRAMS_PER_SM programs an SM."""
+    if device.type != "cuda" or m > FP8_SPLIT_MAX_ROWS:
+        return 1
+    sms = _sm_count(device)
+    tiles = triton.cdiv(n, FP8_SPLIT_TILE_N)
+    k_blocks = triton.cdiv(k, block)
+    most = min(FP8_MAX_SPLITS, k_blocks // FP8_SPLIT_MIN_K_BLOCKS)
+    return max(1, min(sms * FP8_SPLIT_PROGRAMS_PER_SM // tiles, most))
+
+
+# (device, n, splits) -> (partial sums [splits * 16 * n] float32, counts [n] int32): a split
+# product's scratch, made once (warmup runs each shape before graph capture) and shared by
+# every call of that shape (one stream runs them one after another; counts end at 0); the
+# 1-element pair of a device stands in for it in an unsplit launch (the same argument dtypes:
+# the same tuning key)
+_FP8_SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp8_split_scratch(device: torch.device, n: int, splits: int) -> tuple:
+    key = (str(device), n if splits > 1 else 0, splits)
+    if key not in _FP8_SPLIT_SCRATCH:
+        size = splits * FP8_SPLIT_MAX_ROWS * n if splits > 1 else 1
+        _FP8_SPLIT_SCRATCH[key] = (
+            torch.empty(size, dtype=torch.float32, device=device),
+            torch.zeros(max(n, 1) if splits > 1 else 1, dtype=torch.int32, device=device),
+        )
+    return _FP8_SPLIT_SCRATCH[key]
 
 
 def fp8_block_linear(
-    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: int = FP8_BLOCK,
+    splits: int | str = 1,
 ) -> torch.Tensor:
     """`x [..., K] @ dequant(q [N, K], scale_inv).T` in `x`'s dtype, without writing the
     dequantized weight: a decode step then reads one byte per weight instead of five (the
-    fp8 weight, the bf16 copy written and read back)."""
+    fp8 weight, the bf16 copy written and read back). `splits`: K splits (a count, at most
+    FP8_SPLIT_MAX_ROWS rows; or "auto", `fp8_split_count`'s)."""
     _check_device(x, q, scale_inv)
     if q.dtype != FP8_DTYPE or q.dim() != 2:
         raise ValueError(f"expected a 2-D {FP8_DTYPE} weight, got {q.dtype} {tuple(q.shape)}")
@@ -322,19 +398,29 @@ def fp8_block_linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
+    if splits == "auto":
+        splits = fp8_split_count(m, n, k, x.device, block)
+    if not isinstance(splits, int) or splits < 1 or (splits > 1 and m > FP8_SPLIT_MAX_ROWS):
+        raise ValueError(
+            f"splits must be 'auto' or a count of at least 1 (above 1: at most "
+            f"{FP8_SPLIT_MAX_ROWS} rows), got {splits!r} for {m} rows"
+        )
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
     kernel, fixed = tuned_or_fixed(_fp8_block_linear_tuned, BLOCK_N=64)
+    partial, counts = _fp8_split_scratch(x.device, n, splits)
     if out.numel():
 
         def grid(meta):
-            return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]))
+            return (triton.cdiv(m, block_m), triton.cdiv(n, meta["BLOCK_N"]), splits)
 
         kernel[grid](
             rows,
             q.contiguous(),
             scale_inv.contiguous(),
             out,
+            partial,
+            counts,
             m,
             n,
             k,
@@ -342,6 +428,7 @@ def fp8_block_linear(
             out.stride(0),
             triton.cdiv(k, block),
             DOT_FP32=dot_in_fp32(x.dtype),
+            SPLIT=splits > 1,
             BLOCK_M=block_m,
             BLOCK_K=block,
             **fixed,
