@@ -74,6 +74,7 @@ def test_init_records_every_stage_in_order(made):
     assert [s.name for s in startup.stages] == INIT_STAGES
     assert startup.ok and all(s.ok for s in startup.stages)
     assert startup.stage("load_weights").figures["bytes"] > 0
+    assert startup.stage("runtime_env").figures["imports_s"] >= 0  # the stages' modules, ahead
     assert (
         startup.stage("memory_profile").figures["num_pages"]
         == (1 << 20) // startup.stage("memory_profile").figures["bytes_per_page"]

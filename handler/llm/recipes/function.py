@@ -58,6 +58,7 @@ from snapfn.handler.llm.recipes.snapshot_files import (
 )
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
+from snapfn.snapshot.imports import import_for_startup
 from snapfn.snapshot.portable import compile_caches
 
 WEIGHTS_FILE = "weights/rank0.bin"
@@ -178,6 +179,10 @@ class LLMFunction:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-warm")
             self._compiler_warm = pool.submit(warm_compiler)
             pool.shutdown(wait=False)
+        # the modules the stages after this one run on, torch first, once the environment
+        # above is set: imported with the collector paused, then frozen (a zygote's child has
+        # them already)
+        figures["imports_s"] = round(import_for_startup(ZYGOTE_PRELOAD), 3)
 
     def stage_prewarm(self, figures: Figures) -> None:
         from snapfn.handler.llm.weights.checkpoint import Checkpoint
