@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,41 @@ def test_startup_gc_on_imports_with_the_collector_running_and_freezes_nothing():
 def test_an_unknown_startup_gc_is_refused():
     with pytest.raises(BadRequest, match="SNAPFN_STARTUP_GC must be one of paused, on"):
         import_for_startup(["json"], {"SNAPFN_STARTUP_GC": "off"})
+
+
+RUNTIME_ENV = """
+import json, os, sys, tempfile
+from pathlib import Path
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.handler.llm.recipes.function import LLMFunction
+
+cache = Path(tempfile.mkdtemp()) / "cache"
+fn = LLMFunction(InitConfig(cache_dir=cache), None)
+assert "torch" not in sys.modules, "torch imported before the runtime_env stage"
+seen = {}
+
+class Spy:  # the compile caches' variables as torch's import finds them
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "torch":
+            seen.setdefault("triton_cache", os.environ.get("TRITON_CACHE_DIR"))
+        return None
+
+sys.meta_path.insert(0, Spy)
+figures = {}
+fn.stage_runtime_env(figures)
+print(json.dumps({**figures, **seen, "cache": str(cache)}))
+"""
+
+
+def test_the_runtime_env_stage_imports_torch_itself_after_setting_the_compile_caches():
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", RUNTIME_ENV], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["torch_preloaded"] is False and got["import_torch_s"] > 0
+    assert got["triton_cache"] == str(Path(got["cache"]) / "compile" / "triton")
+    assert got["imports_s"] >= 0

@@ -167,9 +167,11 @@ class LLMFunction:
         ]
 
     def stage_runtime_env(self, figures: Figures) -> None:
+        # NOTE: first: the compile caches' variables are set before torch is imported (the
+        # tuning module's package imports it)
+        figures.update(compile_caches.prepare(self.config.cache_dir, self.device))
         from snapfn.handler.llm.kernels.triton.tuning import KernelTuning, use_tuning
 
-        figures.update(compile_caches.prepare(self.config.cache_dir, self.device))
         tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
         use_tuning(tuning)
         figures["kernel_tuning"] = tuning.mode
