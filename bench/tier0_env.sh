@@ -18,6 +18,8 @@
 #   --variant SNAPFN_WARM_COMPILER=on. A dropped page
 # cache and the read-ahead: --modes restore_cold --variant SNAPFN_RESTORE_READ_AHEAD=0
 #   --variant SNAPFN_RESTORE_READ_AHEAD=1 --variant SNAPFN_RESTORE_READ_AHEAD=1,SNAPFN_RESTORE_OVERLAP=1
+# A fresh process's imports with the collector running or paused: --modes restore --rounds 5
+#   --variant SNAPFN_STARTUP_GC=on --variant SNAPFN_STARTUP_GC=paused
 set -uo pipefail
 . bench/device-env.sh
 name=llama8b modes=restore,restore_zygote rounds=1 tag= profile=
