@@ -18,7 +18,7 @@ PROBE = """
 import gc, json, sys
 from snapfn.snapshot.imports import import_for_startup
 seen = []
-gc.callbacks.append(lambda phase, info: seen.append(phase))
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(phase))
 assert "unittest.mock" not in sys.modules
 seconds = import_for_startup(["unittest.mock", "json:dumps"])
 print(json.dumps({
@@ -65,7 +65,7 @@ def test_the_collector_is_off_inside_and_as_it_was_after():
 def test_startup_imports_run_with_the_collector_paused_then_freeze_what_exists():
     got = probe(None)
     assert got["imported"] and got["enabled"]
-    assert got["collections_inside"] == 0
+    assert got["collections_inside"] == 1  # the one before the imports, none during them
     assert got["frozen"] > 1000  # the interpreter's and the imports' objects, out of its walks
 
 
@@ -73,6 +73,48 @@ def test_startup_gc_on_imports_with_the_collector_running_and_freezes_nothing():
     got = probe("on")
     assert got["imported"] and got["enabled"] and got["frozen"] == 0
     assert got["collections_inside"] > 0
+
+
+FREEZES = """
+import gc, json, weakref
+from snapfn.snapshot.imports import import_for_startup
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle only the collector frees
+    return weakref.ref(a)
+
+before = cycle()  # garbage before the first call: collected, not frozen
+import_for_startup(["json"])
+first = gc.get_freeze_count()
+kept = Node()
+kept.other = kept  # alive at the second call, garbage after it
+watch = weakref.ref(kept)
+import_for_startup(["json.tool"])
+del kept
+gc.collect()
+print(json.dumps({
+    "before_freed": before() is None,
+    "first": first,
+    "second_froze_nothing": gc.get_freeze_count() == first,
+    "later_garbage_freed": watch() is None,
+}))
+"""
+
+
+def test_only_the_first_call_freezes_and_never_freezes_garbage():
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZES], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["before_freed"] and got["first"] > 0
+    assert got["second_froze_nothing"] and got["later_garbage_freed"]
 
 
 def test_an_unknown_startup_gc_is_refused():
