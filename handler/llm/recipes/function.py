@@ -181,9 +181,9 @@ class LLMFunction:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-warm")
             self._compiler_warm = pool.submit(warm_compiler)
             pool.shutdown(wait=False)
-        # the modules the stages after this one run on, torch first, once the environment
-        # above is set: imported with the collector paused, then frozen (a zygote's child has
-        # them already)
+        # the modules the stages after this one run on, with the collector paused (torch's
+        # import above froze what existed then: `snapshot/imports.py`); a zygote's child has
+        # them already
         figures["imports_s"] = round(import_for_startup(ZYGOTE_PRELOAD), 3)
 
     def stage_prewarm(self, figures: Figures) -> None:
