@@ -96,9 +96,8 @@ for variant in "${variants[@]}"; do
   echo "[$((SECONDS - t0)) s] $run done"
 done
 rm -rf "$work_bench"
-bench=$work/mtp-bench
 [ -n "$restore" ] || { echo "[$((SECONDS - t0)) s] done"; exit 0; }
 SNAPFN_SPECULATIVE_TOKENS=3 bench_modes speculative 300 --model "$dir" --device cuda \
-  --workdir "$bench" --modes cold_init,restore --decode-batches 1 --decode-tokens 16
+  --workdir "$work_bench" --modes cold_init,restore --decode-batches 1 --decode-tokens 16
 python3 bench/startup_summary.py "$res"/speculative.json
 echo "[$((SECONDS - t0)) s] done"

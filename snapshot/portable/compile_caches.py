@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from snapfn.snapshot.imports import import_for_startup
+
 # cache name → environment variable that points the library at it
 COMPILE_CACHES = {
     "triton": "TRITON_CACHE_DIR",
@@ -41,8 +43,6 @@ def set_environment(cache_dir: Path) -> None:
 def prepare(cache_dir: Path, device: str) -> dict:
     """Set the environment, then import torch (the collector paused, its objects frozen after:
     `snapshot.imports`) and init CUDA, both timed."""
-    from snapfn.snapshot.imports import import_for_startup
-
     set_environment(cache_dir)
     already = "torch" in sys.modules
     import_torch_s = import_for_startup(["torch"])

@@ -98,6 +98,7 @@ class TritonBackend(TorchBackend):
             ("deepgemm", deepgemm),
             ("gemv", gemv),
             ("moe_gemv_rows", moe_gemv_rows),
+            ("fp8_linear_split", fp8_linear_split),
             ("prefill_indexer", prefill_indexer),
             ("router", router),
             ("indexer_select", indexer_select),
@@ -108,8 +109,6 @@ class TritonBackend(TorchBackend):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._moe_gemv_rows = moe_gemv_rows == "auto"  # 2-4 tokens' experts as GEMVs too
-        if fp8_linear_split not in ("auto", "off"):
-            raise ValueError(f"fp8_linear_split must be 'auto' or 'off', not {fp8_linear_split!r}")
         # decode-sized FP8 products' K split: `triton.kernels.fp8_split_count`'s, or none (the
         # default until timed on a GPU)
         self._fp8_splits = "auto" if fp8_linear_split == "auto" else 1
