@@ -164,11 +164,11 @@ def test_triton_mla_decode_is_on_by_default_and_off_by_its_switch(monkeypatch):
         get_backend("triton")
 
 
-def test_the_fp8_linear_split_is_off_by_default_and_refuses_unknown_values(monkeypatch):
+def test_the_fp8_linear_split_is_on_by_default_and_refuses_unknown_values(monkeypatch):
     monkeypatch.delenv("SNAPFN_FP8_LINEAR_SPLIT", raising=False)
-    assert get_backend("triton")._fp8_splits == 1  # not yet timed on a GPU
-    monkeypatch.setenv("SNAPFN_FP8_LINEAR_SPLIT", "auto")
     assert get_backend("triton")._fp8_splits == "auto"
+    monkeypatch.setenv("SNAPFN_FP8_LINEAR_SPLIT", "off")
+    assert get_backend("triton")._fp8_splits == 1
     monkeypatch.setenv("SNAPFN_FP8_LINEAR_SPLIT", "on")
     with pytest.raises(ValueError, match="fp8_linear_split must be 'auto' or 'off'"):
         get_backend("triton")

@@ -19,9 +19,9 @@ with the reference's sort instead of one (`triton.indexer.select_topk_decode`).
 `SNAPFN_MOE_GEMV_ROWS=off` keeps the routed experts of a step of 2 to 4 tokens (a verify step's
 1 + k drafts, a decode batch of 2-4) on the sorted-pairs kernels; by default `moe_gemv` takes
 them as it takes one token's (`triton.moe.MOE_GEMV_MAX_TOKENS`).
-`SNAPFN_FP8_LINEAR_SPLIT=auto` splits the K of a decode-sized FP8 product of the tile kernel
-(`triton.kernels.fp8_split_count`: 16 rows or fewer, few column tiles); `off`, the default, does
-not (not yet timed on a GPU).
+By default the K of a decode-sized FP8 product of the tile kernel is split
+(`triton.kernels.fp8_split_count`: 16 rows or fewer, few column tiles);
+`SNAPFN_FP8_LINEAR_SPLIT=off` runs every product unsplit.
 `SNAPFN_GEMV_SPLIT=off` never splits a GEMV's K (`triton.gemv.split_count`), and
 `SNAPFN_CACHE_STORES=off` writes MLA's latent and the DSA indexer's key into their caches with
 the reference's ops instead of one launch each (`triton.kernels.norm_rope_store`,
@@ -72,7 +72,7 @@ def _triton_modes() -> dict[str, str]:
         "mla_decode": os.environ.get("SNAPFN_MLA_DECODE", "auto"),
         "mla_absorb": os.environ.get("SNAPFN_MLA_ABSORB", "auto"),
         "moe_gemv_rows": os.environ.get("SNAPFN_MOE_GEMV_ROWS", "auto"),
-        "fp8_linear_split": os.environ.get("SNAPFN_FP8_LINEAR_SPLIT", "off"),
+        "fp8_linear_split": os.environ.get("SNAPFN_FP8_LINEAR_SPLIT", "auto"),
     }
 
 

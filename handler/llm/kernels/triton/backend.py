@@ -92,7 +92,7 @@ class TritonBackend(TorchBackend):
         mla_decode: str = "auto",
         mla_absorb: str = "auto",
         moe_gemv_rows: str = "auto",
-        fp8_linear_split: str = "off",
+        fp8_linear_split: str = "auto",
     ) -> None:
         for name, value in (
             ("deepgemm", deepgemm),
@@ -109,8 +109,7 @@ class TritonBackend(TorchBackend):
                 raise ValueError(f"{name} must be 'auto' or 'off', not {value!r}")
         self._gemv = gemv == "auto"
         self._moe_gemv_rows = moe_gemv_rows == "auto"  # 2-4 tokens' experts as GEMVs too
-        # decode-sized FP8 products' K split: `triton.kernels.fp8_split_count`'s, or none (the
-        # default until timed on a GPU)
+        # decode-sized FP8 products' K split: `triton.kernels.fp8_split_count`'s, or none
         self._fp8_splits = "auto" if fp8_linear_split == "auto" else 1
         self._prefill_indexer = prefill_indexer == "auto"
         self._router = router == "auto"

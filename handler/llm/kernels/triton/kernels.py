@@ -326,11 +326,11 @@ _fp8_block_linear_tuned = autotuned(
 )
 # K splits of a decode-sized product (`fp8_split_count`): about FP8_SPLIT_PROGRAMS_PER_SM
 # programs an SM over the narrowest tiles (FP8_SPLIT_TILE_N columns), each split at least
-# FP8_SPLIT_MIN_K_BLOCKS scale blocks of K long, at most FP8_MAX_SPLITS. NOTE: not yet timed
-# on a GPU; off unless asked for (`fp8_block_linear(splits=)`, the backend's
-# `fp8_linear_split`). GLM-5's FP8 products at 1-4 rows ran at 1.5 TB/s or less in this kernel
-# unsplit, a third of HBM's rate (o_proj 68 us, bench/results/2026-12-02-h200-mtp-l16-e32-gemv-rows):
-# 192 programs of 32 columns for its 6144, each walking all of K = 16384
+# FP8_SPLIT_MIN_K_BLOCKS scale blocks of K long, at most FP8_MAX_SPLITS (the backend's default;
+# `fp8_linear_split` off: none). Unsplit, GLM-5's FP8 products at 1-4 rows ran at 1.5 TB/s or
+# less, 192 programs of 32 columns for o_proj's 6144 each walking all of K = 16384; split,
+# o_proj took 40 us against 57 and the dense down 31 against 55 on the H200
+# (bench/results/2026-12-02-h200-mtp-l16-e32-splits, fp8-splits-probe.jsonl)
 FP8_SPLIT_PROGRAMS_PER_SM = 8
 FP8_SPLIT_TILE_N = 32
 FP8_SPLIT_MIN_K_BLOCKS = 4
