@@ -355,11 +355,14 @@ def replayed_eagerly(eng, buckets, max_seq_len=64):
 
 
 def recording_drafts(eng) -> list[list[int]]:
-    """Every request's drafts as the drafter proposes them, in order."""
+    """Every request's drafts as the drafter proposes them, in order (greedy ones read from
+    the device at once)."""
     drafts, propose = [], eng.drafter.propose
 
-    def recorded(rows):
-        propose(rows)
+    def recorded(rows, ahead=None):
+        propose(rows, ahead)
+        if eng.drafter.pending is not None:
+            eng.drafter.pending.land()
         drafts.extend(list(r.req.draft_ids) for r in rows)
 
     eng.drafter.propose = recorded
@@ -385,6 +388,34 @@ def test_graph_replays_give_the_plain_tokens_and_the_eager_drafts(glm_dirs, k):
     assert uses["verify"] > 0 and uses["draft_extend"] > 0
     assert (uses["draft"] > 0) == (k > 1)  # one draft from the draft-extend, then k - 1 steps
     assert stats.eager_fallbacks == 0 and stats.replays == sum(uses.values())
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_draft_extend_ahead_of_the_read_back_drafts_as_after_it(glm_dirs, graphs, monkeypatch):
+    """The draft-extend run over every verify row before the host knows which were kept (rows
+    past the kept ones write MTP cache entries that must be rewritten before they are read):
+    the MTP layer's own drafts equal those of the draft-extend over the kept rows only, while
+    known drafts, wrong at set places, make the kept runs vary."""
+    from snapfn.handler.llm.engine import engine as engine_module
+
+    prompts = random_prompts(VOCAB, PROMPTS, seed=6)
+    ref = engine(glm_dirs["mtp3"]).generate(prompts, greedy(24))
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}
+    runs = []
+    for ahead in (True, False):
+        if not ahead:
+            monkeypatch.setattr(engine_module, "_extends_ahead", lambda req: False)
+        eng = engine(glm_dirs["mtp3"], 3, tokens=16)
+        if graphs:
+            replayed_eagerly(eng, [1, 2, 4, 8])
+        drafts = recording_drafts(eng)  # the MTP layer's, before the oracle replaces them
+        oracle(eng, refs, 3)
+        got = eng.generate(prompts, greedy(24))
+        stats = eng.spec_stats()
+        assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+        runs.append(drafts)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert runs[0] == runs[1] and any(runs[0])
 
 
 def test_steps_past_the_largest_bucket_run_eagerly_and_are_counted(glm_dirs):

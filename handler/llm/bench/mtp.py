@@ -135,8 +135,8 @@ def known_drafts(drafter, refs: dict[tuple[int, ...], list[int]], wrong, vocab: 
     places `wrong(index)` names (the tests' oracle too)."""
     propose = drafter.propose
 
-    def known(rows) -> None:
-        propose(rows)
+    def known(rows, ahead=None) -> None:
+        propose(rows, ahead)
         for row in rows:
             req, ref = row.req, refs[tuple(row.req.prompt_ids)]
             start = len(req.output_ids)

@@ -73,6 +73,7 @@ from snapfn.handler.llm.engine.scheduler import ScheduledStep, Scheduler
 from snapfn.handler.llm.engine.spec_graphs import SpecGraphs
 from snapfn.handler.llm.engine.speculative import (
     DraftRow,
+    HostCopy,
     MTPDrafter,
     merge_outputs,
     one_token_rows,
@@ -293,6 +294,8 @@ class Engine:
                 return self._land(self._in_flight)
             scheduled = self.scheduler.schedule()
             if scheduled is None:
+                if self.drafter is not None:
+                    self.drafter.take_pending()  # drafts of requests that ended: dropped
                 if self.model.lockstep:
                     self.model.idle_forward()  # the other ranks' forwards pair with this
                 return []
@@ -317,7 +320,10 @@ class Engine:
 
     def _step_speculative(self, scheduled: ScheduledStep) -> list[RequestOutput]:
         """Verify every decode's drafts in one forward, append what the rejection rule keeps,
-        then draft the next step's (`speculative.py`)."""
+        then draft the next step's (`speculative.py`). The last step's greedy drafts reach
+        the verify on the device and the host only after its launch (`PendingDrafts`); where
+        every request decodes greedily, the draft-extend is launched before the verify's
+        picks are read (`MTPDrafter.extend_ahead`)."""
         reqs, token_ids = scheduled.requests, scheduled.token_ids
         # a decode's tokens past its one new token are the drafts the budget let through
         num_drafts = [
@@ -325,13 +331,27 @@ class Engine:
             for r, ids in zip(reqs, token_ids, strict=True)
         ]
         starts = [0, *itertools.accumulate(len(t) for t in token_ids)]
+        pending = self.drafter.take_pending()
+        argmax = ahead = None
         if self.drafter.rows_fit(token_ids):  # a token a row: every token's logits
             batch = one_token_rows(
                 token_ids, scheduled.start_positions, [r.pages for r in reqs], self.kv.page_size
             )
-            logits, hidden = self._verify_forward(batch)
+            input_ids = None if pending is None else pending.input_ids(reqs, token_ids, num_drafts)
+            logits, hidden = self._verify_forward(batch, input_ids)
             rows = [end - 1 - d for end, d in zip(starts[1:], num_drafts, strict=True)]
+            if all(_extends_ahead(r) for r in reqs):
+                tokens, picked = self._picks(logits)
+                picked = HostCopy.launch(picked)  # before the draft-extend, in stream order
+                ahead = self.drafter.extend_ahead(batch, hidden, tokens)
+                pairs = picked.land().tolist()  # the verify's wait, while the GPU extends
+                argmax = [int(t) for t, _ in pairs], [lp for _, lp in pairs]
+            if pending is not None:
+                pending.land()
         else:
+            if pending is not None:
+                pending.land()
+                pending.fill(reqs, token_ids, num_drafts)
             batch = ForwardBatch.build(
                 token_ids,
                 scheduled.start_positions,
@@ -343,9 +363,10 @@ class Engine:
             )
             logits, hidden = self.model.forward_hidden(batch.to(self.model.device), self.kv)
             rows = _logit_rows(batch, starts, num_drafts)
+        if argmax is None:
+            argmax = _argmax_picks(logits, reqs, num_drafts, self._picks)  # read back at once
         outputs: dict[str, RequestOutput] = {}
         plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
-        argmax = _argmax_picks(logits, reqs, num_drafts, self._picks)  # read back at once
         for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
             if _scores_prompt(req):
                 self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
@@ -376,17 +397,23 @@ class Engine:
                 plain, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
             ):
                 outputs[req.request_id] = self._append(req, t, lp, top)
-        self.drafter.propose(self._draft_rows(scheduled, starts, hidden))
+        self.drafter.propose(self._draft_rows(scheduled, starts, hidden), ahead)
         return [outputs[r.request_id] for r in reqs if r.request_id in outputs]
 
-    def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model over one-token-a-row `batch` (on the host): (every row's logits, hidden
-        states), from the verify graph where one fits."""
+    def _verify_forward(
+        self, batch: ForwardBatch, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over one-token-a-row `batch` (on the host; `input_ids` on the device in
+        place of its tokens): (every row's logits, hidden states), from the verify graph
+        where one fits."""
         if self.spec_graphs is not None:
-            out = self.spec_graphs.run_verify(batch)
+            out = self.spec_graphs.run_verify(batch, input_ids)
             if out is not None:
                 return out
-        return self.model.forward_hidden(batch.to(self.model.device), self.kv)
+        moved = batch.to(self.model.device)
+        if input_ids is not None:
+            moved = replace(moved, input_ids=input_ids)
+        return self.model.forward_hidden(moved, self.kv)
 
     def _append_picked(
         self, req: Request, tokens: list[int], logprobs: list[float], tops=None
@@ -431,6 +458,7 @@ class Engine:
                     req.all_ids[start + 1 : req.num_computed + 1],
                     hidden[first : first + n],
                     self.drafter.max_drafts(req, self.max_model_len) if decoding else 0,
+                    first + n - 1,
                 )
             )
         return rows
@@ -646,6 +674,12 @@ class Engine:
 def _argmax_verified(req: Request) -> bool:
     """Whether `req`'s verify is the argmax of the raw logits and its logprob alone."""
     return req.params.plain_greedy
+
+
+def _extends_ahead(req: Request) -> bool:
+    """Whether `req`'s step lets the draft-extend run ahead of the verify's read-back: it
+    decodes (its last token and drafts only), verified and drafted by the raw argmax."""
+    return req.num_tokens - req.num_computed == 1 and req.params.plain_greedy
 
 
 def _argmax_picks(

@@ -89,14 +89,17 @@ class SpecGraphs:
         self.draft.capture(self.verify.pool)
         self.stats.capture_s = self.verify.stats.capture_s + self.draft.stats.capture_s
 
-    def run_verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The verify of one-token-a-row `batch` from its graph; None where none fits."""
+    def run_verify(
+        self, batch: ForwardBatch, input_ids=None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The verify of one-token-a-row `batch` from its graph (`input_ids` on the device in
+        place of its tokens); None where none fits."""
         n = self.verify.bucket_for(batch)
         if n is None:
             self.stats.eager_fallbacks += 1
             return None
         self._count("verify")
-        return self.verify.replay(batch, n)
+        return self.verify.replay(batch, n, input_ids)
 
     def run_draft(
         self, batch: ForwardBatch, hidden: torch.Tensor, use: str, input_ids=None

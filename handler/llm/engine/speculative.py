@@ -29,6 +29,12 @@ A step whose requests each bring at most `k + 1` tokens (every decoding one) run
 and its draft-extend one token a row (`one_token_rows`): the decode kernels take it, and CUDA
 graphs hold it (`spec_graphs.py`); longer prefill chunks run as chunks, eagerly.
 
+Greedy drafts stay on the device until the next step's verify, which takes them there, is
+launched (`PendingDrafts`); a step of decoding greedy requests launches its draft-extend over
+every verify row before the host reads which drafts were kept (`MTPDrafter.extend_ahead`).
+So the GPU runs the draft steps while the host returns a step's tokens and schedules the
+next, and the draft-extend while it accepts (docs/engine.md).
+
 The KV the verify writes at rejected drafts' positions, and the MTP layer's at draft
 positions, is overwritten by later steps before anything reads it: a request's lengths come
 from `num_computed`. A request with a grammar (`SamplingParams.guide`) drafts under its
@@ -180,13 +186,93 @@ def draft_token(req: Request, logits: torch.Tensor, drafts: list[int]) -> tuple[
 class DraftRow:
     """One request's positions in the draft-extend: `start` its first, `tokens` each
     position's next token, `hidden` the model's states there `[n, H]`, `num_drafts` how many
-    drafts it takes (0: the MTP layer only fills its cache)."""
+    drafts it takes (0: the MTP layer only fills its cache), `last_row` its last position's
+    row in the verify (where the draft-extend ran ahead of the verify's read-back)."""
 
     req: Request
     start: int
     tokens: list[int]
     hidden: torch.Tensor
     num_drafts: int
+    last_row: int = -1
+
+
+@dataclass
+class HostCopy:
+    """A device tensor's copy to the host, enqueued with no wait (into pinned memory): `land`
+    waits for it alone, not for the work enqueued after it."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # None: `host` is the tensor itself (CPU runs)
+
+    @classmethod
+    def launch(cls, t: torch.Tensor) -> HostCopy:
+        if not t.is_cuda:
+            return cls(t, None)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def land(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+@dataclass
+class PendingDrafts:
+    """Greedy drafts still on the device, and their copy to the host under way: the next
+    step's verify takes them there (`input_ids`) and the host reads them only after launching
+    it (`land`), so the GPU runs the draft steps while the host returns this step's tokens and
+    schedules the next. Each drafting request holds a list of its drafts' count (`holders`),
+    filled in place by `land`; a request whose drafts were replaced since (a new list) keeps
+    the new ones."""
+
+    holders: list[tuple[Request, list[int]]]
+    drafts: torch.Tensor  # [requests, steps] int64, on the device
+    copy: HostCopy  # of `drafts`
+
+    @classmethod
+    def launch(cls, rows: list[DraftRow], drafts: torch.Tensor) -> PendingDrafts:
+        holders = []
+        for r in rows:
+            r.req.draft_ids = [0] * r.num_drafts  # their places, filled by `land`
+            holders.append((r.req, r.req.draft_ids))
+        return cls(holders, drafts, HostCopy.launch(drafts))
+
+    def input_ids(
+        self, reqs: list[Request], token_ids: list[list[int]], num_drafts: list[int]
+    ) -> torch.Tensor:
+        """A one-token-a-row step's input ids on the device, before the host has the drafts:
+        the host's tokens, and at each held draft's place (the last `num_drafts[i]` of
+        `token_ids[i]`) the draft on the device. No wait for the GPU."""
+        held = {id(req): i for i, (req, ids) in enumerate(self.holders) if req.draft_ids is ids}
+        flat = [t for ids in token_ids for t in ids]
+        total, steps = len(flat), self.drafts.shape[1]
+        index = []
+        for req, ids, d in zip(reqs, token_ids, num_drafts, strict=True):
+            row, first = held.get(id(req)), len(index)
+            for j in range(len(ids)):
+                drafted = row is not None and j >= len(ids) - d
+                index.append(total + row * steps + j - (len(ids) - d) if drafted else first + j)
+        both = _on(torch.tensor(flat + index, dtype=torch.int64), self.drafts.device)
+        return torch.cat([both[:total], self.drafts.reshape(-1)])[both[total:]]
+
+    def land(self) -> None:
+        """Wait for the drafts' copy; each holder's list filled."""
+        for (req, ids), drafts in zip(self.holders, self.copy.land().tolist(), strict=True):
+            if req.draft_ids is ids:
+                ids[:] = drafts[: len(ids)]
+
+    def fill(self, reqs: list[Request], token_ids: list[list[int]], num_drafts: list[int]):
+        """After `land`: the drafts' places in a step's `token_ids` (made from the holders'
+        lists before they were filled) replaced by the drafts."""
+        held = {id(req) for req, ids in self.holders if req.draft_ids is ids}
+        for i, (req, d) in enumerate(zip(reqs, num_drafts, strict=True)):
+            if d and id(req) in held:
+                token_ids[i] = token_ids[i][: len(token_ids[i]) - d] + req.draft_ids[:d]
 
 
 class MTPDrafter:
@@ -214,6 +300,12 @@ class MTPDrafter:
         self.num_tokens = num_tokens
         self.stats = SpecStats()
         self.graphs = None  # SpecGraphs, once captured (Engine.capture_graphs)
+        self.pending: PendingDrafts | None = None  # the last step's drafts, still on the device
+
+    def take_pending(self) -> PendingDrafts | None:
+        """The drafts of the step before, not yet read by the host (None: none are)."""
+        pending, self.pending = self.pending, None
+        return pending
 
     def rows_fit(self, token_ids: list[list[int]]) -> bool:
         """Whether a step of these requests' new tokens runs one token a row: each brings at
@@ -235,13 +327,36 @@ class MTPDrafter:
         end = min(len(req.prompt_ids) + req.params.max_new_tokens, max_model_len)
         return max(0, min(self.num_tokens, end - req.num_tokens - 1))
 
+    def extend_ahead(
+        self, batch: ForwardBatch, hidden: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft-extend over every row of a verify of decoding requests (`batch`, one
+        token a row, on the host), launched before the host has read what the verify kept:
+        each row's next token is the verify's argmax there (`tokens`, on the device), the
+        token appended after it wherever the row is kept, and its states `hidden`'s. Rows
+        past a request's kept ones write the MTP layer's cache at places that its draft steps
+        and the next step write again before anything reads them. -> (logits, outputs) of
+        every row, for `propose(rows, ahead=)`."""
+        return self._forward(batch, hidden, "draft_extend", input_ids=tokens)
+
     @torch.inference_mode()
-    def propose(self, rows: list[DraftRow]) -> None:
+    def propose(
+        self, rows: list[DraftRow], ahead: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """Run the draft-extend over `rows` and the draft steps after it; set each drafting
-        request's `draft_ids` (and `draft_probs`, sampled ones)."""
+        request's `draft_ids` (and `draft_probs`, sampled ones). `ahead`: `extend_ahead`'s
+        outputs, where it ran (every row's request drafting the argmax): the draft steps
+        only, from each row's `last_row`."""
         for row in rows:
             row.req.draft_ids, row.req.draft_probs = [], None
         if not rows:
+            return
+        if ahead is not None:
+            drafting = [r for r in rows if r.num_drafts > 0]
+            if drafting:
+                logits, out = ahead
+                at = _on(torch.tensor([r.last_row for r in drafting]), logits.device)
+                self._propose_on_device(drafting, logits[at], out[at])
             return
         tokens, starts = [r.tokens for r in rows], [r.start for r in rows]
         hidden = torch.cat([r.hidden for r in rows])
@@ -297,9 +412,9 @@ class MTPDrafter:
         self, rows: list[DraftRow], logits: torch.Tensor, states: torch.Tensor
     ) -> None:
         """Every drafting request drafts the argmax of the raw logits: each draft stays on the
-        device as the next draft step's input, and all are read back at once. A request whose
-        drafts are done rides along on the scratch page, so every step keeps its rows (its
-        output is not read)."""
+        device as the next draft step's input, and all are read by the host after the next
+        step's verify is launched (`PendingDrafts`). A request whose drafts are done rides
+        along on the scratch page, so every step keeps its rows (its output is not read)."""
         picks = [logits.argmax(dim=-1)]  # draft 1 of each request
         scratch = [self.kv.scratch_page]
         for step in range(1, max(r.num_drafts for r in rows)):
@@ -314,9 +429,7 @@ class MTPDrafter:
             )
             logits, states = self._forward(batch, states, "draft", input_ids=picks[-1])
             picks.append(logits.argmax(dim=-1))
-        drafts = torch.stack(picks, dim=1).tolist()  # the one wait for the GPU
-        for r, ids in zip(rows, drafts, strict=True):
-            r.req.draft_ids = ids[: r.num_drafts]
+        self.pending = PendingDrafts.launch(rows, torch.stack(picks, dim=1))
 
     def _draft_step(
         self, rows: list[DraftRow], states: torch.Tensor
