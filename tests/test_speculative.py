@@ -391,21 +391,17 @@ def test_graph_replays_give_the_plain_tokens_and_the_eager_drafts(glm_dirs, k):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_draft_extend_ahead_of_the_read_back_drafts_as_after_it(glm_dirs, graphs, monkeypatch):
+def test_the_draft_extend_ahead_of_the_read_back_drafts_as_after_it(glm_dirs, graphs):
     """The draft-extend run over every verify row before the host knows which were kept (rows
     past the kept ones write MTP cache entries that must be rewritten before they are read):
     the MTP layer's own drafts equal those of the draft-extend over the kept rows only, while
     known drafts, wrong at set places, make the kept runs vary."""
-    from snapfn.handler.llm.engine import engine as engine_module
-
     prompts = random_prompts(VOCAB, PROMPTS, seed=6)
     ref = engine(glm_dirs["mtp3"]).generate(prompts, greedy(24))
     refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}
     runs = []
-    for ahead in (True, False):
-        if not ahead:
-            monkeypatch.setattr(engine_module, "_extends_ahead", lambda req: False)
-        eng = engine(glm_dirs["mtp3"], 3, tokens=16)
+    for overlap in (True, False):
+        eng = engine(glm_dirs["mtp3"], 3, tokens=16, overlap_speculative=overlap)
         if graphs:
             replayed_eagerly(eng, [1, 2, 4, 8])
         drafts = recording_drafts(eng)  # the MTP layer's, before the oracle replaces them

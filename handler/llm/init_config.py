@@ -55,6 +55,7 @@ class InitConfig:
     # tier 0: each decode graph captured by its first decode step, not before ready (graphs.py)
     restore_graphs_on_first_use: bool = True
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
+    overlap_speculative: bool = True  # MTP drafts read after the next verify's launch
     prefill_chunk_sizes: tuple[
         int, ...
     ] = ()  # warmed prefill shapes; () = (max_num_batched_tokens,)
@@ -133,6 +134,7 @@ class InitConfig:
                 overlap_decode=self.overlap_decode,
                 prefix_caching=self.prefix_caching,
                 speculative_tokens=self.speculative_tokens,
+                overlap_speculative=self.overlap_speculative,
             ),
         )
 

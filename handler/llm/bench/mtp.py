@@ -173,6 +173,7 @@ def _decode(
         overlap_decode=engine.overlap_decode,
         prefix_caching=False,  # every run prefills its prompt: the same work for each k
         speculative_tokens=k,
+        overlap_speculative=engine.drafter is None or engine.drafter.overlap,
     )
     bench = Engine(engine.model, engine.kv, sched, engine.tokenizer, engine.eos_token_ids)
     if known is not None:

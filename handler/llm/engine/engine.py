@@ -95,6 +95,9 @@ class SchedulerConfig:
     overlap_decode: bool = True  # land greedy graph decode steps one step late (module doc)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     speculative_tokens: int = 0  # MTP drafts verified per decode step; 0: off (speculative.py)
+    # greedy drafts read by the host after the next verify's launch, the draft-extend ahead
+    # of the verify's read-back (speculative.py); off: each read when made, in turn
+    overlap_speculative: bool = True
 
 
 class Engine:
@@ -135,7 +138,9 @@ class Engine:
         # greedy picks on the device: the backend's kernel where it has one (`Backend.greedy_picks`)
         self._picks = model.backend.greedy_picks
         self.drafter = (
-            MTPDrafter(model, kv, sched.speculative_tokens) if sched.speculative_tokens else None
+            MTPDrafter(model, kv, sched.speculative_tokens, sched.overlap_speculative)
+            if sched.speculative_tokens
+            else None
         )
         self.grammars = None  # a structured.GrammarCache of the tokenizer (attach_grammars)
 
@@ -340,7 +345,7 @@ class Engine:
             input_ids = None if pending is None else pending.input_ids(reqs, token_ids, num_drafts)
             logits, hidden = self._verify_forward(batch, input_ids)
             rows = [end - 1 - d for end, d in zip(starts[1:], num_drafts, strict=True)]
-            if all(_extends_ahead(r) for r in reqs):
+            if self.drafter.overlap and all(_extends_ahead(r) for r in reqs):
                 tokens, picked = self._picks(logits)
                 picked = HostCopy.launch(picked)  # before the draft-extend, in stream order
                 ahead = self.drafter.extend_ahead(batch, hidden, tokens)

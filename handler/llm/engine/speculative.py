@@ -279,7 +279,7 @@ class MTPDrafter:
     """Drafts with the model's MTP layer 0, run `num_tokens` times a step (vLLM's reuse of one
     layer when more tokens than layers are drafted)."""
 
-    def __init__(self, model: CausalLM, kv: KVPool, num_tokens: int) -> None:
+    def __init__(self, model: CausalLM, kv: KVPool, num_tokens: int, overlap: bool = True) -> None:
         if not 0 < num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise UnsupportedModel(
                 f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {num_tokens}"
@@ -298,6 +298,7 @@ class MTPDrafter:
         self.model = model
         self.kv = kv
         self.num_tokens = num_tokens
+        self.overlap = overlap  # greedy drafts pending past the step (`PendingDrafts`)
         self.stats = SpecStats()
         self.graphs = None  # SpecGraphs, once captured (Engine.capture_graphs)
         self.pending: PendingDrafts | None = None  # the last step's drafts, still on the device
@@ -429,7 +430,11 @@ class MTPDrafter:
             )
             logits, states = self._forward(batch, states, "draft", input_ids=picks[-1])
             picks.append(logits.argmax(dim=-1))
-        self.pending = PendingDrafts.launch(rows, torch.stack(picks, dim=1))
+        pending = PendingDrafts.launch(rows, torch.stack(picks, dim=1))
+        if self.overlap:
+            self.pending = pending
+        else:
+            pending.land()
 
     def _draft_step(
         self, rows: list[DraftRow], states: torch.Tensor
