@@ -55,15 +55,21 @@ def test_a_restored_workers_first_structured_request_is_as_fast_as_its_tenth(tmp
         assert startup.tier == "portable" and startup.stage("grammars").figures["compiled"] == 1
         prompt = fn.engine.tokenizer.encode("The record is")
         params = SamplingParams(max_new_tokens=48, guide=spec_from_fields({"guided_json": SCHEMA}))
-        times = []
+        graphs = fn.engine.graph_stats
+        times, captures = [], []
         for _ in range(10):
-            start = time.perf_counter()
+            captured, start = graphs.capture_s, time.perf_counter()
             (result,) = fn.engine.generate([prompt], params)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+            captures.append(graphs.capture_s - captured)
             jsonschema.validate(json.loads(result.text), SCHEMA)
         stats = fn.engine.grammars.stats()
         assert stats["misses"] == 0 and stats["hits"] == 10  # the first compiled nothing
-        assert times[0] <= 1.5 * times[-1] + 0.005, times
+        # the first request's first decode step captures the batch-1 decode graph (a tier-0
+        # restore captures each bucket at its first use: InitConfig.restore_graphs_on_first_use),
+        # timed by the graphs' own counter; apart from it the first is as fast as the tenth
+        assert captures[0] > 0 and not any(captures[1:]), captures
+        assert times[0] - captures[0] <= 1.5 * times[-1] + 0.005, (times, captures)
     finally:
         fn.release()
