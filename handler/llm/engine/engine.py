@@ -347,9 +347,9 @@ class Engine:
             rows = [end - 1 - d for end, d in zip(starts[1:], num_drafts, strict=True)]
             if self.drafter.overlap and all(_extends_ahead(r) for r in reqs):
                 tokens, picked = self._picks(logits)
-                picked = HostCopy.launch(picked)  # before the draft-extend, in stream order
+                copy = HostCopy.launch(picked)  # before the draft-extend, in stream order
                 ahead = self.drafter.extend_ahead(batch, hidden, tokens)
-                pairs = picked.land().tolist()  # the verify's wait, while the GPU extends
+                pairs = copy.land().tolist()  # the verify's wait, while the GPU extends
                 argmax = [int(t) for t, _ in pairs], [lp for _, lp in pairs]
             if pending is not None:
                 pending.land()
