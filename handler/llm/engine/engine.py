@@ -54,6 +54,7 @@ import torch
 
 from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.copy_fence import HostCopy
 from snapfn.handler.llm.engine.graphs import DecodeGraphs, GraphStats
 from snapfn.handler.llm.engine.in_flight import InFlightStep, PickBuffers
 from snapfn.handler.llm.engine.kv_pool import KVPool
@@ -73,7 +74,6 @@ from snapfn.handler.llm.engine.scheduler import ScheduledStep, Scheduler
 from snapfn.handler.llm.engine.spec_graphs import SpecGraphs
 from snapfn.handler.llm.engine.speculative import (
     DraftRow,
-    HostCopy,
     MTPDrafter,
     merge_outputs,
     one_token_rows,

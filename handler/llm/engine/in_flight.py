@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from snapfn.handler.llm.engine.copy_fence import HostCopy
 from snapfn.handler.llm.engine.request import Request
 from snapfn.handler.llm.engine.sampler import greedy_picks
 
@@ -41,8 +42,7 @@ class PickBuffers:
 class InFlightStep:
     requests: list[Request]
     tokens: torch.Tensor  # [B] int64 on the device: the next step's input ids
-    picked: torch.Tensor  # [B, 2] float64: token ids and their logprobs, on the host once done
-    done: torch.cuda.Event | None  # None: `picked` is already on the host (CPU runs)
+    picked: HostCopy  # [B, 2] float64: token ids and their logprobs, to the host
 
     @classmethod
     def launch(
@@ -55,20 +55,13 @@ class InFlightStep:
         """Greedy picks of `logits [B, V]` (by `picks`, `sampler.greedy_picks`'s contract)
         enqueued, and their copy to the host; no wait."""
         tokens, picked = picks(logits)
-        if buffers is None or not logits.is_cuda:
-            return cls(requests, tokens, picked.cpu(), None)
-        host = buffers.next(len(requests))
-        host.copy_(picked, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return cls(requests, tokens, host, done)
+        into = buffers.next(len(requests)) if buffers is not None else None
+        return cls(requests, tokens, HostCopy.launch(picked, into))
 
     def land(self) -> list[tuple[Request, int, float]]:
         """Wait for this step's picks; (request, token, logprob) of the rows still running
         (a request that finished or was cancelled since the launch drops its row)."""
-        if self.done is not None:
-            self.done.synchronize()
-        rows = self.picked.tolist()  # float64 holds every token id exactly
+        rows = self.picked.land().tolist()  # float64 holds every token id exactly
         return [
             (req, int(token), logprob)
             for req, (token, logprob) in zip(self.requests, rows, strict=True)

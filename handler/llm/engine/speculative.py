@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from snapfn.handler.llm.engine.batch import ForwardBatch
+from snapfn.handler.llm.engine.copy_fence import HostCopy
 from snapfn.handler.llm.engine.kv_pool import KVPool
 from snapfn.handler.llm.engine.request import Request, RequestOutput
 from snapfn.handler.llm.engine.sampler import sampling_probs, shape_logits
@@ -195,30 +196,6 @@ class DraftRow:
     hidden: torch.Tensor
     num_drafts: int
     last_row: int = -1
-
-
-@dataclass
-class HostCopy:
-    """A device tensor's copy to the host, enqueued with no wait (into pinned memory): `land`
-    waits for it alone, not for the work enqueued after it."""
-
-    host: torch.Tensor
-    done: torch.cuda.Event | None  # None: `host` is the tensor itself (CPU runs)
-
-    @classmethod
-    def launch(cls, t: torch.Tensor) -> HostCopy:
-        if not t.is_cuda:
-            return cls(t, None)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return cls(host, done)
-
-    def land(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host
 
 
 @dataclass
