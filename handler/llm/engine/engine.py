@@ -325,10 +325,7 @@ class Engine:
 
     def _step_speculative(self, scheduled: ScheduledStep) -> list[RequestOutput]:
         """Verify every decode's drafts in one forward, append what the rejection rule keeps,
-        then draft the next step's (`speculative.py`). The last step's greedy drafts reach
-        the verify on the device and the host only after its launch (`PendingDrafts`); where
-        every request decodes greedily, the draft-extend is launched before the verify's
-        picks are read (`MTPDrafter.extend_ahead`)."""
+        then draft the next step's (`speculative.py`)."""
         reqs, token_ids = scheduled.requests, scheduled.token_ids
         # a decode's tokens past its one new token are the drafts the budget let through
         num_drafts = [
@@ -336,6 +333,51 @@ class Engine:
             for r, ids in zip(reqs, token_ids, strict=True)
         ]
         starts = [0, *itertools.accumulate(len(t) for t in token_ids)]
+        verified = self._verify(scheduled, num_drafts, starts)
+        logits, rows, argmax = verified.logits, verified.rows, verified.argmax
+        outputs: dict[str, RequestOutput] = {}
+        plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
+        for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
+            if _scores_prompt(req):
+                self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
+            req.num_computed += n - d
+            self.scheduler.computed(req)
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk before the prompt's last
+            mine = logits[rows[i] : rows[i] + 1 + d]
+            if d == 0:
+                plain.append((req, mine[-1]))
+                continue
+            req.draft_ids = req.draft_ids[:d]
+            if argmax is not None and _argmax_verified(req):
+                best, logprobs = (p[rows[i] : rows[i] + 1 + d] for p in argmax)
+                kept = next((j for j, t in enumerate(req.draft_ids) if t != best[j]), d)
+                tokens = [*req.draft_ids[:kept], best[kept]]
+                out = self._append_picked(req, tokens, logprobs)
+            else:  # a guided request's rows masked by its grammar at each place
+                held = mine if req.matcher is None else mask_along(mine, req.matcher, req.draft_ids)
+                tokens = verify_request(req, held)
+                out = self._append_verified(req, tokens, mine)  # logprobs of the raw rows
+            self.drafter.count(d, len(tokens) - 1)
+            req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
+            outputs[req.request_id] = out
+        if plain:
+            picks = self._sample(torch.stack([r for _, r in plain]), [q for q, _ in plain])
+            for (req, _), t, lp, top in zip(
+                plain, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
+            ):
+                outputs[req.request_id] = self._append(req, t, lp, top)
+        self.drafter.propose(self._draft_rows(scheduled, starts, verified.hidden), verified.ahead)
+        return [outputs[r.request_id] for r in reqs if r.request_id in outputs]
+
+    def _verify(
+        self, scheduled: ScheduledStep, num_drafts: list[int], starts: list[int]
+    ) -> Verified:
+        """A speculative step's forward over every request's new tokens and drafts. The last
+        step's greedy drafts reach it on the device (`PendingDrafts`); where every request
+        decodes greedily, the draft-extend is launched before the verify's picks are read
+        (`MTPDrafter.extend_ahead`)."""
+        reqs, token_ids = scheduled.requests, scheduled.token_ids
         pending = self.drafter.take_pending()
         argmax = ahead = None
         if self.drafter.rows_fit(token_ids):  # a token a row: every token's logits
@@ -370,40 +412,7 @@ class Engine:
             rows = _logit_rows(batch, starts, num_drafts)
         if argmax is None:
             argmax = _argmax_picks(logits, reqs, num_drafts, self._picks)  # read back at once
-        outputs: dict[str, RequestOutput] = {}
-        plain: list[tuple[Request, torch.Tensor]] = []  # no drafts: the plain loop's pick
-        for i, (req, n, d) in enumerate(zip(reqs, map(len, token_ids), num_drafts, strict=True)):
-            if _scores_prompt(req):
-                self._record_prompt_logprobs(req, logits[starts[i] : starts[i] + n])
-            req.num_computed += n - d
-            self.scheduler.computed(req)
-            if req.num_computed < req.num_tokens:
-                continue  # a prefill chunk before the prompt's last
-            mine = logits[rows[i] : rows[i] + 1 + d]
-            if d == 0:
-                plain.append((req, mine[-1]))
-                continue
-            req.draft_ids = req.draft_ids[:d]
-            if argmax is not None and _argmax_verified(req):
-                best, logprobs = (p[rows[i] : rows[i] + 1 + d] for p in argmax)
-                kept = next((j for j, t in enumerate(req.draft_ids) if t != best[j]), d)
-                tokens = [*req.draft_ids[:kept], best[kept]]
-                out = self._append_picked(req, tokens, logprobs)
-            else:  # a guided request's rows masked by its grammar at each place
-                held = mine if req.matcher is None else mask_along(mine, req.matcher, req.draft_ids)
-                tokens = verify_request(req, held)
-                out = self._append_verified(req, tokens, mine)  # logprobs of the raw rows
-            self.drafter.count(d, len(tokens) - 1)
-            req.num_computed += len(tokens) - 1  # the drafts kept: their KV is the target's
-            outputs[req.request_id] = out
-        if plain:
-            picks = self._sample(torch.stack([r for _, r in plain]), [q for q, _ in plain])
-            for (req, _), t, lp, top in zip(
-                plain, picks.tokens, picks.logprobs, picks.top_logprobs, strict=True
-            ):
-                outputs[req.request_id] = self._append(req, t, lp, top)
-        self.drafter.propose(self._draft_rows(scheduled, starts, hidden), ahead)
-        return [outputs[r.request_id] for r in reqs if r.request_id in outputs]
+        return Verified(logits, hidden, rows, argmax, ahead)
 
     def _verify_forward(
         self, batch: ForwardBatch, input_ids: torch.Tensor | None = None
@@ -679,6 +688,19 @@ class Engine:
 def _argmax_verified(req: Request) -> bool:
     """Whether `req`'s verify is the argmax of the raw logits and its logprob alone."""
     return req.params.plain_greedy
+
+
+@dataclass
+class Verified:
+    """A speculative step's verify: every row's logits and final-norm hidden states, each
+    request's first logits row (`rows`), the argmax picks and their logprobs where read at
+    once, and the draft-extend's outputs where it ran ahead (`MTPDrafter.extend_ahead`)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    rows: list[int]
+    argmax: tuple[list[int], list[float]] | None
+    ahead: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _extends_ahead(req: Request) -> bool:
