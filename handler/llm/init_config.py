@@ -81,9 +81,15 @@ class InitConfig:
         """Defaults, then `SNAPFN_<FIELD>` variables, then explicit overrides (CLI flags)."""
         values: dict[str, object] = {}
         for f in fields(cls):
-            raw = environ.get(f"SNAPFN_{f.name.upper()}")
+            name = f"SNAPFN_{f.name.upper()}"
+            raw = environ.get(name)
             if raw is not None:
-                values[f.name] = _parse(f.type, raw)
+                try:
+                    values[f.name] = _parse(f.type, raw)
+                except ValueError as exc:
+                    from snapfn.snapshot.errors import BadRequest, one_line
+
+                    raise BadRequest(one_line(f"{name}={raw[:80]!r}: {exc}")) from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "cache_dir" not in values:
             values["cache_dir"] = default_cache_dir(environ)
@@ -155,14 +161,23 @@ def _parse(type_name: object, raw: str) -> object:
     text = str(type_name)
     if text == "bool":
         if raw.strip().lower() not in _BOOLS:
-            raise ValueError(f"expected one of {', '.join(sorted(_BOOLS))}, got {raw!r}")
+            raise ValueError(f"expected one of {', '.join(sorted(_BOOLS))}")
         return _BOOLS[raw.strip().lower()]
     if "int" in text and "tuple" not in text:
-        return int(raw)
+        return _number(int, raw, "an integer")
     if "float" in text:
-        return float(raw)
+        return _number(float, raw, "a number")
     if "tuple" in text:
-        return tuple(int(x) for x in raw.split(",") if x.strip())
+        return tuple(
+            _number(int, x, "integers separated by commas") for x in raw.split(",") if x.strip()
+        )
     if "Path" in text:
         return Path(raw)
     return raw
+
+
+def _number(kind: type, raw: str, wanted: str) -> object:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"expected {wanted}") from None

@@ -1,0 +1,51 @@
+"""InitConfig from the environment: each field's SNAPFN_ variable parsed by its type, a value
+that does not parse refused naming the variable, and `to_env` read back to an equal config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from snapfn.handler.llm.init_config import InitConfig
+from snapfn.snapshot.errors import BadRequest
+
+
+def test_each_kind_of_field_is_read_from_its_variable():
+    config = InitConfig.from_env(
+        {
+            "SNAPFN_GRAPH_MAX_BATCH": "8",
+            "SNAPFN_MEM_FRACTION_STATIC": "0.5",
+            "SNAPFN_OVERLAP_SPECULATIVE": "off",
+            "SNAPFN_PREFIX_CACHING": "Yes",
+            "SNAPFN_PREFILL_CHUNK_SIZES": "512, 2048",
+            "SNAPFN_CACHE_DIR": "/tmp/snapfn-c",
+        }
+    )
+    assert config.graph_max_batch == 8 and config.mem_fraction_static == 0.5
+    assert config.overlap_speculative is False and config.prefix_caching is True
+    assert config.prefill_chunk_sizes == (512, 2048) and config.cache_dir == Path("/tmp/snapfn-c")
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "says"),
+    [
+        ("SNAPFN_GRAPH_MAX_BATCH", "lots", "expected an integer"),
+        ("SNAPFN_MEM_FRACTION_STATIC", "most", "expected a number"),
+        ("SNAPFN_OVERLAP_SPECULATIVE", "maybe", "expected one of 0, 1, false, no, off, on"),
+        ("SNAPFN_PREFILL_CHUNK_SIZES", "512,x", "expected integers separated by commas"),
+    ],
+)
+def test_a_value_that_does_not_parse_is_refused_naming_its_variable(variable, raw, says):
+    with pytest.raises(BadRequest) as refused:
+        InitConfig.from_env({variable: raw})
+    message = str(refused.value)
+    assert message.startswith(f"{variable}={raw!r}: ") and says in message
+    assert "\n" not in message
+
+
+def test_to_env_reads_back_to_an_equal_config():
+    config = InitConfig(
+        graph_max_batch=4, overlap_speculative=False, prefill_chunk_sizes=(256, 1024)
+    )
+    assert InitConfig.from_env(config.to_env()) == config
