@@ -49,3 +49,24 @@ def test_to_env_reads_back_to_an_equal_config():
         graph_max_batch=4, overlap_speculative=False, prefill_chunk_sizes=(256, 1024)
     )
     assert InitConfig.from_env(config.to_env()) == config
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "says"),
+    [
+        ("SNAPFN_PAGE_SIZE", "0", "page_size (SNAPFN_PAGE_SIZE) must be at least 1, got 0"),
+        ("SNAPFN_MAX_MODEL_LEN", "-5", "must be at least 2, got -5"),
+        ("SNAPFN_SPECULATIVE_TOKENS", "-1", "must be at least 0, got -1"),
+        ("SNAPFN_MEM_FRACTION_STATIC", "1.5", "must be in (0, 1], got 1.5"),
+        ("SNAPFN_PREFILL_CHUNK_SIZES", "512,0", "must be positive, got (512, 0)"),
+    ],
+)
+def test_a_count_out_of_its_range_is_refused_naming_its_variable(variable, raw, says):
+    with pytest.raises(BadRequest) as refused:
+        InitConfig.from_env({variable: raw})
+    assert says in str(refused.value)
+
+
+def test_zero_turns_off_what_zero_may_turn_off():
+    config = InitConfig.from_env({"SNAPFN_GRAPH_MAX_BATCH": "0", "SNAPFN_SPECULATIVE_TOKENS": "0"})
+    assert config.graph_max_batch == 0 and config.speculative_tokens == 0

@@ -76,6 +76,28 @@ class InitConfig:
     # recipes/prefix_warm.py); None: none
     prefix_warm: Path | None = None
 
+    def __post_init__(self) -> None:
+        """A count or size out of its range is refused here, naming the variable that sets it
+        (a later stage would fail on it less clearly)."""
+        from snapfn.snapshot.errors import BadRequest
+
+        for name, low in _AT_LEAST.items():
+            value = getattr(self, name)
+            if value < low:
+                raise BadRequest(
+                    f"{name} (SNAPFN_{name.upper()}) must be at least {low}, got {value}"
+                )
+        if not 0 < self.mem_fraction_static <= 1:
+            raise BadRequest(
+                "mem_fraction_static (SNAPFN_MEM_FRACTION_STATIC) must be in (0, 1], got "
+                f"{self.mem_fraction_static}"
+            )
+        if any(size < 1 for size in self.prefill_chunk_sizes):
+            raise BadRequest(
+                "prefill_chunk_sizes (SNAPFN_PREFILL_CHUNK_SIZES) must be positive, got "
+                f"{self.prefill_chunk_sizes}"
+            )
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> InitConfig:
         """Defaults, then `SNAPFN_<FIELD>` variables, then explicit overrides (CLI flags)."""
@@ -144,6 +166,23 @@ class InitConfig:
             ),
         )
 
+
+# the least value of each count and size (0: may be off)
+_AT_LEAST = {
+    "page_size": 1,
+    "max_running_requests": 1,
+    "max_num_batched_tokens": 1,
+    "max_model_len": 2,
+    "kv_cache_bytes_cpu": 1,
+    "graph_max_batch": 0,
+    "graph_max_seq_len": 1,
+    "speculative_tokens": 0,
+    "prewarm_threads": 1,
+    "stream_threads": 1,
+    "stream_ring_slots": 1,
+    "tp_size": 1,
+    "ep_size": 1,
+}
 
 _BOOLS = {
     "1": True,
