@@ -34,14 +34,19 @@ def test_each_kind_of_field_is_read_from_its_variable():
         ("SNAPFN_MEM_FRACTION_STATIC", "most", "expected a number"),
         ("SNAPFN_OVERLAP_SPECULATIVE", "maybe", "expected one of 0, 1, false, no, off, on"),
         ("SNAPFN_PREFILL_CHUNK_SIZES", "512,x", "expected integers separated by commas"),
+        # parsed, but out of range
+        ("SNAPFN_PAGE_SIZE", "0", "page_size (SNAPFN_PAGE_SIZE) must be at least 1, got 0"),
+        ("SNAPFN_MAX_MODEL_LEN", "-5", "(SNAPFN_MAX_MODEL_LEN) must be at least 2, got -5"),
+        ("SNAPFN_SPECULATIVE_TOKENS", "-1", "(SNAPFN_SPECULATIVE_TOKENS) must be at least 0"),
+        ("SNAPFN_MEM_FRACTION_STATIC", "1.5", "must be in (0, 1], got 1.5"),
+        ("SNAPFN_PREFILL_CHUNK_SIZES", "512,0", "must be positive, got (512, 0)"),
     ],
 )
-def test_a_value_that_does_not_parse_is_refused_naming_its_variable(variable, raw, says):
+def test_a_bad_value_is_refused_in_one_line_naming_its_variable(variable, raw, says):
     with pytest.raises(BadRequest) as refused:
         InitConfig.from_env({variable: raw})
     message = str(refused.value)
-    assert message.startswith(f"{variable}={raw!r}: ") and says in message
-    assert "\n" not in message
+    assert variable in message and says in message and "\n" not in message
 
 
 def test_to_env_reads_back_to_an_equal_config():
@@ -49,22 +54,6 @@ def test_to_env_reads_back_to_an_equal_config():
         graph_max_batch=4, overlap_speculative=False, prefill_chunk_sizes=(256, 1024)
     )
     assert InitConfig.from_env(config.to_env()) == config
-
-
-@pytest.mark.parametrize(
-    ("variable", "raw", "says"),
-    [
-        ("SNAPFN_PAGE_SIZE", "0", "page_size (SNAPFN_PAGE_SIZE) must be at least 1, got 0"),
-        ("SNAPFN_MAX_MODEL_LEN", "-5", "must be at least 2, got -5"),
-        ("SNAPFN_SPECULATIVE_TOKENS", "-1", "must be at least 0, got -1"),
-        ("SNAPFN_MEM_FRACTION_STATIC", "1.5", "must be in (0, 1], got 1.5"),
-        ("SNAPFN_PREFILL_CHUNK_SIZES", "512,0", "must be positive, got (512, 0)"),
-    ],
-)
-def test_a_count_out_of_its_range_is_refused_naming_its_variable(variable, raw, says):
-    with pytest.raises(BadRequest) as refused:
-        InitConfig.from_env({variable: raw})
-    assert says in str(refused.value)
 
 
 def test_zero_turns_off_what_zero_may_turn_off():
