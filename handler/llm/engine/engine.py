@@ -391,8 +391,7 @@ class Engine:
                 tokens, picked = self._picks(logits)
                 copy = HostCopy.launch(picked)  # before the draft-extend, in stream order
                 ahead = self.drafter.extend_ahead(batch, hidden, tokens)
-                pairs = copy.land().tolist()  # the verify's wait, while the GPU extends
-                argmax = [int(t) for t, _ in pairs], [lp for _, lp in pairs]
+                argmax = _split_picks(copy.land())  # the verify's wait, while the GPU extends
             if pending is not None:
                 pending.land()
         else:
@@ -718,8 +717,13 @@ def _argmax_picks(
     if not any(d and _argmax_verified(r) for r, d in zip(reqs, num_drafts, strict=True)):
         return None
     _, pairs = picks(logits)
-    pairs = pairs.tolist()  # (token id, logprob) a row: one copy
-    return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
+    return _split_picks(pairs)
+
+
+def _split_picks(pairs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """`[B, 2]` (token id, logprob) rows as (token ids, logprobs), read in one copy."""
+    rows = pairs.tolist()  # float64 holds every token id exactly
+    return [int(t) for t, _ in rows], [lp for _, lp in rows]
 
 
 def _logit_rows(batch: ForwardBatch, starts: list[int], num_drafts: list[int]) -> list[int]:
