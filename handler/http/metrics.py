@@ -50,6 +50,7 @@ times). Without one (a single process, tests) the registry is read directly. Eit
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -66,6 +67,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from snapfn.snapshot.stages import Readiness
+
+SCRAPE_ATTEMPTS = 3  # reads of the workers' files a scrape makes before it fails
 
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
@@ -144,6 +147,14 @@ class HttpMetrics:
             MultiProcessCollector(source, path=self.multiprocess_dir)
         out = CollectorRegistry(auto_describe=False)
         out.register(WithoutCreated(source))
+        for _ in range(SCRAPE_ATTEMPTS - 1):
+            try:
+                return generate_latest(out), CONTENT_TYPE_LATEST
+            except struct.error:
+                # NOTE: prometheus_client reads every worker's file without a lock: one that a
+                # worker has just created is still empty (its size is set right after), and
+                # its first 4 bytes do not unpack. Each attempt reads the files afresh.
+                continue
         return generate_latest(out), CONTENT_TYPE_LATEST
 
 
