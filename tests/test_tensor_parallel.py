@@ -245,3 +245,21 @@ def test_the_vocabulary_splits_in_blocks_the_last_short_or_empty():
         (0, 25, 25), (25, 25, 25), (50, 25, 25), (75, 24, 25)
     ]  # fmt: skip
     assert [vocab_split(5, 4, r)[:2] for r in range(4)] == [(0, 2), (2, 2), (4, 1), (5, 0)]
+
+
+def test_groups_made_in_a_destroyed_world_are_not_handed_to_a_new_one(tmp_path):
+    """The groups' caches are keyed by the world's `id`, which a new world can take once the
+    old one is gone (a rank 0 that leaves its group and starts another in the same process):
+    an entry made in another world object is made again."""
+    from snapfn.handler.llm.models import tensor_parallel
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        world = dist.group.WORLD
+        cache = {(1, 1, id(world)): (object(), "groups of a destroyed world with this id")}
+        assert tensor_parallel._made_once(cache, (1, 1), lambda: "this world's") == "this world's"
+        assert tensor_parallel._made_once(cache, (1, 1), lambda: "made twice") == "this world's"
+    finally:
+        dist.destroy_process_group()

@@ -44,8 +44,8 @@ def groups(parallel: ParallelConfig) -> tuple:
             f"tp_size={tp} x ep_size={ep} needs torch.distributed initialised with {tp * ep}"
             f" ranks (world: {world})"
         )
-    key = (tp, ep, id(dist.group.WORLD))
-    if key not in _GROUPS:
+
+    def make() -> tuple:
         if dist.get_rank() != parallel.ep_rank * tp + parallel.tp_rank:
             raise BadRequest(
                 f"rank {dist.get_rank()} is not ep_rank * tp_size + tp_rank ="
@@ -59,8 +59,22 @@ def groups(parallel: ParallelConfig) -> tuple:
             for t in range(tp):
                 made = dist.new_group([e * tp + t for e in range(ep)])
                 ep_group = made if t == parallel.tp_rank else ep_group
-        _GROUPS[key] = (tp_group, ep_group)
-    return _GROUPS[key]
+        return tp_group, ep_group
+
+    return _made_once(_GROUPS, (tp, ep), make)
+
+
+def _made_once(cache: dict, key: tuple, make):
+    """`make()`'s groups, made once per process group: cached under `key` and the world they
+    were made in, which the cache holds, so that a later world cannot take its `id` (a
+    destroyed world's groups handed to a new one fail every collective)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    entry = cache.get((*key, id(world)))
+    if entry is None or entry[0] is not world:
+        entry = cache[(*key, id(world))] = (world, make())
+    return entry[1]
 
 
 def all_reduce_tp(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
@@ -161,7 +175,7 @@ def all_gather_texts(text: str, parallel: ParallelConfig) -> list[str]:
     return [bytes(p[: int(s.item())].numpy()).decode() for p, s in zip(parts, sizes, strict=True)]
 
 
-_CPU_GROUPS: dict[int, object] = {}
+_CPU_GROUPS: dict[tuple, tuple] = {}
 
 
 def forget_groups() -> None:
@@ -176,10 +190,7 @@ def cpu_group():
     made the first time, by every rank at the same point."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
+    return _made_once(_CPU_GROUPS, (), lambda: dist.new_group(backend="gloo"))
 
 
 def vocab_rows(vocab_size: int, parallel: ParallelConfig) -> tuple[int, int]:
