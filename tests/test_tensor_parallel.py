@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -257,8 +258,12 @@ def test_groups_made_in_a_destroyed_world_are_not_handed_to_a_new_one(tmp_path):
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
+
+        class Destroyed:  # a world gone, whose id this one took
+            pass
+
         world = dist.group.WORLD
-        cache = {(1, 1, id(world)): (object(), "groups of a destroyed world with this id")}
+        cache = {(1, 1, id(world)): (weakref.ref(Destroyed()), "a destroyed world's groups")}
         assert tensor_parallel._made_once(cache, (1, 1), lambda: "this world's") == "this world's"
         assert tensor_parallel._made_once(cache, (1, 1), lambda: "made twice") == "this world's"
     finally:

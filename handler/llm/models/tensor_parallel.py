@@ -21,6 +21,8 @@ At tp 1 none of this runs: the layers are the plain ones.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,15 +67,17 @@ def groups(parallel: ParallelConfig) -> tuple:
 
 
 def _made_once(cache: dict, key: tuple, make):
-    """`make()`'s groups, made once per process group: cached under `key` and the world they
-    were made in, which the cache holds, so that a later world cannot take its `id` (a
-    destroyed world's groups handed to a new one fail every collective)."""
+    """`make()`'s groups, made once per process group: cached under `key` and the world's `id`,
+    with a weak reference to that world. A later world can take a destroyed one's `id`; its
+    entry's world is then gone (or another object), and the groups are made again rather than
+    handed a dead world's, which fail every collective. NOTE: weak: a process group kept alive
+    past `destroy_process_group` aborts the interpreter at exit."""
     import torch.distributed as dist
 
     world = dist.group.WORLD
     entry = cache.get((*key, id(world)))
-    if entry is None or entry[0] is not world:
-        entry = cache[(*key, id(world))] = (world, make())
+    if entry is None or entry[0]() is not world:
+        entry = cache[(*key, id(world))] = (weakref.ref(world), make())
     return entry[1]
 
 
