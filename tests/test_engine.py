@@ -15,8 +15,9 @@ def solo(model_dir, prompt, n):
 
 
 def test_exhausted_pool_queues_and_never_corrupts(tiny_llama_dir):
+    # reserving admission (no preemption: tests/test_preemption.py has the default's cases):
     # 6 pages of 4 tokens; each request needs ceil((5 + 6) / 4) = 3 pages: two fit at once
-    engine = our_engine(tiny_llama_dir, page_size=4, num_pages=6)
+    engine = our_engine(tiny_llama_dir, page_size=4, num_pages=6, preemption=False)
     prompts = random_prompts(256, [5, 5, 5], seed=7)
     ids = [engine.add_request(p, greedy(6)) for p in prompts]
     results = {}

@@ -154,6 +154,22 @@ def test_a_full_pool_keeps_overlapping_while_the_queue_waits(tiny_llama_dir):
     assert steps >= 4
 
 
+def test_a_tight_pool_preempts_between_overlapped_steps(tiny_llama_dir):
+    """Pages taken as tokens need them: a speculated step takes its page where one is free,
+    and where none is the scheduler's step preempts; overlap on or off, the same outputs."""
+    prompts = random_prompts(256, [5, 9, 7, 6], seed=13)
+    plain, overlapped, steps = _run_both(
+        tiny_llama_dir, prompts, greedy(16), page_size=4, num_pages=10
+    )
+    _same(plain, overlapped)
+    solo = our_engine(tiny_llama_dir).generate(prompts, greedy(16))
+    assert [r.token_ids for r in overlapped] == [r.token_ids for r in solo]
+    assert steps > 0
+    engine = _engine(tiny_llama_dir, True, page_size=4, num_pages=10)
+    engine.generate(prompts, greedy(16))
+    assert engine.scheduler.num_preemptions > 0 and engine.overlapped_steps > 0
+
+
 def test_greedy_picks_come_from_the_models_backend(tiny_llama_dir, monkeypatch):
     """Both loops take their greedy picks from `model.backend.greedy_picks` (the Triton kernel
     on the triton and flashinfer backends), not the sampler's torch ops directly: every decode

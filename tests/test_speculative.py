@@ -414,6 +414,24 @@ def test_the_draft_extend_ahead_of_the_read_back_drafts_as_after_it(glm_dirs, gr
     assert runs[0] == runs[1] and any(runs[0])
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_tight_pool_preempts_drafting_requests_and_keeps_the_plain_tokens(glm_dirs, graphs):
+    """Requests preempted with drafts pending on the device (dropped), drafts cut to the pages
+    left, kept runs of known drafts: the plain engine's tokens, every page back."""
+    prompts = random_prompts(VOCAB, PROMPTS, seed=7)
+    ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(20))
+    refs = {tuple(p): list(r.token_ids) for p, r in zip(prompts, ref, strict=True)}
+    eng = engine(glm_dirs["mtp"], 3, tokens=16, num_pages=14)  # the longest needs 13
+    if graphs:
+        replayed_eagerly(eng, [1, 2, 4, 8])
+    oracle(eng, refs, 4)
+    got = eng.generate(prompts, greedy(20))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    stats = eng.spec_stats()
+    assert eng.scheduler.num_preemptions > 0 and 0 < stats["accepted_tokens"]
+    assert eng.scheduler.num_available_pages() == 14
+
+
 def test_steps_past_the_largest_bucket_run_eagerly_and_are_counted(glm_dirs):
     prompts = random_prompts(VOCAB, PROMPTS, seed=3)
     ref = engine(glm_dirs["mtp"]).generate(prompts, greedy(12))

@@ -27,6 +27,8 @@
                                                             worker's)
     snapfn_engine_requests_total{outcome}                   submitted / finished / cancelled
     snapfn_engine_steps_total
+    snapfn_engine_preemptions_total                         running requests whose KV pages were
+                                                            taken back for others' (recomputed)
     snapfn_graph_replays_total / snapfn_graph_eager_fallbacks_total
     snapfn_prefix_cache_queried_tokens_total                prompt tokens the prefix cache was
     snapfn_prefix_cache_hit_tokens_total                    asked for / found (prefill skipped)
@@ -82,6 +84,7 @@ PREFIX_HITS = "Prompt tokens found in the prefix cache (their prefill skipped)"
 PREFIX_PAGES = "KV pages the prefix cache names (held by requests or idle)"
 SPEC_DRAFTS = "MTP draft tokens verified by speculative decoding"
 SPEC_ACCEPTED = "MTP draft tokens kept (accepted) by speculative decoding"
+PREEMPTIONS = "Running requests preempted: their KV pages taken back, their tokens recomputed"
 GRAMMAR_LOOKUPS = "Structured-output compile cache lookups by result (hit, miss)"
 GRAMMAR_COMPILE = "Seconds spent compiling grammars (start-up's included)"
 REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
@@ -227,6 +230,7 @@ class RuntimeMetrics:
                 ("snapfn_snapshot_fallbacks", "Start-up fallbacks", ["from", "to", "step"]),
                 ("snapfn_engine_requests", "Engine requests by outcome", ["outcome"]),
                 ("snapfn_engine_steps", "Engine steps", []),
+                ("snapfn_engine_preemptions", PREEMPTIONS, []),
                 ("snapfn_graph_replays", "Decode CUDA graph replays", []),
                 ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
                 ("snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, []),
@@ -324,6 +328,10 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
         requests.add_metric([outcome], float(value))
     yield requests
     yield CounterMetricFamily("snapfn_engine_steps", "Engine steps", value=float(stats.steps))
+    if hasattr(llm, "preemptions"):
+        yield CounterMetricFamily(
+            "snapfn_engine_preemptions", PREEMPTIONS, value=float(llm.preemptions())
+        )
     graphs = getattr(getattr(llm, "engine", None), "graph_stats", None)
     replays = getattr(graphs, "replays", 0)
     eager = getattr(graphs, "eager_fallbacks", 0)

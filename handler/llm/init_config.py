@@ -50,6 +50,7 @@ class InitConfig:
     graph_max_seq_len: int = 4096
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
+    preemption: bool = True  # KV pages as tokens need them, preempting (engine/scheduler.py)
     restore_overlap: bool = False  # tier 0: the KV pool and warmup while weights stream
     restore_read_ahead: bool = False  # tier 0: the weights file into the page cache from the start
     # tier 0: each decode graph captured by its first decode step, not before ready (graphs.py)
@@ -161,6 +162,7 @@ class InitConfig:
                 max_model_len=self.max_model_len,
                 overlap_decode=self.overlap_decode,
                 prefix_caching=self.prefix_caching,
+                preemption=self.preemption,
                 speculative_tokens=self.speculative_tokens,
                 overlap_speculative=self.overlap_speculative,
             ),

@@ -93,6 +93,10 @@ class LLMService:
     def spec_stats(self) -> dict[str, float] | None:
         return self.engine.spec_stats()
 
+    def preemptions(self) -> int:
+        """Running requests preempted since start (engine/scheduler.py)."""
+        return self.engine.scheduler.num_preemptions
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()

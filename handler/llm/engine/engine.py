@@ -94,6 +94,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     overlap_decode: bool = True  # land greedy graph decode steps one step late (module doc)
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
+    # pages taken as tokens need them, the latest request preempted where none is left
+    # (scheduler.py); off: admission reserves every page a request can need
+    preemption: bool = True
     speculative_tokens: int = 0  # MTP drafts verified per decode step; 0: off (speculative.py)
     # greedy drafts read by the host after the next verify's launch, the draft-extend ahead
     # of the verify's read-back (speculative.py); off: each read when made, in turn
@@ -125,6 +128,7 @@ class Engine:
             self.max_model_len,
             sched.prefix_caching,
             sched.speculative_tokens,
+            sched.preemption,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -463,14 +467,17 @@ class Engine:
             if req.finished:
                 continue
             n = req.num_computed - start
-            decoding = req.num_computed == req.num_tokens - 1
+            drafts = 0
+            if req.num_computed == req.num_tokens - 1:  # decoding: it drafts, where pages allow
+                drafts = self.drafter.max_drafts(req, self.max_model_len)
+                drafts = self.scheduler.draft_room(req, drafts)
             rows.append(
                 DraftRow(
                     req,
                     start,
                     req.all_ids[start + 1 : req.num_computed + 1],
                     hidden[first : first + n],
-                    self.drafter.max_drafts(req, self.max_model_len) if decoding else 0,
+                    drafts,
                     first + n - 1,
                 )
             )
@@ -512,6 +519,8 @@ class Engine:
             return None  # an admission, prefills or other requests: the scheduler decides
         if any(req.finished or self._at_length_limit(req, pending=1) for req in reqs):
             return None
+        if not all(sched.grow(req, req.num_computed + 1) for req in reqs):
+            return None  # a page short: the scheduler preempts
         positions = [req.num_computed for req in reqs]
         pages = [req.pages for req in reqs]
         batch = ForwardBatch.build([[0]] * len(reqs), positions, pages, self.kv.page_size, "cpu")
@@ -736,7 +745,11 @@ def _logit_rows(batch: ForwardBatch, starts: list[int], num_drafts: list[int]) -
 
 def _scores_prompt(req: Request) -> bool:
     """Whether `req` asked for its prompt's logprobs and is still prefilling."""
-    return req.params.prompt_logprobs is not None and req.num_computed < len(req.prompt_ids)
+    return (
+        req.params.prompt_logprobs is not None
+        and req.num_computed < len(req.prompt_ids)
+        and not req.output_ids  # a resumed request's were recorded before its preemption
+    )
 
 
 def _result(req: Request) -> GenerationResult:

@@ -180,6 +180,7 @@ class Request:
     page_names: list[bytes] | None = None  # its full prompt pages' names (prefix_cache.py)
     num_registered: int = 0  # of its prompt pages, those the prefix cache holds
     state: RequestState = RequestState.WAITING
+    preemptions: int = 0  # times its pages were taken back for others' (scheduler.py)
     finish_reason: str | None = None
     text: str = ""
     generator: object | None = None  # torch.Generator for seeded sampling

@@ -275,6 +275,7 @@ class LLMProcessHost:
             "kv_usage": self.service.kv_usage(),
             "prefix_cache": self.service.prefix_cache_stats(),
             "speculative": self.service.spec_stats(),
+            "preemptions": self.service.preemptions(),
             "stats": dataclasses.asdict(self.service.stats),
         }
 

@@ -128,6 +128,9 @@ class ProcessLLMService:
     def spec_stats(self) -> dict[str, float] | None:
         return self.info().get("speculative")
 
+    def preemptions(self) -> int:
+        return int(self.info().get("preemptions", 0))
+
     def close(self, timeout_s: float = 5.0) -> None:
         self.client.close()
         if self.on_close is not None:
