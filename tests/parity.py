@@ -14,9 +14,7 @@ def our_engine(model_dir, page_size=4, num_pages=256, max_tokens=2048, dtype="fl
     opts = EngineOptions(
         dtype=dtype,
         num_pages=num_pages,
-        scheduler=SchedulerConfig(
-            page_size=page_size, max_num_batched_tokens=max_tokens, **sched
-        ),
+        scheduler=SchedulerConfig(page_size=page_size, max_num_batched_tokens=max_tokens, **sched),
     )
     return build_engine(model_dir, opts).engine
 

@@ -65,3 +65,22 @@ def test_graph_replay_matches_eager(fixture, on_first_use, request):
     more = random_prompts(256, [3, 5, 7, 9, 2], seed=6)
     engine.generate(more, greedy(4))
     assert stats.eager_fallbacks > 0
+
+
+def test_a_tight_pool_preempts_between_graph_replays(tiny_llama_dir):
+    """KV pages taken as tokens need them (engine/scheduler.py) in a pool too small for every
+    request at once: preemptions between replayed and overlapped decode steps, and the large
+    pool's tokens."""
+    prompts = random_prompts(256, [5, 9, 7, 6, 11, 8], seed=3)
+    want = cuda_engine(tiny_llama_dir).generate(prompts, greedy(24))
+    opts = EngineOptions(
+        device="cuda", dtype="float32", num_pages=14, scheduler=SchedulerConfig(page_size=4)
+    )
+    engine = build_engine(tiny_llama_dir, opts).engine  # the longest request needs 9 pages
+    stats = engine.capture_graphs([1, 2, 4, 8], max_seq_len=64)
+    got = engine.generate(prompts, greedy(24))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == pytest.approx([r.logprobs for r in want], abs=1e-4)
+    assert engine.scheduler.num_preemptions > 0 and stats.replays > 0
+    assert engine.overlapped_steps > 0 and stats.eager_fallbacks == 0
+    assert engine.scheduler.num_available_pages() == 14

@@ -17,9 +17,10 @@ first output token. A request that asks for its prompt's logprobs matches nothin
 position must be scored), and registers its pages like any other. Pages of generated tokens
 are not registered.
 
-Determinism: the index evolves only with admissions, computed tokens and finishes, in order,
-so ranks that schedule in lock step (tensor parallel) hold the same index. The engine has no
-preemption; nothing here depends on one.
+Determinism: the index evolves only with admissions, computed tokens, preemptions and
+finishes, in order, so ranks that schedule in lock step (tensor parallel) hold the same index.
+A preempted request releases its pages as a finished one does: its registered prompt pages
+stay named, idle, and its next admission matches them like any other prompt's.
 
 After a process restore the KV pool's memory is not the one the index describes: `clear`
 forgets every name (the pool's pages are then free or owned, as without the cache).
