@@ -24,7 +24,7 @@ of waiting-to-finish prompts until `max_num_batched_tokens` is spent.
 
 With speculative decoding (`speculative_tokens > 0`, `speculative.py`), a decode carries its
 drafts after its token, as many as the budget leaves room for. Drafts never reach past the
-request's length (`MTPDrafter.max_drafts`), so the reservation covers them as it is. The MTP
+request's length (`MTPDrafter.max_drafts`), so `pages_needed` covers them as it is. The MTP
 layer's entry at a prompt's last position reads the first generated token, so a page is
 registered only once it holds none of that position. Drafts the pool has no page for are left
 out of the step (fewer verified), never a reason to preempt.
@@ -135,13 +135,10 @@ class Scheduler:
             hits = self._hits(req)
             need = self._admission_pages(req) - len(hits)
             cache = self.prefix_cache
-            if cache is None:
-                fresh = self.allocator.allocate(need)
-            else:
+            if cache is not None:
                 matchable = cache.max_matched_pages(len(req.prompt_ids)) * self.page_size
                 cache.acquire(hits, matchable if req.params.prompt_logprobs is None else 0)
-                fresh = cache.allocate(need)
-            req.pages = hits + fresh
+            req.pages = hits + self._allocate(need)
             req.num_computed = len(hits) * self.page_size
             if not req.preemptions:  # what its usage reports: the first admission's hits
                 req.cached_tokens = req.num_computed
@@ -155,10 +152,7 @@ class Scheduler:
         need = -(-num_tokens // self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        if self.prefix_cache is None:
-            fresh = self.allocator.allocate(need)
-        else:
-            fresh = self.prefix_cache.allocate(need)
+        fresh = self._allocate(need)
         if fresh is None:
             return False
         req.pages += fresh
@@ -176,10 +170,8 @@ class Scheduler:
             self.preempt(victim or req)
             if victim is None:
                 return 0
-        extra = n - own
-        while extra and not self.grow(req, req.num_computed + own + extra):
-            extra -= 1  # drafts the pool has no page for: fewer verified this step
-        return own + extra
+        # its drafts follow its own token: those the pool has no page for are not verified
+        return own + (self.draft_room(req, n - own) if n > own else 0)
 
     def draft_room(self, req: Request, drafts: int) -> int:
         """Of `drafts` tokens to draft after `req`'s next one, how many its pages hold once
@@ -217,6 +209,12 @@ class Scheduler:
         for i in range(req.num_registered, full):
             self.prefix_cache.register(names[i], req.pages[i])
         req.num_registered = full
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """`n` pages: free ones, then idle cached ones; None, taking nothing, if short."""
+        if self.prefix_cache is None:
+            return self.allocator.allocate(n)
+        return self.prefix_cache.allocate(n)
 
     def _release(self, req: Request) -> None:
         if req.pages:
