@@ -1,11 +1,12 @@
-"""Where a tier-0 restore's warmup and graph capture spend their time, in this process (the
-imports done first, as a zygote has them).
+"""Where a tier-0 restore's stages spend their time, in this process (the imports done first,
+as a zygote has them).
 
 python3 bench/probes/warmup_profile.py SNAPSHOT [--model DIR] [--device cuda] [--cache-dir D]
     [--top 30]
 
 SNAPSHOT: a portable snapshot (`snapfn init --snapshot SNAPSHOT`). The restore runs with the
-warmup and capture stages under cProfile; each Triton kernel launch is timed on the host (a
+stages in PROFILED (cache restore, model build, weights' stream, warmup, capture) under
+cProfile; each Triton kernel launch is timed on the host (a
 first launch in a process finds or builds its binary and loads it). Then the warmup runs once
 more, every kernel loaded. Prints one JSON object: each stage's seconds, the warm second
 warmup's, the profile's top functions by own time and by cumulative time within each stage,
@@ -22,6 +23,9 @@ import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
+
+# the restore stages run under cProfile (each `LLMFunction.stage_<name>`)
+PROFILED = ("restore_caches", "build_model", "stream_weights", "warmup", "capture_graphs")
 
 
 def main() -> None:
@@ -59,8 +63,8 @@ def main() -> None:
         return run
 
     stage_warmup = LLMFunction.stage_warmup
-    LLMFunction.stage_warmup = profiled("warmup", stage_warmup)
-    LLMFunction.stage_capture_graphs = profiled("capture_graphs", LLMFunction.stage_capture_graphs)
+    for name in PROFILED:
+        setattr(LLMFunction, f"stage_{name}", profiled(name, getattr(LLMFunction, f"stage_{name}")))
     config = InitConfig.from_env({}, device=a.device, cache_dir=a.cache_dir)
     t0 = time.perf_counter()
     fn, startup = restore(lambda: LLMFunction(config, a.model), a.snapshot, log=None)
