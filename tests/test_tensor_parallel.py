@@ -166,6 +166,24 @@ def test_glm_moe_dsa_at_tp_2_times_ep_2_generates_what_one_rank_does(glm_dir, tm
     _check_ranks(glm_dir, tmp_path, tp=2, ep=2)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "glm_dir"])
+def test_building_a_model_draws_no_random_numbers(fixture, request):
+    """Parameters are made empty for the loader or the stream to fill: nothing initialises
+    them (nn.Embedding's own init drew a normal over the whole table, seconds for an 8B)."""
+    import torch
+
+    from snapfn.handler.llm.build import build_model
+    from snapfn.handler.llm.config import ModelConfig
+
+    config = ModelConfig.from_dir(request.getfixturevalue(fixture))
+    before = torch.get_rng_state()
+    model = build_model(config, EngineOptions(device="cpu", dtype="float32"))
+    assert torch.equal(torch.get_rng_state(), before)
+    embedding = model.model.embed_tokens
+    assert embedding.weight.shape == (embedding.num_embeddings, config.hidden_size)
+    assert not embedding.weight.requires_grad
+
+
 def test_the_rank_layout_puts_tp_ranks_side_by_side():
     layouts = [rank_layout(2, 2, r, "replicated") for r in range(4)]
     assert [(p.ep_rank, p.tp_rank) for p in layouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
