@@ -135,6 +135,7 @@ class LLMFunction:
         self._load_report = None
         self._streamer = None
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
+        self._ring_pin_s = self._ring_wait_s = 0.0  # the stream's host ring: pinning, its wait
         self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
         self._tokenizer = None
         self._compiler_warm = None  # Triton's start-up work, on a side thread (runtime_env)
@@ -605,7 +606,7 @@ class LLMFunction:
             verify=verify,
             arrivals=following,
         )
-        streamer.prepare()
+        self._ring_pin_s = streamer.prepare()
         return streamer
 
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
@@ -674,9 +675,13 @@ class LLMFunction:
         self._stream_figures(figures, self._stream_job.result())
 
     def _stream_weights(self):
+        import time
+
         import torch
 
-        streamer = self._streamer.result()
+        start = time.perf_counter()
+        streamer = self._streamer.result()  # the ring pinned on its side thread
+        self._ring_wait_s = time.perf_counter() - start
         try:
             with torch.no_grad():
                 return streamer.stream_into(dict(self.model.named_parameters()))
@@ -685,6 +690,10 @@ class LLMFunction:
 
     def _stream_figures(self, figures: Figures, report) -> None:
         figures.update(report_fields(report))
+        # the host ring's pinning (restore_caches' side thread) and how long the stream waited on it
+        figures.update(
+            ring_pin_s=round(self._ring_pin_s, 4), ring_wait_s=round(self._ring_wait_s, 4)
+        )
         if self.arriving is not None:
             figures["source"] = f"{self.arriving.uri} (overlapped with its pull)"
 
