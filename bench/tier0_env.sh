@@ -7,12 +7,16 @@
 # <date>-<machine>-tier0-env-<model>[-TAG]/, a JSON per run named by its variant and round.
 #
 # Usage: bash bench/tier0_env.sh [--model llama8b] [--modes restore,restore_zygote]
-#          [--rounds 1] [--variant VAR=VALUE[,VAR=VALUE...]]... [--profile-warmup] [--tag TAG]
+#          [--rounds 1] [--variant VAR=VALUE[,VAR=VALUE...]]... [--profile-warmup] [--base DIR]
+#          [--tag TAG]
 #   --model    a bench/device-env.sh model name or a directory
 #   --variant  one setting of the runs, repeated for each (default: SNAPFN_RESTORE_OVERLAP=0,
 #              then =1)
 #   --profile-warmup  after the cold init, bench/probes/warmup_profile.py on its snapshot
 #              (warmup-profile.json: where the restore's warmup and graph capture spend time)
+#   --base     a source tree of another commit (e.g. `git archive COMMIT | tar -x -C DIR`):
+#              each variant's run of each round runs again with that tree's code restoring the
+#              same snapshot, named base-<run>-<round>, side by side on one machine
 # The overlap: --modes restore,restore_zygote --rounds 2 (the default variants). Triton's
 # start-up work done ahead: the same with --variant SNAPFN_WARM_COMPILER=off
 #   --variant SNAPFN_WARM_COMPILER=on. A dropped page
@@ -22,7 +26,7 @@
 #   --variant SNAPFN_STARTUP_GC=on --variant SNAPFN_STARTUP_GC=paused
 set -uo pipefail
 . bench/device-env.sh
-name=llama8b modes=restore,restore_zygote rounds=1 tag= profile=
+name=llama8b modes=restore,restore_zygote rounds=1 tag= profile= base=
 variants=()
 argv=("$@")
 while [ $# -gt 0 ]; do
@@ -32,6 +36,7 @@ while [ $# -gt 0 ]; do
     --modes) modes=$2 ;;
     --rounds) rounds=$2 ;;
     --variant) variants+=("$2") ;;
+    --base) base=$(cd "$2" && pwd) ;;
     --tag) tag=-$2 ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -62,10 +67,14 @@ for round in $(seq "$rounds"); do
   for variant in "${variants[@]}"; do
     # the run's name: each setting's name after SNAPFN_, lower case, and its value
     run=$(echo "$variant" | sed 's/SNAPFN_//g; s/=//g; s/,/-/g' | tr '[:upper:]_' '[:lower:]-')
-    (IFS=,; for setting in $variant; do export "${setting?}"; done
-     bench_modes "$run-$round" 200 --model "$dir" --device "$device" --workdir "$bench" \
-       --modes "$modes" --decode-batches 1 --decode-tokens 8)
-    echo "[$((SECONDS - t0)) s] $variant, round $round done"
+    for tree in "" ${base:+base-}; do
+      (IFS=,; for setting in $variant; do export "${setting?}"; done
+       # the other commit's code first on the path (its own link farm beside ours)
+       [ -n "$tree" ] && eval "$(SNAPFN_DEV_PATH=/tmp/snapfn-base bash "$base/infra/dev-pythonpath.sh")"
+       bench_modes "$tree$run-$round" 200 --model "$dir" --device "$device" --workdir "$bench" \
+         --modes "$modes" --decode-batches 1 --decode-tokens 8)
+      echo "[$((SECONDS - t0)) s] ${tree:+the base tree, }$variant, round $round done"
+    done
   done
 done
 python3 bench/startup_summary.py "$res"/*-[0-9]*.json

@@ -10,6 +10,7 @@ cProfile; each Triton kernel launch is timed on the host (a
 first launch in a process finds or builds its binary and loads it). Then the warmup runs once
 more, every kernel loaded. Prints one JSON object: each stage's seconds, the warm second
 warmup's, the profile's top functions by own time and by cumulative time within each stage,
+the modules each profiled stage imported,
 and per Triton kernel its launches and the host time of its slow ones (over 1 ms).
 """
 
@@ -20,6 +21,7 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -49,6 +51,7 @@ def main() -> None:
     def profiled(name, method):
         def run(self, *args, **kwargs):
             prof = cProfile.Profile()
+            known = set(sys.modules)
             t0 = time.perf_counter()
             prof.enable()
             try:
@@ -57,6 +60,7 @@ def main() -> None:
                 prof.disable()
                 profiles[name] = {
                     "seconds": round(time.perf_counter() - t0, 4),
+                    "imported": sorted(set(sys.modules) - known),
                     **_top(prof, a.top),
                 }
 
