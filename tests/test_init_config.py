@@ -40,6 +40,7 @@ def test_each_kind_of_field_is_read_from_its_variable():
         ("SNAPFN_SPECULATIVE_TOKENS", "-1", "(SNAPFN_SPECULATIVE_TOKENS) must be at least 0"),
         ("SNAPFN_MEM_FRACTION_STATIC", "1.5", "must be in (0, 1], got 1.5"),
         ("SNAPFN_PREFILL_CHUNK_SIZES", "512,0", "must be positive, got (512, 0)"),
+        ("SNAPFN_STREAM_RING_PINNING", "mlock", "must be register or alloc, got 'mlock'"),
     ],
 )
 def test_a_bad_value_is_refused_in_one_line_naming_its_variable(variable, raw, says):

@@ -256,6 +256,48 @@ def test_cuda_path_emulated(
         flip_byte(path, pos)  # restored
 
 
+class FakeCudart:
+    """torch.cuda.cudart()'s registration calls, answering `err` and recording each call."""
+
+    def __init__(self, err: int) -> None:
+        self.err, self.registered, self.unregistered = err, [], []
+
+    def cudaHostRegister(self, ptr: int, num_bytes: int, flags: int) -> int:  # noqa: N802
+        self.registered.append((ptr, num_bytes))
+        return self.err
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("err", [0, 1])
+def test_the_ring_is_one_registered_block_or_torch_pinned_where_refused(monkeypatch, tmp_path, err):
+    """ "register": the slots are views of one block of touched anonymous memory, registered
+    in one call and unregistered at close; a refusal leaves `ring_pinning` "alloc" (prepare
+    then pins with torch, which needs CUDA: not run here)."""
+    cudart = FakeCudart(err)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
+    streamer = WeightStreamer(tmp_path / "w", layout, device="cpu", num_threads=3)
+    slots = streamer._registered_slots(CHUNK, 4)  # white box: what prepare() asks on CUDA
+    if err:
+        assert slots is None and streamer.ring_pinning == "alloc" and cudart.unregistered == []
+        return
+    assert [s.numel() for s in slots] == [CHUNK] * 4 and streamer.ring_pinning == "register"
+    assert cudart.registered == [(slots[0].data_ptr(), 4 * CHUNK)]
+    assert all(s.data_ptr() == slots[0].data_ptr() + k * CHUNK for k, s in enumerate(slots))
+    assert all(int(s.sum()) == 0 for s in slots)  # touched: every page written
+    streamer.close()
+    assert cudart.unregistered == [slots[0].data_ptr()]
+
+
+def test_an_unknown_ring_pinning_is_refused(tmp_path):
+    layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="ring_pinning 'mlock'"):
+        WeightStreamer(tmp_path / "w", layout, device="cpu", ring_pinning="mlock")
+
+
 # --- CUDA ------------------------------------------------------------------------------------
 
 
@@ -263,14 +305,17 @@ def test_cuda_path_emulated(
 @needs_cuda
 @pytest.mark.parametrize("verify", ["device", "sha256"])
 @pytest.mark.parametrize("ring_slots,slot_bytes", [(2, CHUNK), (16, 3 * CHUNK)])
-def test_cuda_round_trip(tmp_path, ring_slots, slot_bytes, verify):
+@pytest.mark.parametrize("pinning", ["register", "alloc"])
+def test_cuda_round_trip(tmp_path, ring_slots, slot_bytes, verify, pinning):
     tensors = mixed_tensors("cuda")  # device tensors: the writer copies them out piecewise
     path = tmp_path / "w"
     layout = write_restore_layout(path, tensors, align=ALIGN, chunk_bytes=CHUNK)
     kwargs = {"ring_slots": ring_slots, "slot_bytes": slot_bytes, "verify": verify}
     dest = empty_like_table(layout, "cuda")
-    with WeightStreamer(path, layout, device="cuda", **kwargs) as streamer:
-        assert streamer.stream_into(dest).verify_mode == verify
+    with WeightStreamer(path, layout, device="cuda", ring_pinning=pinning, **kwargs) as streamer:
+        report = streamer.stream_into(dest)
+        assert report.verify_mode == verify and report.ring_pinning == pinning
+        assert all(slot.is_pinned() for slot, _ in streamer._ring)
     assert_bitwise_equal(tensors, dest)
     for where in ("bf16", "padding"):
         pos = flipped_position(layout, where)

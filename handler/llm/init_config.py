@@ -65,6 +65,9 @@ class InitConfig:
     stream_ring_slots: int = (
         12  # x 64 MiB pinned; 12 streamed 31 GB/s on the H200 and pins in 0.3 s
     )
+    # how a tier-0 restore pins its stream's host ring: "register" (anonymous memory registered
+    # at once, 0.07 s a GiB) or "alloc" (torch's pinned allocation, 0.35-0.53 s a GiB)
+    stream_ring_pinning: str = "register"
     cache_dir: Path = field(default_factory=lambda: default_cache_dir(os.environ))
     tier: str = "portable"  # what `snapfn init` writes: "portable" (tier 0) or "process" (tier 1)
     tp_size: int = 1  # tensor-parallel ranks (handler/llm/ranks.py starts them)
@@ -92,6 +95,11 @@ class InitConfig:
             raise BadRequest(
                 "mem_fraction_static (SNAPFN_MEM_FRACTION_STATIC) must be in (0, 1], got "
                 f"{self.mem_fraction_static}"
+            )
+        if self.stream_ring_pinning not in ("register", "alloc"):
+            raise BadRequest(
+                "stream_ring_pinning (SNAPFN_STREAM_RING_PINNING) must be register or alloc, "
+                f"got {self.stream_ring_pinning!r}"
             )
         if any(size < 1 for size in self.prefill_chunk_sizes):
             raise BadRequest(

@@ -605,6 +605,7 @@ class LLMFunction:
             ring_slots=c.stream_ring_slots,
             verify=verify,
             arrivals=following,
+            ring_pinning=c.stream_ring_pinning,
         )
         self._ring_pin_s = streamer.prepare()
         return streamer

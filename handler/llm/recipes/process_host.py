@@ -226,6 +226,9 @@ class LLMProcessHost:
             device=c.device,
             num_threads=c.stream_threads,
             ring_slots=c.stream_ring_slots,
+            # NOTE: the ring may ride in the process image through the CUDA checkpoint, which
+            # has restored torch's pinned allocations; registered host memory is untried there
+            ring_pinning="alloc",
         )
         streamer.prepare()
         return streamer

@@ -1,0 +1,57 @@
+"""Pinned host memory made fast: anonymous pages advised for huge pages, touched by several
+threads, then registered with CUDA in one call (`cudaHostRegister`).
+
+A weights stream's host ring must be pinned for its copies to run at the link's rate, and a
+restore makes its ring while its other stages run. torch's pinned allocation
+(`torch.empty(pin_memory=True)`, `cudaHostAlloc`) faults and pins page by page under the
+driver's lock: 0.35-0.53 s for a 1 GiB ring on an H100 host, and the restore's own CUDA calls
+wait behind it. This memory copies to the device at the same 55 GB/s and is made in 0.07 s
+(`bench/probes/pin_probe.py`, `2026-12-07-h100-tier0-env-llama8b-embedding-init`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+class RegisteredHostMemory:
+    """`num_bytes` of pinned host memory as one uint8 tensor (`tensor`); `close()` gives it back.
+
+    CUDA only. Raises RuntimeError, the memory given back, when the driver refuses to register
+    it (the caller then pins another way).
+    """
+
+    def __init__(self, num_bytes: int, threads: int = 16) -> None:
+        self._area = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._area.madvise(mmap.MADV_HUGEPAGE)  # 2 MiB pages: fewer faults, fewer to pin
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._area, dtype=torch.uint8)
+        self._touch(max(1, threads))
+        self._registered = False
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), num_bytes, 0)
+        if int(err) != 0:
+            self.close()
+            raise RuntimeError(f"cudaHostRegister of {num_bytes} bytes failed (error {int(err)})")
+        self._registered = True
+
+    def _touch(self, threads: int) -> None:
+        """Fault every page in now, the threads each writing a share (torch's fill_ lets go of
+        the GIL), so that registering finds them all present."""
+        step = -(-self.tensor.numel() // threads)
+        shares = [self.tensor[k * step : (k + 1) * step] for k in range(threads)]
+        with ThreadPoolExecutor(threads, thread_name_prefix="host-touch") as pool:
+            list(pool.map(lambda share: share.fill_(0), shares))
+
+    def close(self) -> None:
+        """Unregister, then unmap. NOTE: a view still alive keeps the pages mapped until it
+        goes (mmap unmaps with its last export); copies from it stay correct, only unpinned."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._registered = False
+        self.tensor = None
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
+            self._area.close()
