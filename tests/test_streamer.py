@@ -256,17 +256,17 @@ def test_cuda_path_emulated(
         flip_byte(path, pos)  # restored
 
 
-class FakeCudart:
-    """torch.cuda.cudart()'s registration calls, answering `err` and recording each call."""
+class FakeDriver:
+    """The driver's host registration calls, answering `err` and recording each call."""
 
     def __init__(self, err: int) -> None:
         self.err, self.registered, self.unregistered = err, [], []
 
-    def cudaHostRegister(self, ptr: int, num_bytes: int, flags: int) -> int:  # noqa: N802
+    def cuMemHostRegister(self, ptr: int, num_bytes: int, flags: int) -> int:  # noqa: N802
         self.registered.append((ptr, num_bytes))
         return self.err
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def cuMemHostUnregister(self, ptr: int) -> int:  # noqa: N802
         self.unregistered.append(ptr)
         return 0
 
@@ -276,20 +276,41 @@ def test_the_ring_is_one_registered_block_or_torch_pinned_where_refused(monkeypa
     """ "register": the slots are views of one block of touched anonymous memory, registered
     in one call and unregistered at close; a refusal leaves `ring_pinning` "alloc" (prepare
     then pins with torch, which needs CUDA: not run here)."""
-    cudart = FakeCudart(err)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    from snapfn.snapshot.cuda import host_registered
+
+    cu = FakeDriver(err)
+    monkeypatch.setattr(host_registered, "driver", lambda: cu)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
     streamer = WeightStreamer(tmp_path / "w", layout, device="cpu", num_threads=3)
     slots = streamer._registered_slots(CHUNK, 4)  # white box: what prepare() asks on CUDA
     if err:
-        assert slots is None and streamer.ring_pinning == "alloc" and cudart.unregistered == []
+        assert slots is None and streamer.ring_pinning == "alloc" and cu.unregistered == []
         return
     assert [s.numel() for s in slots] == [CHUNK] * 4 and streamer.ring_pinning == "register"
-    assert cudart.registered == [(slots[0].data_ptr(), 4 * CHUNK)]
+    assert cu.registered == [(slots[0].data_ptr(), 4 * CHUNK)]
     assert all(s.data_ptr() == slots[0].data_ptr() + k * CHUNK for k, s in enumerate(slots))
     assert all(int(s.sum()) == 0 for s in slots)  # touched: every page written
     streamer.close()
-    assert cudart.unregistered == [slots[0].data_ptr()]
+    assert cu.unregistered == [slots[0].data_ptr()]
+
+
+def test_a_registered_ring_nobody_closed_is_unregistered_when_collected(monkeypatch, tmp_path):
+    """Registered pages must be unregistered before they are unmapped: else the next block
+    mapped at that address is refused by the driver ("already mapped")."""
+    import gc
+
+    from snapfn.snapshot.cuda import host_registered
+
+    cu = FakeDriver(0)
+    monkeypatch.setattr(host_registered, "driver", lambda: cu)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
+    streamer = WeightStreamer(tmp_path / "w", layout, device="cpu")
+    address = streamer._registered_slots(CHUNK, 2)[0].data_ptr()
+    del streamer
+    gc.collect()
+    assert cu.unregistered == [address]
 
 
 def test_an_unknown_ring_pinning_is_refused(tmp_path):

@@ -13,30 +13,43 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from snapfn.snapshot.cuda.driver import driver, ok
+from snapfn.snapshot.errors import RestoreFailed
+
 
 class RegisteredHostMemory:
-    """`num_bytes` of pinned host memory as one uint8 tensor (`tensor`); `close()` gives it back.
+    """`num_bytes` of pinned host memory as one uint8 tensor (`tensor`); `close()` gives it back
+    (and so does the garbage collector, where nobody closed it).
 
-    CUDA only. Raises RuntimeError, the memory given back, when the driver refuses to register
-    it (the caller then pins another way).
+    Registered through the driver API (`cuMemHostRegister`), so that a refusal leaves no error
+    behind in the CUDA runtime for torch's next call to raise. Raises RestoreFailed, the memory
+    given back, when it cannot be registered (the caller then pins another way).
     """
 
-    def __init__(self, num_bytes: int, threads: int = 16) -> None:
+    def __init__(self, num_bytes: int, device: torch.device, threads: int = 16) -> None:
         self._area = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._area.madvise(mmap.MADV_HUGEPAGE)  # 2 MiB pages: fewer faults, fewer to pin
         self.tensor: torch.Tensor | None = torch.frombuffer(self._area, dtype=torch.uint8)
         self._touch(max(1, threads))
-        self._registered = False
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), num_bytes, 0)
-        if int(err) != 0:
+        self._unregister = None
+        try:
+            cu = driver()
+            torch.cuda.set_device(device)  # NOTE: the device's context current on this thread
+            address = self.tensor.data_ptr()
+            ok(cu.cuMemHostRegister(address, num_bytes, 0), "cuMemHostRegister")
+        except RestoreFailed:
             self.close()
-            raise RuntimeError(f"cudaHostRegister of {num_bytes} bytes failed (error {int(err)})")
-        self._registered = True
+            raise
+        # NOTE: unregistered before the pages can be unmapped: the area lives as long as this
+        # object, whose finalizer runs first (not at interpreter exit: the process is going)
+        self._unregister = weakref.finalize(self, cu.cuMemHostUnregister, address)
+        self._unregister.atexit = False
 
     def _touch(self, threads: int) -> None:
         """Fault every page in now, the threads each writing a share (torch's fill_ lets go of
@@ -49,9 +62,8 @@ class RegisteredHostMemory:
     def close(self) -> None:
         """Unregister, then unmap. NOTE: a view still alive keeps the pages mapped until it
         goes (mmap unmaps with its last export); copies from it stay correct, only unpinned."""
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self._registered = False
+        if self._unregister is not None:
+            self._unregister()
         self.tensor = None
         with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
             self._area.close()

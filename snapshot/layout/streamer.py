@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from snapfn.snapshot.errors import BadSnapshot
+from snapfn.snapshot.errors import BadSnapshot, RestoreFailed
 from snapfn.snapshot.layout.checksum import odd_weights
 from snapfn.snapshot.layout.chunk_checks import ChunkChecks, verify_mode
 from snapfn.snapshot.layout.cuda_copies import Ship, StagedCopies, enqueue_copies
@@ -198,8 +198,9 @@ class WeightStreamer:
         from snapfn.snapshot.cuda.host_registered import RegisteredHostMemory
 
         try:
-            self._ring_memory = RegisteredHostMemory(slot_bytes * num_slots, self.num_threads)
-        except RuntimeError:  # refused: torch's pinned allocation does the same, slower
+            total = slot_bytes * num_slots
+            self._ring_memory = RegisteredHostMemory(total, self.device, self.num_threads)
+        except RestoreFailed:  # refused: torch's pinned allocation does the same, slower
             self.ring_pinning = "alloc"
             return None
         block = self._ring_memory.tensor
