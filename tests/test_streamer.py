@@ -260,7 +260,7 @@ class FakeDriver:
     """The driver's host registration calls, answering `err` and recording each call."""
 
     def __init__(self, err: int) -> None:
-        self.err, self.registered, self.unregistered = err, [], []
+        self.err, self.registered, self.unregistered, self.devices = err, [], [], []
 
     def cuMemHostRegister(self, ptr: int, num_bytes: int, flags: int) -> int:  # noqa: N802
         self.registered.append((ptr, num_bytes))
@@ -269,6 +269,10 @@ class FakeDriver:
     def cuMemHostUnregister(self, ptr: int) -> int:  # noqa: N802
         self.unregistered.append(ptr)
         return 0
+
+    def set_device(self, index: int) -> None:  # torch.cuda.set_device: an index, not "cuda"
+        assert isinstance(index, int), f"set_device({index!r})"
+        self.devices.append(index)
 
 
 @pytest.mark.parametrize("err", [0, 1])
@@ -280,7 +284,8 @@ def test_the_ring_is_one_registered_block_or_torch_pinned_where_refused(monkeypa
 
     cu = FakeDriver(err)
     monkeypatch.setattr(host_registered, "driver", lambda: cu)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", cu.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
     streamer = WeightStreamer(tmp_path / "w", layout, device="cpu", num_threads=3)
     slots = streamer._registered_slots(CHUNK, 4)  # white box: what prepare() asks on CUDA
@@ -288,7 +293,7 @@ def test_the_ring_is_one_registered_block_or_torch_pinned_where_refused(monkeypa
         assert slots is None and streamer.ring_pinning == "alloc" and cu.unregistered == []
         return
     assert [s.numel() for s in slots] == [CHUNK] * 4 and streamer.ring_pinning == "register"
-    assert cu.registered == [(slots[0].data_ptr(), 4 * CHUNK)]
+    assert cu.registered == [(slots[0].data_ptr(), 4 * CHUNK)] and cu.devices == [0]
     assert all(s.data_ptr() == slots[0].data_ptr() + k * CHUNK for k, s in enumerate(slots))
     assert all(int(s.sum()) == 0 for s in slots)  # touched: every page written
     streamer.close()
@@ -304,7 +309,8 @@ def test_a_registered_ring_nobody_closed_is_unregistered_when_collected(monkeypa
 
     cu = FakeDriver(0)
     monkeypatch.setattr(host_registered, "driver", lambda: cu)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", cu.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     layout = write_restore_layout(tmp_path / "w", mixed_tensors(), align=ALIGN, chunk_bytes=CHUNK)
     streamer = WeightStreamer(tmp_path / "w", layout, device="cpu")
     address = streamer._registered_slots(CHUNK, 2)[0].data_ptr()

@@ -40,7 +40,10 @@ class RegisteredHostMemory:
         self._unregister = None
         try:
             cu = driver()
-            torch.cuda.set_device(device)  # NOTE: the device's context current on this thread
+            # NOTE: the device's context made current on this thread (the driver call needs
+            # one); "cuda" without an index is this thread's current device, as torch reads it
+            index = torch.cuda.current_device() if device.index is None else device.index
+            torch.cuda.set_device(index)
             address = self.tensor.data_ptr()
             ok(cu.cuMemHostRegister(address, num_bytes, 0), "cuMemHostRegister")
         except RestoreFailed:
