@@ -1,5 +1,5 @@
 """Pinned host memory made fast: anonymous pages advised for huge pages, touched by several
-threads, then registered with CUDA in one call (`cudaHostRegister`).
+threads, then registered with CUDA in one call (`cuMemHostRegister`).
 
 A weights stream's host ring must be pinned for its copies to run at the link's rate, and a
 restore makes its ring while its other stages run. torch's pinned allocation
