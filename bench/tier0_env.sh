@@ -2,7 +2,7 @@
 # Tier 0 over one snapshot with SNAPFN_* settings in turns: a cold init, then ROUNDS times each
 # variant's `snapfn bench --modes MODES` (each mode a fresh process; restore_cold drops the page
 # cache first), then the GPU tests of the restore path (tests/test_restore_overlap.py,
-# tests/test_compiler_warm.py). The
+# tests/test_compiler_warm.py, tests/test_early_context.py, tests/test_streamer.py). The
 # device is cuda where nvidia-smi sees a GPU, else cpu. Writes
 # <date>-<machine>-tier0-env-<model>[-TAG]/, a JSON per run named by its variant and round.
 #
@@ -80,5 +80,7 @@ done
 python3 bench/startup_summary.py "$res"/*-[0-9]*.json
 gpu_tests restore_overlap 120 tests/test_restore_overlap.py ""
 gpu_tests compiler_warm 120 tests/test_compiler_warm.py ""
+gpu_tests early_context 60 tests/test_early_context.py ""
+gpu_tests streamer 120 tests/test_streamer.py ""
 tests_summary
 echo "[$((SECONDS - t0)) s] done"

@@ -258,7 +258,7 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction, raw: byte
     from snapfn.snapshot.portable.signature import configured
 
     key = configured()
-    compat = compat_key(fn.device, fn.world_size)
+    compat = _compat_here(fn)
     manifest = validate_snapshot(
         snapshot_dir,
         compat,
@@ -281,6 +281,20 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction, raw: byte
     if check is not None:
         check(snapshot_dir, manifest)
     return manifest
+
+
+def _compat_here(fn: SnapshotFunction) -> dict[str, Any]:
+    """This machine's compat key for `fn`: from the GPU fields its CUDA init read on a side
+    thread where it has them (`gpu_fields`; CUDA's context is still being made), else through
+    torch (which waits for the context, holding the GIL)."""
+    ask = getattr(fn, "gpu_fields", None)
+    if ask is not None and fn.device.startswith("cuda"):
+        from snapfn.snapshot.cuda.early_context import device_index
+
+        fields = ask(device_index(fn.device))
+        if fields is not None:
+            return compat_key(fn.device, fn.world_size, light=True, gpu_fields=lambda _: fields)
+    return compat_key(fn.device, fn.world_size)
 
 
 def _cold_init_instead(fn: SnapshotFunction, refused: str, log: Log | None) -> StartupManifest:

@@ -42,20 +42,47 @@ def set_environment(cache_dir: Path) -> None:
 
 def prepare(cache_dir: Path, device: str) -> dict:
     """Set the environment, then import torch (the collector paused, its objects frozen after:
-    `snapshot.imports`) and init CUDA, both timed."""
-    set_environment(cache_dir)
+    `snapshot.imports`) and init CUDA, both timed; the CUDA context is made on a side thread
+    meanwhile (`prepare_deferred`)."""
+    figures, pending = prepare_deferred(cache_dir, device)
+    if pending is not None:
+        figures.update(pending.finish())
+    return figures
+
+
+class PendingCuda:
+    """A CUDA init begun by `prepare_deferred`: `finish()` before the first CUDA call."""
+
+    def __init__(self, device: str) -> None:
+        from snapfn.snapshot.cuda.early_context import EarlyContext
+
+        self.device = device
+        self.early = EarlyContext.start(device)
+
+    def finish(self) -> dict:
+        """Wait for the context, then torch's CUDA init on it; the figures (`cuda_init_s`:
+        this call's seconds, the wait included)."""
+        import torch
+
+        start = time.perf_counter()
+        figures = self.early.wait()
+        torch.cuda.init()
+        torch.empty(1, device=self.device)
+        figures["cuda_init_s"] = round(time.perf_counter() - start, 3)
+        return figures
+
+
+def prepare_deferred(cache_dir: Path, device: str) -> tuple[dict, PendingCuda | None]:
+    """`prepare` with CUDA's init left to the caller: on CUDA the device's context is made on a
+    side thread (`snapshot/cuda/early_context.py`) from before torch's import, and the caller
+    calls `finish()` on the `PendingCuda` returned before its first CUDA call (None on CPU)."""
+    set_environment(cache_dir)  # NOTE: first: CUDA_MODULE_LOADING is read by cuInit
+    pending = PendingCuda(device) if device.startswith("cuda") else None
     already = "torch" in sys.modules
     import_torch_s = import_for_startup(["torch"])
-    import torch
-
     figures = {"import_torch_s": round(import_torch_s, 3), "torch_preloaded": already}
-    if device.startswith("cuda"):
-        t0 = time.perf_counter()
-        torch.cuda.init()
-        torch.empty(1, device=device)
-        figures["cuda_init_s"] = round(time.perf_counter() - t0, 3)
     figures["cache_files"] = count_cache_files(cache_dir)
-    return figures
+    return figures, pending
 
 
 def count_cache_files(cache_dir: Path) -> int:

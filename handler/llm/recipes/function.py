@@ -137,8 +137,10 @@ class LLMFunction:
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
         self._ring_pin_s = self._ring_wait_s = 0.0  # the stream's host ring: pinning, its wait
         self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
-        self._tokenizer = None
+        self._tokenizer = None  # [the tokenizer or None], loaded ahead by restore_caches
         self._compiler_warm = None  # Triton's start-up work, on a side thread (runtime_env)
+        self._cuda = None  # CUDA's init begun in runtime_env, finished before the first CUDA call
+        self.gpu_fields = None  # the compat key's GPU fields, read without waiting for CUDA's init
         self._checkpoint = None
         self.grammar_specs: list = []  # structured-output specs compiled at start-up
         self.memory = None
@@ -169,8 +171,12 @@ class LLMFunction:
 
     def stage_runtime_env(self, figures: Figures) -> None:
         # NOTE: first: the compile caches' variables are set before torch is imported (the
-        # tuning module's package imports it)
-        figures.update(compile_caches.prepare(self.config.cache_dir, self.device))
+        # tuning module's package imports it). CUDA's context is made on a side thread from
+        # here on (snapshot/cuda/early_context.py); `_cuda_ready` waits for it before the
+        # first stage that calls CUDA.
+        done, self._cuda = compile_caches.prepare_deferred(self.config.cache_dir, self.device)
+        figures.update(done)
+        self.gpu_fields = self._cuda.early.gpu_fields if self._cuda is not None else None
         from snapfn.handler.llm.kernels.triton.tuning import KernelTuning, use_tuning
 
         tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
@@ -187,6 +193,12 @@ class LLMFunction:
         # them already
         figures["imports_s"] = round(import_for_startup(ZYGOTE_PRELOAD), 3)
 
+    def _cuda_ready(self, figures: Figures) -> None:
+        """CUDA's init, begun in runtime_env, finished (its figures in this stage's)."""
+        if self._cuda is not None:
+            pending, self._cuda = self._cuda, None
+            figures.update(pending.finish())
+
     def stage_prewarm(self, figures: Figures) -> None:
         from snapfn.handler.llm.weights.checkpoint import Checkpoint
         from snapfn.snapshot.portable.pagecache import prewarm
@@ -200,6 +212,7 @@ class LLMFunction:
         from snapfn.handler.llm.config import ModelConfig
         from snapfn.handler.llm.weights.loader import load_weights
 
+        self._cuda_ready(figures)
         self._model_config = ModelConfig.from_dir(self.source)
         self.model = build_model(
             self._model_config, self.config.engine_options(parallel=self.parallel)
@@ -353,8 +366,8 @@ class LLMFunction:
     def stage_tokenizer(self, figures: Figures, folder: Path) -> None:
         from snapfn.handler.llm.tokenizer import load_tokenizer
 
-        pending, self._tokenizer = self._tokenizer, None
-        tokenizer = pending.result() if pending is not None else load_tokenizer(folder)
+        loaded, self._tokenizer = self._tokenizer, None
+        tokenizer = loaded[0] if loaded is not None else load_tokenizer(folder)
         eos = set(self._model_config.eos_token_ids) | (
             set(tokenizer.eos_token_ids) if tokenizer else set()
         )
@@ -575,14 +588,16 @@ class LLMFunction:
             figures["pinned_kernel_choices"] = pin_choices(self._checked.kernel_choices)
         else:  # made for another GPU, driver or library: compiled again here
             figures.update(restored_cache_files=0, dropped=self.cache_drift)
-        # NOTE: pinning the streamer's host ring costs ~0.5 s on CUDA; it runs on a side thread
-        # while the model is built, and stream_weights waits for it.
-        # The tokenizer (0.1-0.2 s for a 128k vocabulary) loads on another side thread.
+        # NOTE: the tokenizer (0.1 s for a 128k vocabulary, most of it holding the GIL) loads
+        # here, while CUDA's context is still being made on its side thread; then the host
+        # ring is pinned on a side thread of its own while the model is built, and
+        # stream_weights waits for it.
         from snapfn.handler.llm.tokenizer import load_tokenizer
 
-        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapfn-restore")
+        self._tokenizer = [load_tokenizer(snapshot_dir / "model")]
+        self._cuda_ready(figures)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-restore")
         self._streamer = pool.submit(self._open_streamer, snapshot_dir / self.weights_file)
-        self._tokenizer = pool.submit(load_tokenizer, snapshot_dir / "model")
         pool.shutdown(wait=False)
 
     def _open_streamer(self, path: Path):
