@@ -26,7 +26,7 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
         "--plot",
         str(tmp_path / "w.png"),
         "--modes",
-        "safetensors,cold_init,restore,restore_zygote,restore_drifted",
+        "safetensors,cold_init,restore,restore_zygote,restore_drifted,restore_cold_snapshot",
         "--decode-batches",
         "1",
         "--decode-tokens",
@@ -36,6 +36,13 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     modes = report["modes"]
+    cold = modes.pop("restore_cold_snapshot")  # the snapshot's files dropped, nothing else
+    if "skipped" in cold:  # a file system that keeps its pages (tmpfs, some overlays)
+        assert cold["skipped"] == "the page cache could not be dropped on this machine"
+    else:
+        assert cold["token"] == modes["cold_init"]["token"] and not cold["fallbacks"]
+        assert cold["logprob"] == modes["cold_init"]["logprob"]
+        assert report["ratios"]["restore_cold_snapshot_first_token_vs_disk_floor"] > 0
     assert set(modes) == {
         "safetensors",
         "cold_init",
@@ -125,6 +132,7 @@ def test_each_restore_is_reported_against_its_floor():
         "restore": {"first_token_s": 3.0},
         "restore_process": {"first_token_s": 0.6},
         "restore_cold": {"first_token_s": 12.0},
+        "restore_cold_snapshot": {"first_token_s": 11.0},
         "cold_init": {"first_token_s": 40.0},
     }
     floors = {"h2d_floor_s": 0.3, "disk_floor_s": 10.0}
@@ -132,6 +140,7 @@ def test_each_restore_is_reported_against_its_floor():
         "restore_first_token_vs_h2d_floor": 10.0,
         "restore_process_first_token_vs_h2d_floor": 2.0,
         "restore_cold_first_token_vs_disk_floor": 1.2,
+        "restore_cold_snapshot_first_token_vs_disk_floor": 1.1,
     }
     assert floor_ratios(results, {}) == {}
 

@@ -7,7 +7,10 @@
     (d) restore      tier-0 restore, snapshot files in the page cache
     (d') restore_zygote  the same, forked from a warm zygote (imports done, CUDA untouched):
                      the cold start of a host that keeps a zygote, as `serve` does
-    (e) restore_cold tier-0 restore after dropping the snapshot from the page cache (if allowed)
+    (e) restore_cold tier-0 restore after dropping the snapshot from the page cache, and as root
+                     the whole page cache (torch's libraries too): a machine's first start
+    (e'') restore_cold_snapshot  the same with only the snapshot's files dropped (the machine's
+                     libraries cached, as on a host that has run the image before)
     (e') restore_drifted  tier-0 restore of a copy of the snapshot whose compat key names another
                      GPU, driver and torch (cache-only fields): its caches dropped, kernels
                      compiled and graphs captured again into an empty cache folder, the
@@ -53,6 +56,7 @@ ALL_MODES = (
     "restore",
     "restore_zygote",
     "restore_cold",
+    "restore_cold_snapshot",
     "restore_drifted",
     "init_process",
     "restore_process",
@@ -146,7 +150,9 @@ DRIFTED_COMPAT = {"torch": "0.0.1", "gpu_name": "another GPU", "driver_version":
 
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
     child_mode = (
-        "restore" if mode in ("restore_zygote", "restore_cold", "restore_drifted") else mode
+        "restore"
+        if mode in ("restore_zygote", "restore_cold", "restore_cold_snapshot", "restore_drifted")
+        else mode
     )
     snapshot = workdir / ("snapshot_process" if mode.endswith("_process") else "snapshot")
     cache = workdir / "cache"
@@ -258,9 +264,12 @@ def run(args: argparse.Namespace) -> int:
             prewarm([p for p in (workdir / "snapshot").rglob("*") if p.is_file()])
         if mode == "restore_process":
             prewarm([p for p in (workdir / "snapshot_process").rglob("*") if p.is_file()])
-        if mode == "restore_cold":
+        if mode in ("restore_cold", "restore_cold_snapshot"):
+            if weights.exists():  # the disk's floor (its probe leaves the file cached)
+                floors = floors or measure_floors(args, weights)
             files = [p for p in (workdir / "snapshot").rglob("*") if p.is_file()]
-            if not drop(files, drop_caches=os.geteuid() == 0):
+            everything = mode == "restore_cold" and os.geteuid() == 0
+            if not drop(files, drop_caches=everything):
                 results[mode] = {
                     "mode": mode,
                     "skipped": "the page cache could not be dropped on this machine",
@@ -336,9 +345,10 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
         out["restore_drifted_speedup_vs_cold_init"] = round(cold_init / drifted, 2)
     same = [m for m in ("restore", "restore_drifted", "restore_process") if _same_token(results, m)]
     out.update({f"{m}_token_equals_cold_init": True for m in same})
-    cold = _stage_seconds(results.get("restore_cold", {}), "stream_weights")
-    if cold and floors:
-        out["restore_cold_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
+    for mode in ("restore_cold", "restore_cold_snapshot"):
+        cold = _stage_seconds(results.get(mode, {}), "stream_weights")
+        if cold and floors:
+            out[f"{mode}_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
     return {**out, **floor_ratios(results, floors), **s3_ratios(results)}
 
 
@@ -348,6 +358,7 @@ RESTORE_FLOORS = {
     "restore_zygote": "h2d_floor_s",
     "restore_process": "h2d_floor_s",
     "restore_cold": "disk_floor_s",
+    "restore_cold_snapshot": "disk_floor_s",
 }
 
 
@@ -494,15 +505,16 @@ def _stage_seconds(result: dict[str, Any], name: str) -> float | None:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    width = max([14, *map(len, report["modes"])])  # the mode column: its longest name
     lines = [
         f"snapfn bench: {report['model']} on {report['device']} ({report['machine']})",
-        f"{'mode':<14} {'ready s':>9} {'first token s':>14}  notes",
+        f"{'mode':<{width}} {'ready s':>9} {'first token s':>14}  notes",
     ]
     for mode, r in report["modes"].items():
         note = r.get("error") or r.get("skipped") or _notes(r)
         ready = f"{r['ready_s']:9.3f}" if "ready_s" in r else f"{'-':>9}"
         ttft = f"{r['first_token_s']:14.3f}" if "first_token_s" in r else f"{'-':>14}"
-        lines.append(f"{mode:<14} {ready} {ttft}  {note}")
+        lines.append(f"{mode:<{width}} {ready} {ttft}  {note}")
     f = report["floors"]
     if f:
         lines.append(
