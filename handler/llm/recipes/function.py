@@ -8,8 +8,9 @@ the loaded model's content hash must be the one the snapshot recorded — source
 Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
     runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
     → tokenizer → grammars → health_check (+ replay check against the token recorded at init)
-With `InitConfig.restore_overlap` (SNAPFN_RESTORE_OVERLAP=1; one rank, the snapshot's own plan)
-the pool is made and warmed while the weights stream on a side thread:
+With `InitConfig.restore_overlap` (on by default, SNAPFN_RESTORE_OVERLAP=0 to turn it off; one
+rank, the snapshot's own plan) the pool is made and warmed while the weights stream on a side
+thread:
     … → build_model → kv_pool → start_stream → warmup → stream_weights (the wait) → capture_graphs → …
 `grammars` compiles the structured-output specs configured (`InitConfig.structured_schemas`)
 at init, and those the snapshot recorded at restore (llguidance keeps no compiled form to
