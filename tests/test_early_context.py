@@ -176,3 +176,51 @@ def test_cuda_the_early_context_is_the_one_torch_runs_on_and_keys_match():
     assert state["fields"] == state["driver"]
     assert state["light"] == {k: state["full"][k] for k in state["light"]}
     assert set(state["light"]) == set(state["full"])
+
+
+def test_the_zygote_preload_loads_the_driver_only_when_asked(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(early_context, "_preloaded", None)
+    monkeypatch.setattr(early_context.ctypes, "CDLL", lambda name: loaded.append(name) or "lib")
+    early_context.preload_driver({})  # off by default
+    assert loaded == [] and early_context._load_driver() == "lib"
+    loaded.clear()
+    early_context.preload_driver({early_context.PRELOAD_VARIABLE: "on"})
+    assert loaded == ["libcuda.so.1"] and early_context._load_driver() == "lib"
+    assert loaded == ["libcuda.so.1"]  # the preloaded library, not loaded again
+    with pytest.raises(ValueError, match="'on' or 'off', got '1'"):
+        early_context.preload_driver({early_context.PRELOAD_VARIABLE: "1"})
+
+
+def test_the_zygote_preload_without_a_driver_does_nothing(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(early_context, "_preloaded", None)
+    monkeypatch.setattr(early_context.ctypes, "CDLL", missing)
+    early_context.preload_driver({early_context.PRELOAD_VARIABLE: "on"})
+    assert early_context._preloaded is None
+
+
+PRELOAD_FORK_CHECK = """
+import json, os
+os.environ["SNAPFN_PRELOAD_CUDA_DRIVER"] = "on"
+from snapfn.snapshot.zygote.fork_safety import count_native_threads, fork_safety_problem, preload
+before = count_native_threads()
+preload("snapfn.snapshot.cuda.early_context:preload_driver")
+import torch
+print(json.dumps({"problem": fork_safety_problem(), "cuda": torch.cuda.is_initialized(),
+                  "threads": [before, count_native_threads()]}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_the_preloaded_driver_leaves_a_zygote_that_can_fork():
+    out = subprocess.run(
+        [sys.executable, "-c", PRELOAD_FORK_CHECK], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    state = json.loads(out.stdout.splitlines()[-1])
+    assert state["problem"] is None and state["cuda"] is False
+    assert state["threads"][1] == state["threads"][0]  # loading the library started no thread
