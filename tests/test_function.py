@@ -34,9 +34,10 @@ RESTORE_STAGES = [
     "validate",
     "restore_caches",
     "build_model",
-    "stream_weights",
     "kv_pool",
+    "start_stream",  # the weights stream while the pool is made and warmed (the default)
     "warmup",
+    "stream_weights",
     "capture_graphs",
     "tokenizer",
     "grammars",
