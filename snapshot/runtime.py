@@ -258,16 +258,18 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction, raw: byte
     from snapfn.snapshot.portable.signature import configured
 
     key = configured()
-    compat = _compat_here(fn)
+    # NOTE: the layout's fields need no GPU: the files are checked against them while CUDA's
+    # init (begun in runtime_env) goes on, and the GPU's fields are asked for after
+    layout = compat_key(fn.device, fn.world_size, light=True, gpu_fields=lambda _: {})
     manifest = validate_snapshot(
         snapshot_dir,
-        compat,
+        {name: layout[name] for name in LAYOUT_FIELDS},
         verify="sizes",
         key=key,
         compat_fields=LAYOUT_FIELDS,
         manifest_bytes=raw,
     )
-    fn.cache_drift = cache_drift(manifest["compat"], compat)
+    fn.cache_drift = cache_drift(manifest["compat"], _compat_here(fn))
     figures["files"] = len(manifest["files"])
     figures["caches"] = "kept" if fn.cache_drift is None else f"dropped: {fn.cache_drift}"
     # NOTE: said in the manifest, since a snapshot's compile caches run as code
