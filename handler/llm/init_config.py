@@ -52,7 +52,7 @@ class InitConfig:
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     preemption: bool = True  # KV pages as tokens need them, preempting (engine/scheduler.py)
     restore_overlap: bool = True  # tier 0: the KV pool and warmup while weights stream
-    restore_read_ahead: bool = False  # tier 0: the weights file into the page cache from the start
+    restore_read_ahead: bool = True  # tier 0: the weights file into the page cache from the start
     # tier 0: each decode graph captured by its first decode step, not before ready (graphs.py)
     restore_graphs_on_first_use: bool = True
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off

@@ -15,42 +15,25 @@ driver's CUDA version) right after `cuInit`, for a validation that must not wait
 
 The retained context is never released: torch's runtime holds the same one for the process's life.
 
-`preload_driver` (a zygote's preload, `SNAPFN_PRELOAD_CUDA_DRIVER=on`) loads libcuda.so.1 in the
-zygote without initialising it, so that a forked restore finds the library mapped: a zygote's
-child spent 0.18 s in `cuInit` where a fresh process spent 0.02 s
-(`2026-12-07-h100-tier0-env-llama8b-early-context`; `bench/probes/fork_cuinit.py` times each).
+`cuInit` itself costs 0.1 s in a bare interpreter and 0.19-0.21 s in one that imported torch,
+forked from a zygote or not; loading libcuda in the zygote before it forks does not shorten it
+(`bench/probes/fork_cuinit.py`, `2026-12-07-h100-tier0-env-llama8b-cold-snapshot`). A zygote's
+restore waits for it in its validate stage.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 _COMPUTE_CAPABILITY = (75, 76)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _MINOR
-PRELOAD_VARIABLE = "SNAPFN_PRELOAD_CUDA_DRIVER"
-_preloaded: Any = None  # libcuda, loaded (not initialised) by `preload_driver`
-
-
-def preload_driver(environ: Mapping[str, str] = os.environ) -> None:
-    """Load libcuda.so.1 now without initialising it, where SNAPFN_PRELOAD_CUDA_DRIVER is "on"
-    ("off", the default: nothing); nothing either where there is no driver (a CPU machine).
-    A zygote's preload: no CUDA call, no thread."""
-    global _preloaded
-    value = environ.get(PRELOAD_VARIABLE, "off")
-    if value not in ("on", "off"):
-        raise ValueError(f"{PRELOAD_VARIABLE} must be 'on' or 'off', got {value!r}")
-    if value == "on" and _preloaded is None:
-        with contextlib.suppress(OSError):
-            _preloaded = ctypes.CDLL("libcuda.so.1")
 
 
 def _load_driver() -> Any:
-    return _preloaded if _preloaded is not None else ctypes.CDLL("libcuda.so.1")
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def device_index(device: str) -> int:

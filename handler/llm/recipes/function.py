@@ -86,7 +86,6 @@ ZYGOTE_PRELOAD = (
     "snapfn.handler.llm.models.glm_moe_dsa",
     "snapfn.handler.llm.kernels.torch_ref",
     "snapfn.handler.llm.kernels.triton.warm:warm_compiler",  # Triton's compiler, where installed
-    "snapfn.snapshot.cuda.early_context:preload_driver",  # libcuda loaded, not initialised
 )
 
 
