@@ -6,12 +6,16 @@ Cold init (each a timed stage):
 (`verify_source` when the source is one a refused snapshot recorded, not one the user named:
 the loaded model's content hash must be the one the snapshot recorded — sources.py.)
 Restore from a portable snapshot (the runtime runs `prepare_runtime` and validates first):
-    runtime_env → [validate] → restore_caches → build_model → stream_weights → kv_pool → warmup → capture_graphs
-    → tokenizer → grammars → health_check (+ replay check against the token recorded at init)
-With `InitConfig.restore_overlap` (on by default, SNAPFN_RESTORE_OVERLAP=0 to turn it off; one
-rank, the snapshot's own plan) the pool is made and warmed while the weights stream on a side
-thread:
-    … → build_model → kv_pool → start_stream → warmup → stream_weights (the wait) → capture_graphs → …
+    runtime_env → [validate] → restore_caches → build_model → kv_pool → start_stream → warmup
+    → stream_weights (the wait) → capture_graphs → tokenizer → grammars → health_check
+    (+ replay check against the token recorded at init)
+the pool made and warmed while the weights stream on a side thread (`InitConfig.restore_overlap`,
+on by default). In turn with SNAPFN_RESTORE_OVERLAP=0, and always for several ranks, a snapshot
+whose caches were dropped (its plan is measured again) or a process snapshot's regions:
+    … → build_model → stream_weights → kv_pool → warmup → capture_graphs → …
+CUDA's context is made on a side thread from runtime_env on (snapshot/cuda/early_context.py);
+the stage before the first CUDA call waits for it (`_cuda_ready`: the cold init's
+load_weights, the restore's restore_caches).
 `grammars` compiles the structured-output specs configured (`InitConfig.structured_schemas`)
 at init, and those the snapshot recorded at restore (llguidance keeps no compiled form to
 carry), so a configured schema's first request compiles nothing.
