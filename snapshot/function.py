@@ -22,10 +22,10 @@ The runtime knows nothing about what a function does. A function hands it:
 - `arriving`: set by the runtime before `restore_stages` when the snapshot is still being pulled
   into `snapshot_dir` (runtime.py's `Arriving`, else left alone: None): a function that streams
   a large file from it waits on `arriving.waiter(relpath)` before each read of it.
-- optionally `gpu_fields`: None, or `gpu_fields(index)` giving the compat key's GPU fields
-  (compat.driver_api_fields's) without waiting for the CUDA init `prepare_runtime` began
-  (snapshot/cuda/early_context.py), or None when it cannot; the validate stage then builds
-  its key from them instead of initialising CUDA through torch.
+- optionally `gpu_fields(index)`: the compat key's GPU fields (compat.driver_api_fields's)
+  without waiting for the CUDA init `prepare_runtime` began (snapshot/cuda/early_context.py),
+  or None when it cannot; the validate stage then builds its key from them instead of
+  initialising CUDA through torch.
 """
 
 from __future__ import annotations

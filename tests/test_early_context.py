@@ -176,3 +176,21 @@ def test_cuda_the_early_context_is_the_one_torch_runs_on_and_keys_match():
     assert state["fields"] == state["driver"]
     assert state["light"] == {k: state["full"][k] for k in state["light"]}
     assert set(state["light"]) == set(state["full"])
+
+
+def test_the_llm_function_answers_with_its_pending_inits_fields(monkeypatch, tmp_path):
+    """The restore's validate asks the LLM function, which asks its CUDA init under way; once
+    that init is finished (or on CPU) the answer is None and the key is torch's."""
+    from types import SimpleNamespace
+
+    from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.handler.llm.recipes.function import LLMFunction
+
+    fn = LLMFunction(InitConfig(device="cuda:0", cache_dir=tmp_path))
+    assert fn.gpu_fields(0) is None  # nothing begun
+    cu = FakeDriver()
+    fn._cuda = SimpleNamespace(early=EarlyContext.start("cuda:0", load=lambda: cu))
+    monkeypatch.setattr(compat, "_cuda_fields", lambda *a: pytest.fail("torch's path was taken"))
+    assert runtime._compat_here(fn)["gpu_name"] == "NVIDIA Test GPU"
+    fn._cuda = None  # finished: torch's own key from here on
+    assert fn.gpu_fields(0) is None

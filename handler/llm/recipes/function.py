@@ -145,7 +145,6 @@ class LLMFunction:
         self._tokenizer = None  # [the tokenizer or None], loaded ahead by restore_caches
         self._compiler_warm = None  # Triton's start-up work, on a side thread (runtime_env)
         self._cuda = None  # CUDA's init begun in runtime_env, finished before the first CUDA call
-        self.gpu_fields = None  # the compat key's GPU fields, read without waiting for CUDA's init
         self._checkpoint = None
         self.grammar_specs: list = []  # structured-output specs compiled at start-up
         self.memory = None
@@ -181,7 +180,6 @@ class LLMFunction:
         # first stage that calls CUDA.
         done, self._cuda = compile_caches.prepare_deferred(self.config.cache_dir, self.device)
         figures.update(done)
-        self.gpu_fields = self._cuda.early.gpu_fields if self._cuda is not None else None
         from snapfn.handler.llm.kernels.triton.tuning import KernelTuning, use_tuning
 
         tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
@@ -197,6 +195,11 @@ class LLMFunction:
         # import above froze what existed then: `snapshot/imports.py`); a zygote's child has
         # them already
         figures["imports_s"] = round(import_for_startup(ZYGOTE_PRELOAD), 3)
+
+    def gpu_fields(self, index: int) -> dict[str, Any] | None:
+        """The compat key's GPU fields as CUDA's init (still under way) read them, for the
+        validate stage (snapshot/function.py); None once it is done, or where it could not."""
+        return self._cuda.early.gpu_fields(index) if self._cuda is not None else None
 
     def _cuda_ready(self, figures: Figures) -> None:
         """CUDA's init, begun in runtime_env, finished (its figures in this stage's)."""
