@@ -1,0 +1,79 @@
+"""Whether speculative greedy output equals plain greedy output on the tiny GLM checkpoints, in
+float32 and bfloat16, and whether plain decode agrees with itself across batch composition and
+prefill chunk size (what a batched verify changes for a row).
+
+python3 bench/probes/mtp_dtype_equality.py [--device cpu] [--tokens 24]
+
+Runs from the repository root (it uses tests/glm_checkpoints.py to write the checkpoints).
+Prints one JSON object: per model and dtype, `plain_batch_vs_alone` and `plain_chunk16_vs_whole`
+(plain decode against itself), and per k `spec_vs_plain` (both one request at a time, whole
+prefill) and `spec_vs_plain_chunk16_batch` (five requests at once, prefill chunks of 16, as
+tests/test_speculative.py's float32 test runs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from snapfn.handler.llm.build import EngineOptions, build_engine  # noqa: E402
+from snapfn.handler.llm.engine.engine import SchedulerConfig  # noqa: E402
+
+from glm_checkpoints import TINY_GLM, save_tiny_glm, write_with_mtp  # noqa: E402
+from parity import greedy, random_prompts  # noqa: E402
+
+MODELS = {
+    "1-layer": {},
+    "3-layer": {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=24)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="mtp-dtype-"))
+    prompts = random_prompts(TINY_GLM["vocab_size"], [3, 21, 9, 30, 14], seed=1)
+    out: dict = {}
+    for seed, (name, extra) in enumerate(MODELS.items()):
+        plain = save_tiny_glm(root / f"plain-{name}", seed=2 * seed, **extra)
+        write_with_mtp(plain, root / f"mtp-{name}")
+        for dtype in ("float32", "bfloat16"):
+            model = root / f"mtp-{name}"
+
+            def run(k: int, chunk: int, alone: bool, model=model, dtype=dtype) -> list:
+                opts = EngineOptions(
+                    dtype=dtype,
+                    device=args.device,
+                    num_pages=256,
+                    scheduler=SchedulerConfig(
+                        page_size=4, max_num_batched_tokens=chunk, speculative_tokens=k
+                    ),
+                )
+                eng = build_engine(model, opts).engine
+                if alone:
+                    return [eng.generate([p], greedy(args.tokens))[0].token_ids for p in prompts]
+                return [r.token_ids for r in eng.generate(prompts, greedy(args.tokens))]
+
+            alone, batch, chunked = run(0, 2048, True), run(0, 2048, False), run(0, 16, False)
+            figures = {
+                "plain_batch_vs_alone": batch == alone,
+                "plain_chunk16_vs_whole": chunked == batch,
+            }
+            for k in (1, 2, 3):
+                figures[f"k{k}"] = {
+                    "spec_vs_plain": run(k, 2048, True) == alone,
+                    "spec_vs_plain_chunk16_batch": run(k, 16, False) == chunked,
+                }
+            out[f"{name} {dtype}"] = figures
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
