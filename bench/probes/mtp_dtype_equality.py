@@ -2,13 +2,17 @@
 float32 and bfloat16, and whether plain decode agrees with itself across batch composition and
 prefill chunk size (what a batched verify changes for a row).
 
-python3 bench/probes/mtp_dtype_equality.py [--device cpu] [--tokens 24]
+python3 bench/probes/mtp_dtype_equality.py [--device cpu] [--tokens 24] [--linear as-is]
 
 Runs from the repository root (it uses tests/glm_checkpoints.py to write the checkpoints).
 Prints one JSON object: per model and dtype, `plain_batch_vs_alone` and `plain_chunk16_vs_whole`
 (plain decode against itself), and per k `spec_vs_plain` (both one request at a time, whole
 prefill) and `spec_vs_plain_chunk16_batch` (five requests at once, prefill chunks of 16, as
 tests/test_speculative.py's float32 test runs them).
+
+`--linear` replaces the torch backend's 16-bit linear for the run, to find which operation makes
+a row depend on the rows beside it: "float32" computes it in float32 and rounds the result,
+"rows" runs each row alone (a batch of one, whatever the batch).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from snapfn.handler.llm.build import EngineOptions, build_engine  # noqa: E402
 from snapfn.handler.llm.engine.engine import SchedulerConfig  # noqa: E402
+from snapfn.handler.llm.kernels import torch_ref  # noqa: E402
 
 from glm_checkpoints import TINY_GLM, save_tiny_glm, write_with_mtp  # noqa: E402
 from parity import greedy, random_prompts  # noqa: E402
@@ -37,7 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--linear", choices=("as-is", "float32", "rows"), default="as-is")
     args = ap.parse_args()
+    replace_linear(args.linear)
     root = Path(tempfile.mkdtemp(prefix="mtp-dtype-"))
     prompts = random_prompts(TINY_GLM["vocab_size"], [3, 21, 9, 30, 14], seed=1)
     out: dict = {}
@@ -73,6 +80,33 @@ def main() -> None:
                 }
             out[f"{name} {dtype}"] = figures
     print(json.dumps(out, indent=1))
+
+
+def replace_linear(how: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    as_is = torch_ref.TorchBackend.linear
+
+    def in_float32(self, x, weight, bias=None, weight_scale_inv=None):
+        out = as_is(self, x[:0], weight, bias, weight_scale_inv).dtype  # the dtype it returns
+        w = self._dense_weight(weight, weight_scale_inv, torch.float32)
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), w, b).to(out)
+
+    def by_rows(self, x, weight, bias=None, weight_scale_inv=None):
+        flat = x.reshape(-1, x.shape[-1])
+        rows = [
+            as_is(self, flat[i : i + 1], weight, bias, weight_scale_inv) for i in range(len(flat))
+        ]
+        return (
+            torch.cat(rows).reshape(*x.shape[:-1], -1)
+            if rows
+            else as_is(self, x, weight, bias, weight_scale_inv)
+        )
+
+    if how != "as-is":
+        torch_ref.TorchBackend.linear = {"float32": in_float32, "rows": by_rows}[how]
 
 
 if __name__ == "__main__":
