@@ -3,6 +3,7 @@ float32 and bfloat16, and whether plain decode agrees with itself across batch c
 prefill chunk size (what a batched verify changes for a row).
 
 python3 bench/probes/mtp_dtype_equality.py [--device cpu] [--tokens 24] [--linear as-is]
+    [--mla as-is]
 
 Runs from the repository root (it uses tests/glm_checkpoints.py to write the checkpoints).
 Prints one JSON object: per model and dtype, `plain_batch_vs_alone` and `plain_chunk16_vs_whole`
@@ -12,7 +13,9 @@ tests/test_speculative.py's float32 test runs them).
 
 `--linear` replaces the torch backend's 16-bit linear for the run, to find which operation makes
 a row depend on the rows beside it: "float32" computes it in float32 and rounds the result,
-"rows" runs each row alone (a batch of one, whatever the batch).
+"rows" runs each row alone (a batch of one, whatever the batch). `--mla decode-rows` computes
+the MLA attention of an extend batch of at most 4 rows a request (a verify's) one row at a time
+the way decode computes it (`mla_decode_absorbed`, float32) instead of expanding the latents.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--linear", choices=("as-is", "float32", "rows"), default="as-is")
+    ap.add_argument("--mla", choices=("as-is", "decode-rows"), default="as-is")
     args = ap.parse_args()
     replace_linear(args.linear)
+    if args.mla == "decode-rows":
+        mla_as_decode_rows()
     root = Path(tempfile.mkdtemp(prefix="mtp-dtype-"))
     prompts = random_prompts(TINY_GLM["vocab_size"], [3, 21, 9, 30, 14], seed=1)
     out: dict = {}
@@ -107,6 +113,31 @@ def replace_linear(how: str) -> None:
 
     if how != "as-is":
         torch_ref.TorchBackend.linear = {"float32": in_float32, "rows": by_rows}[how]
+
+
+def mla_as_decode_rows() -> None:
+    import torch
+
+    as_is = torch_ref.TorchBackend.mla_attention
+
+    def decode_rows(self, q, latent_cache, kv_b, kv_b_scale_inv, batch, scale, topk=None):
+        if batch.is_decode or max(batch.q_lens_cpu) > 4:
+            return as_is(self, q, latent_cache, kv_b, kv_b_scale_inv, batch, scale, topk)
+        w = self._dense_weight(kv_b, kv_b_scale_inv, q.dtype)
+        outs, start = [], 0
+        for b, (q_len, seq_len) in enumerate(
+            zip(batch.q_lens_cpu, batch.seq_lens_cpu, strict=True)
+        ):
+            latent = latent_cache[batch.page_table[b : b + 1].long()].flatten(1, 2)
+            for i in range(q_len):
+                row = slice(start + i, start + i + 1)
+                lens = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32)
+                picked = None if topk is None else topk[row]
+                outs.append(torch_ref.mla_decode_absorbed(q[row], latent, w, lens, scale, picked))
+            start += q_len
+        return torch.cat(outs)
+
+    torch_ref.TorchBackend.mla_attention = decode_rows
 
 
 if __name__ == "__main__":
