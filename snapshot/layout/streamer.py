@@ -65,6 +65,7 @@ class StreamReport:
     ring_alloc_s: float = 0.0  # pinning the host ring in this call (see prepare), not in elapsed_s
     download_wait_s: float = 0.0  # readers' seconds waiting on a download, summed (arrivals)
     ring_pinning: str = ""  # how the CUDA ring was pinned ("register" or "alloc"; "" on CPU)
+    ring_pin_s: float = 0.0  # pinning the host ring, wherever it ran (a side thread's prepare)
 
 
 class ByteArrivals(Protocol):
@@ -125,6 +126,7 @@ class WeightStreamer:
             raise ValueError(f"ring_pinning {ring_pinning!r} is not one of {RING_PINNINGS}")
         self.ring_pinning = ring_pinning  # how prepare() pinned the ring ("alloc" after a refusal)
         self._ring_memory = None  # the ring's RegisteredHostMemory ("register")
+        self.ring_pin_s = 0.0  # what prepare() took, whichever thread called it
         self.arrivals = arrivals
         self._waited_s = 0.0  # summed over readers, under _wait_lock
         self._wait_lock = threading.Lock()
@@ -188,7 +190,8 @@ class WeightStreamer:
                     for _ in range(num_slots)
                 ]
             self._ring = [(t, memoryview(t.numpy())) for t in slots]
-            return time.perf_counter() - start
+            self.ring_pin_s = time.perf_counter() - start
+            return self.ring_pin_s
 
     def _registered_slots(self, slot_bytes: int, num_slots: int) -> list[torch.Tensor] | None:
         """The ring's slots as views of one registered block; None where not asked for, or
@@ -236,6 +239,7 @@ class WeightStreamer:
             ring_alloc_s,
             self._waited_s,
             pinning,
+            self.ring_pin_s,
         )
 
     def _wait_for(self, unit: Unit) -> None:

@@ -140,7 +140,7 @@ class LLMFunction:
         self._load_report = None
         self._streamer = None
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
-        self._ring_pin_s = self._ring_wait_s = 0.0  # the stream's host ring: pinning, its wait
+        self._ring_wait_s = 0.0  # how long the stream waited for its host ring's pinning
         self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
         self._tokenizer = None  # [the tokenizer or None], loaded ahead by restore_caches
         self._compiler_warm = None  # Triton's start-up work, on a side thread (runtime_env)
@@ -630,7 +630,7 @@ class LLMFunction:
             arrivals=following,
             ring_pinning=c.stream_ring_pinning,
         )
-        self._ring_pin_s = streamer.prepare()
+        streamer.prepare()
         return streamer
 
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
@@ -713,11 +713,8 @@ class LLMFunction:
             streamer.close()
 
     def _stream_figures(self, figures: Figures, report) -> None:
-        figures.update(report_fields(report))
-        # the host ring's pinning (restore_caches' side thread) and how long the stream waited on it
-        figures.update(
-            ring_pin_s=round(self._ring_pin_s, 4), ring_wait_s=round(self._ring_wait_s, 4)
-        )
+        figures.update(report_fields(report))  # ring_pin_s: restore_caches' side thread's
+        figures["ring_wait_s"] = round(self._ring_wait_s, 4)  # the stream's wait for it
         if self.arriving is not None:
             figures["source"] = f"{self.arriving.uri} (overlapped with its pull)"
 
