@@ -61,6 +61,50 @@ def test_the_overlapped_restore_answers_as_the_restore_in_turn(made, tmp_path):
     plain.release()
 
 
+def test_stray_bits_in_the_parameters_before_the_stream_leave_no_trace(made, tmp_path, monkeypatch):
+    """The parameters' memory holds whatever was there before the stream fills it (here NaN, as
+    reused memory can): the warmup beside the stream computes from it, and the KV pages it
+    writes must not poison a later request (a masked attention read of a NaN page is NaN)."""
+    import threading
+
+    from snapfn.handler.llm.recipes import function
+
+    build, warm = function.LLMFunction.stage_build_model, function.LLMFunction.stage_warmup
+    stream, warmed = function.LLMFunction._stream_weights, threading.Event()
+
+    def build_over_stray_bits(self, figures, folder):
+        build(self, figures, folder)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.fill_(float("nan"))
+
+    def warm_then_let_the_stream_go(self, figures):
+        try:
+            warm(self, figures)
+        finally:
+            warmed.set()
+
+    def stream_after_the_warmup(self):  # the slowest stream: none of it before the warmup ends
+        warmed.wait(60)
+        return stream(self)
+
+    plain, _ = restored(made, tmp_path / "a", overlap=False)
+    monkeypatch.setattr(function.LLMFunction, "stage_build_model", build_over_stray_bits)
+    monkeypatch.setattr(function.LLMFunction, "stage_warmup", warm_then_let_the_stream_go)
+    monkeypatch.setattr(function.LLMFunction, "_stream_weights", stream_after_the_warmup)
+    fn, startup = restored(made, tmp_path / "b", overlap=True)
+    assert startup.tier == "portable" and not startup.fallbacks
+    from parity import greedy, random_prompts
+
+    prompts = random_prompts(256, [5, 13, 9], seed=21)
+    got = fn.engine.generate(prompts, greedy(12))
+    want = plain.engine.generate(prompts, greedy(12))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+    fn.release()
+    plain.release()
+
+
 def test_a_stream_that_fails_is_refused_and_the_named_model_answers(made, tmp_path):
     model_dir, snap = made
     copy = tmp_path / "snap"

@@ -678,15 +678,17 @@ class LLMFunction:
     def stage_start_stream(self, figures: Figures) -> None:
         """Start the weights' stream on a side thread. The warmup that runs meanwhile reads
         parameters still being filled and keeps nothing it computes from them (kernels load,
-        shapes are set up, its KV writes go to pages no request holds); on CUDA they are zeroed
-        first, so that no kernel meets stray bits. NOTE: graph capture waits for the stream: a
-        capture forbids the stream's calls on other threads."""
+        shapes are set up, its KV writes go to pages no request holds). They are zeroed first,
+        on every device: from the stray bits of reused memory (NaN) the warmup wrote NaN into
+        KV pages, and a later decode's masked read of such a page (0 x NaN) answered NaN.
+        NOTE: graph capture waits for the stream: a capture forbids the stream's calls on
+        other threads."""
         import torch
 
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.zero_()
         if self.device.startswith("cuda"):
-            with torch.no_grad():
-                for param in self.model.parameters():
-                    param.zero_()
             torch.cuda.synchronize(self.device)  # the zeros land before any streamed byte
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-stream")
         self._stream_job = pool.submit(self._stream_weights)
