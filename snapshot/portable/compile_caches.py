@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,12 +72,18 @@ class PendingCuda:
         return figures
 
 
-def prepare_deferred(cache_dir: Path, device: str) -> tuple[dict, PendingCuda | None]:
+def prepare_deferred(
+    cache_dir: Path, device: str, before_torch: Callable[[], None] | None = None
+) -> tuple[dict, PendingCuda | None]:
     """`prepare` with CUDA's init left to the caller: on CUDA the device's context is made on a
     side thread (`snapshot/cuda/early_context.py`) from before torch's import, and the caller
-    calls `finish()` on the `PendingCuda` returned before its first CUDA call (None on CPU)."""
+    calls `finish()` on the `PendingCuda` returned before its first CUDA call (None on CPU).
+    `before_torch` runs once the caches' variables are set, before torch's import: where to
+    start other work that needs neither torch nor CUDA."""
     set_environment(cache_dir)  # NOTE: first: CUDA_MODULE_LOADING is read by cuInit
     pending = PendingCuda(device) if device.startswith("cuda") else None
+    if before_torch is not None:
+        before_torch()
     already = "torch" in sys.modules
     import_torch_s = import_for_startup(["torch"])
     figures = {"import_torch_s": round(import_torch_s, 3), "torch_preloaded": already}

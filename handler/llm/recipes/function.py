@@ -64,7 +64,7 @@ from snapfn.handler.llm.recipes.snapshot_files import (
 from snapfn.snapshot.errors import RestoreFailed
 from snapfn.snapshot.function import Figures, SnapshotWriterLike, Stage
 from snapfn.snapshot.imports import import_for_startup
-from snapfn.snapshot.portable import compile_caches
+from snapfn.snapshot.portable import compile_caches, triton_key
 
 WEIGHTS_FILE = "weights/rank0.bin"
 # how far a restore's replay logprob may move when its caches were dropped (another GPU, driver
@@ -178,18 +178,25 @@ class LLMFunction:
         # tuning module's package imports it). CUDA's context is made on a side thread from
         # here on (snapshot/cuda/early_context.py); `_cuda_ready` waits for it before the
         # first stage that calls CUDA.
-        done, self._cuda = compile_caches.prepare_deferred(self.config.cache_dir, self.device)
+        # Triton's own hash begins beside torch's import (snapshot/portable/triton_key.py)
+        key_started = []
+        cuda = self.device.startswith("cuda")
+        done, self._cuda = compile_caches.prepare_deferred(
+            self.config.cache_dir,
+            self.device,
+            before_torch=(lambda: key_started.append(triton_key.start())) if cuda else None,
+        )
         figures.update(done)
         from snapfn.handler.llm.kernels.triton.tuning import KernelTuning, use_tuning
 
         tuning = self.kernel_tuning or KernelTuning.from_env(os.environ)
         use_tuning(tuning)
         figures["kernel_tuning"] = tuning.mode
-        if self.device.startswith("cuda"):  # joined by the warmup (kernels/triton/warm.py)
+        if cuda:  # joined by the warmup
             from snapfn.handler.llm.kernels.triton.warm import warm_compiler
 
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-warm")
-            self._compiler_warm = pool.submit(warm_compiler)
+            self._compiler_warm = pool.submit(warm_compiler, key_started=key_started[0])
             pool.shutdown(wait=False)
         # the modules the stages after this one run on, with the collector paused (torch's
         # import above froze what existed then: `snapshot/imports.py`); a zygote's child has

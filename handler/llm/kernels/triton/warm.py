@@ -10,7 +10,9 @@ bench/results/2026-12-02-h200-tier0-env-embedded-warmup-profile).
 `warm_compiler` does that work ahead: a zygote calls it before it forks (`ZYGOTE_PRELOAD`
 names it), so every restore forked from it starts with it done; a restore in a fresh process
 runs it in a thread beside its first stages (the hashing releases the GIL) and joins it before
-the warmup. `SNAPFN_WARM_COMPILER=off` leaves the work to the first launch, as before.
+the warmup, and begins `triton_key` earlier still, beside torch's import
+(`snapshot/portable/triton_key.py`), which `warm_compiler` then joins instead of hashing again.
+`SNAPFN_WARM_COMPILER=off` leaves the work to the first launch, as before.
 """
 
 from __future__ import annotations
@@ -19,46 +21,40 @@ import importlib
 import importlib.util
 import os
 import time
+from concurrent.futures import Future
 from typing import Any
+
+from snapfn.snapshot.portable.triton_key import VARIABLE, enabled, triton_key_function
 
 # this package's kernel modules: importing each runs its @triton.jit decorators
 KERNEL_MODULES = ("kernels", "gemv", "attention", "mla", "absorb", "indexer", "moe", "sampling")
-VARIABLE = "SNAPFN_WARM_COMPILER"
+__all__ = ["VARIABLE", "enabled", "warm_compiler"]
 
 
-def enabled(environ=os.environ) -> bool:
-    """Whether the warm runs: SNAPFN_WARM_COMPILER is "on" (the default) or "off"."""
-    value = environ.get(VARIABLE, "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"{VARIABLE} must be 'on' or 'off', got {value!r}")
-    return value == "on"
-
-
-def warm_compiler(environ=os.environ) -> dict[str, Any]:
-    """Import Triton's compiler and the kernel modules, hash Triton's files and each kernel's
-    source; what it did, for the startup manifest. Nothing here initialises CUDA."""
+def warm_compiler(environ=os.environ, key_started: Future | None = None) -> dict[str, Any]:
+    """Import Triton's compiler and the kernel modules, hash Triton's files (or join
+    `key_started`, the thread `triton_key.start` began for them) and each kernel's source; what
+    it did, for the startup manifest. Nothing here initialises CUDA."""
     if not enabled(environ):
         return {"skipped": f"{VARIABLE}=off"}
     if importlib.util.find_spec("triton") is None:
         return {"skipped": "triton is not installed"}
     start = time.perf_counter()
     modules = [importlib.import_module(f"{__package__}.{name}") for name in KERNEL_MODULES]
-    key = _triton_key()
+    figures: dict[str, Any] = {}
+    if key_started is not None:
+        # NOTE: joined before key() below: lru_cache does not lock, so calling it while the
+        # thread hashes would hash the 0.5 GB library a second time
+        waited = time.perf_counter()
+        figures["triton_key_s"] = key_started.result()
+        figures["triton_key_wait_s"] = round(time.perf_counter() - waited, 4)
+    key = triton_key_function()
     if key is None:
         return {"skipped": "this Triton has no triton_key to compute ahead"}
     key()  # cached for the process (functools.lru_cache)
     hashed = sum(_hash_sources(module) for module in modules)
-    return {"kernels_hashed": hashed, "seconds": round(time.perf_counter() - start, 4)}
-
-
-def _triton_key():
-    """Triton's `triton_key` (in `triton.runtime.cache` from 3.4, `triton.compiler.compiler`
-    before), or None."""
-    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
-        key = getattr(importlib.import_module(module), "triton_key", None)
-        if key is not None:
-            return key
-    return None
+    figures.update(kernels_hashed=hashed, seconds=round(time.perf_counter() - start, 4))
+    return figures
 
 
 def _hash_sources(module) -> int:
