@@ -2,21 +2,23 @@
 # Every tier of one model beside its floor, from empty caches, in one run: a one-shot
 # `snapfn generate` with nothing cached (its first token and decode ms/step: what compiles on
 # the way), then one `snapfn bench` over the cold init, tier 0 (fresh process, zygote, page
-# cache dropped) and tier 1 without a keeper (each mode a fresh process; the bench's compile
-# cache starts empty), then tier 1 through `snapfn keeper --hold page-cache`. The bench prints
+# cache dropped) and tier 1 without a keeper (fresh process, zygote's child; each mode a fresh
+# process; the bench's compile cache starts empty), then tier 1 through `snapfn keeper --hold
+# page-cache`. The bench prints
 # each restore's first token over its floor (`*_vs_h2d_floor`, `*_vs_disk_floor`).
 # Writes <date>-<machine>-tiers-<model>[-TAG]/.
 #
 # Usage: bash bench/tiers.sh [--model llama8b] [--backend auto] [--modes LIST] [--keeper on|off]
 #          [--tag TAG]
 #   --modes   the bench's modes (default cold_init,restore,restore_zygote,restore_cold,
-#             init_process,restore_process; the tier-1 ones need .criu carried; none: the
-#             one-shot generate only)
+#             init_process,restore_process,restore_process_zygote; the tier-1 ones need .criu
+#             carried; none: the one-shot generate only)
 #   --keeper  on (default): tier 1 again with the keeper holding the snapshot's pages
 set -uo pipefail
 . bench/device-env.sh
 name=llama8b backend=auto keeper=on tag=
 modes=cold_init,restore,restore_zygote,restore_cold,init_process,restore_process
+modes=$modes,restore_process_zygote
 argv=("$@")
 while [ $# -gt 0 ]; do
   case $1 in
@@ -51,7 +53,8 @@ if [ "$keeper" = on ] && [ -d "$bench/snapshot_process" ]; then
     2> "$res/keeper.log" > /dev/null &
   pid=$!
   for _ in $(seq 300); do grep -q "serving on" "$res/keeper.log" && break; sleep 0.2; done
-  bench_modes keeper 60 --model "$dir" --device cuda --workdir "$bench" --modes restore_process \
+  bench_modes keeper 90 --model "$dir" --device cuda --workdir "$bench" \
+    --modes restore_process,restore_process_zygote \
     --decode-batches 1 --decode-tokens 16
   kill "$pid"; wait "$pid"
 fi

@@ -72,6 +72,31 @@ def test_bench_modes_agree_and_report_floors(llama_with_tokenizer, tmp_path):
     assert "restore_zygote" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("criu_config")
+def test_tier1_from_a_fresh_process_and_from_a_zygote_give_the_cold_init_token(
+    llama_with_tokenizer, tmp_path
+):
+    """Both tier-1 modes restore the same process image; the zygote's child starts its restore
+    with the restore's modules imported already (ZYGOTE_PRELOAD)."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "snapfn.handler.cli", "bench", "--model"]
+    cmd += [str(llama_with_tokenizer), "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    cmd += ["--modes", "cold_init,init_process,restore_process,restore_process_zygote"]
+    cmd += ["--decode-batches", "1", "--decode-tokens", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    for mode in ("restore_process", "restore_process_zygote"):
+        assert modes[mode]["startup"]["tier"] == "process", modes[mode]
+        assert not modes[mode]["startup"]["fallbacks"]
+        assert report["ratios"][f"{mode}_token_equals_cold_init"] is True
+        assert modes[mode]["torch_imported"] is (mode == "restore_process_zygote")
+    assert modes["restore_process_zygote"]["zygote_preload_s"] > 0
+    assert "restore_process_zygote" in proc.stdout
+
+
 def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_with_tokenizer):
     from snapfn.handler.llm.bench.child import MODES, parse_args
     from snapfn.handler.llm.bench.cli import format_report
@@ -131,6 +156,7 @@ def test_each_restore_is_reported_against_its_floor():
     results = {
         "restore": {"first_token_s": 3.0},
         "restore_process": {"first_token_s": 0.6},
+        "restore_process_zygote": {"first_token_s": 0.45},
         "restore_cold": {"first_token_s": 12.0},
         "restore_cold_snapshot": {"first_token_s": 11.0},
         "cold_init": {"first_token_s": 40.0},
@@ -139,6 +165,7 @@ def test_each_restore_is_reported_against_its_floor():
     assert floor_ratios(results, floors) == {
         "restore_first_token_vs_h2d_floor": 10.0,
         "restore_process_first_token_vs_h2d_floor": 2.0,
+        "restore_process_zygote_first_token_vs_h2d_floor": 1.5,
         "restore_cold_first_token_vs_disk_floor": 1.2,
         "restore_cold_snapshot_first_token_vs_disk_floor": 1.1,
     }

@@ -60,6 +60,7 @@ ALL_MODES = (
     "restore_drifted",
     "init_process",
     "restore_process",
+    "restore_process_zygote",
     "steady",
     "restore_s3",
     "prefix",
@@ -148,13 +149,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DRIFTED_COMPAT = {"torch": "0.0.1", "gpu_name": "another GPU", "driver_version": "1.0.0"}
 
 
+# modes a zygote's child runs (run_zygote_mode), and the child mode each runs
+ZYGOTE_MODES = {"restore_zygote": "restore", "restore_process_zygote": "restore_process"}
+
+
 def child_argv(mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]) -> list[str]:
     child_mode = (
         "restore"
         if mode in ("restore_zygote", "restore_cold", "restore_cold_snapshot", "restore_drifted")
-        else mode
+        else ZYGOTE_MODES.get(mode, mode)
     )
-    snapshot = workdir / ("snapshot_process" if mode.endswith("_process") else "snapshot")
+    process = child_mode.endswith("_process")
+    snapshot = workdir / ("snapshot_process" if process else "snapshot")
     cache = workdir / "cache"
     if mode == "restore_drifted":
         snapshot, cache = workdir / "snapshot_drifted", workdir / "cache_drifted"
@@ -182,29 +188,33 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def run_zygote_mode(args: argparse.Namespace, workdir: Path, extra: list[str]) -> dict[str, Any]:
-    """Start a zygote (timed apart), then time fork → restore → first token."""
+def run_zygote_mode(
+    mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]
+) -> dict[str, Any]:
+    """Start a zygote (timed apart), then time fork → restore → first token: tier 0
+    (`restore_zygote`) or tier 1 (`restore_process_zygote`: the restoring side forked, as a
+    serve worker or an activator's instance is, the worker itself restored by criu)."""
     from snapfn.handler.llm.recipes.function import ZYGOTE_PRELOAD
     from snapfn.snapshot.zygote.owner import Zygote
 
     with Zygote.start(ZYGOTE_PRELOAD) as zygote, open(os.devnull, "w") as devnull:
-        argv = child_argv("restore_zygote", args, workdir, extra)
+        argv = child_argv(mode, args, workdir, extra)
         target = "snapfn.handler.llm.bench.child:zygote_target"
         worker = zygote.fork(target, {"argv": argv}, stdout=devnull, stderr=devnull)
         result = worker.channel.recv(timeout_s=args.timeout_s)
         code = worker.wait(timeout_s=60)
         preload_s = zygote.preload_seconds
     if result is None:
-        return {"mode": "restore_zygote", "error": f"worker exited {code} without a result"}
-    return {**result, "mode": "restore_zygote", "zygote_preload_s": round(preload_s, 3)}
+        return {"mode": mode, "error": f"worker exited {code} without a result"}
+    return {**result, "mode": mode, "zygote_preload_s": round(preload_s, 3)}
 
 
 def run_mode(
     mode: str, args: argparse.Namespace, workdir: Path, extra: list[str]
 ) -> dict[str, Any]:
     """Run one mode in a fresh process (or a zygote worker) and parse its result line."""
-    if mode == "restore_zygote":
-        return run_zygote_mode(args, workdir, extra)
+    if mode in ZYGOTE_MODES:
+        return run_zygote_mode(mode, args, workdir, extra)
     from snapfn.handler.llm.bench.child import child_command
 
     argv = child_argv(mode, args, workdir, extra)
@@ -262,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         if mode == "restore" and weights.exists():
             floors = floors or measure_floors(args, weights)
             prewarm([p for p in (workdir / "snapshot").rglob("*") if p.is_file()])
-        if mode == "restore_process":
+        if mode in ("restore_process", "restore_process_zygote"):
             prewarm([p for p in (workdir / "snapshot_process").rglob("*") if p.is_file()])
         if mode in ("restore_cold", "restore_cold_snapshot"):
             if weights.exists():  # the disk's floor (its probe leaves the file cached)
@@ -290,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
 
             results.update(run_structured_modes(args, workdir, run_mode_process))
             continue
-        with_decode = mode in ("cold_init", "restore_process", "steady", "mtp")
+        with_decode = mode in ("cold_init", "restore_process", "restore_process_zygote")
+        with_decode = with_decode or mode in ("steady", "mtp")
         extra = decode if with_decode else []
         if mode == "steady":
             extra = extra + ["--prefill-tokens", str(args.prefill_tokens)]
@@ -343,7 +354,11 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     )
     if cold_init and drifted:
         out["restore_drifted_speedup_vs_cold_init"] = round(cold_init / drifted, 2)
-    same = [m for m in ("restore", "restore_drifted", "restore_process") if _same_token(results, m)]
+    same = [
+        m
+        for m in ("restore", "restore_drifted", "restore_process", "restore_process_zygote")
+        if _same_token(results, m)
+    ]
     out.update({f"{m}_token_equals_cold_init": True for m in same})
     for mode in ("restore_cold", "restore_cold_snapshot"):
         cold = _stage_seconds(results.get(mode, {}), "stream_weights")
@@ -357,6 +372,7 @@ RESTORE_FLOORS = {
     "restore": "h2d_floor_s",
     "restore_zygote": "h2d_floor_s",
     "restore_process": "h2d_floor_s",
+    "restore_process_zygote": "h2d_floor_s",
     "restore_cold": "disk_floor_s",
     "restore_cold_snapshot": "disk_floor_s",
 }
