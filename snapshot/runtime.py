@@ -209,7 +209,8 @@ def _read_ahead(fn: SnapshotFunction, snapshot_dir: Path, arriving) -> ReadAhead
     if reads is None or arriving is not None:
         return None
     paths = reads(snapshot_dir)
-    return pagecache.read_ahead(paths) if paths else None
+    io_class = "idle" if getattr(fn, "restore_read_priority", "normal") == "idle" else None
+    return pagecache.read_ahead(paths, io_class=io_class) if paths else None
 
 
 def _fallback_function(make_fn, fallback, recorded, refused) -> SnapshotFunction:

@@ -9,6 +9,8 @@ the graphs captured before ready."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -199,16 +201,27 @@ def test_the_weights_file_is_read_ahead_where_the_page_cache_dropped_it(made, tm
     model_dir, snap = made
     weights = snap / "weights" / "rank0.bin"
     runs = {}
-    for name, ahead, dropped in (("cold", True, True), ("warm", True, False), ("off", False, True)):
+    for name, ahead, dropped in (
+        ("cold", True, True),
+        ("idle", True, True),
+        ("warm", True, False),
+        ("off", False, True),
+    ):
         if dropped and not drop([weights]):
             pytest.skip("posix_fadvise(DONTNEED) is ignored on this filesystem")
         cfg = replace(config(tmp_path / name, False), restore_read_ahead=ahead)
+        if name == "idle":
+            cfg = replace(cfg, restore_read_ahead_priority="idle")
         fn, startup = restore(lambda c=cfg: LLMFunction(c, model_dir), snap, log=None)
         assert startup.tier == "portable" and not startup.fallbacks
         runs[name] = (startup.info.get("read_ahead"), fn.health)
         fn.release()
     assert runs["cold"][0]["read_bytes"] <= weights.stat().st_size
+    assert "io_class" not in runs["cold"][0]
+    if platform.machine() in ("x86_64", "aarch64"):  # the idle class asked for and given
+        assert runs["idle"][0]["io_class"] == "idle"
     assert runs["warm"][0] == {"skipped": "100% resident already"}
     assert runs["off"][0] is None
-    assert runs["cold"][1] == runs["warm"][1] == runs["off"][1]  # the init's token, each time
+    health = {name: run[1] for name, run in runs.items()}
+    assert len({repr(h) for h in health.values()}) == 1, health  # the init's token, each time
     assert residency([weights]).fraction >= 0.99

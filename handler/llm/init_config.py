@@ -53,6 +53,9 @@ class InitConfig:
     preemption: bool = True  # KV pages as tokens need them, preempting (engine/scheduler.py)
     restore_overlap: bool = True  # tier 0: the KV pool and warmup while weights stream
     restore_read_ahead: bool = True  # tier 0: the weights file into the page cache from the start
+    # the read-ahead's I/O class: "normal" (the process's) or "idle" (the disk serves the
+    # process's other reads first: its imports' page faults; snapshot/portable/ioprio.py)
+    restore_read_ahead_priority: str = "normal"
     # tier 0: each decode graph captured by its first decode step, not before ready (graphs.py)
     restore_graphs_on_first_use: bool = True
     speculative_tokens: int = 0  # MTP drafts per decode step (engine/speculative.py); 0: off
@@ -100,6 +103,11 @@ class InitConfig:
             raise BadRequest(
                 "stream_ring_pinning (SNAPFN_STREAM_RING_PINNING) must be register or alloc, "
                 f"got {self.stream_ring_pinning!r}"
+            )
+        if self.restore_read_ahead_priority not in ("normal", "idle"):
+            raise BadRequest(
+                "restore_read_ahead_priority (SNAPFN_RESTORE_READ_AHEAD_PRIORITY) must be normal"
+                f" or idle, got {self.restore_read_ahead_priority!r}"
             )
         if any(size < 1 for size in self.prefill_chunk_sizes):
             raise BadRequest(

@@ -14,7 +14,8 @@ Contract:
   `POSIX_FADV_WILLNEED`: the kernel caps one advice at its readahead window, a few MB.) It
   reads nothing where the files are mostly resident already or would not fit the memory the
   kernel has free (they would evict each other), and says which; that check runs on the thread
-  too (`mincore` over a 16 GB file walks 4M pages: 0.3 s on the 2-core CPU machine).
+  too (`mincore` over a 16 GB file walks 4M pages: 0.3 s on the 2-core CPU machine). With
+  `io_class="idle"` its thread asks the disk to serve the process's other reads first (`ioprio.py`).
 - `drop(paths)` asks the kernel to evict the files' clean pages (`POSIX_FADV_DONTNEED`; no fsync
   is done, so dirty pages stay) and says whether residency actually went down. Writing "1" to
   /proc/sys/vm/drop_caches (every clean page of every file on the host) happens only when the
@@ -163,10 +164,18 @@ class ReadAhead:
     """A `read_ahead` in flight: `stop()` ends it between ranges; `figures()` says what it did;
     `check`: its thread first decides whether to read at all (`_why_not_read`)."""
 
-    def __init__(self, paths: list[Path], skipped: str | None = None, check: bool = False) -> None:
+    def __init__(
+        self,
+        paths: list[Path],
+        skipped: str | None = None,
+        check: bool = False,
+        io_class: str | None = None,
+    ) -> None:
         self.paths = paths
         self.skipped = skipped
         self._check = check
+        self.io_class = io_class  # its thread's I/O class (ioprio.py); None: the process's
+        self.io_class_error: str | None = None
         self.read_bytes = 0
         self.seconds = 0.0
         self.error: str | None = None
@@ -182,6 +191,10 @@ class ReadAhead:
         if self._check and (why := _why_not_read(self.paths)) is not None:
             self.skipped = why
             return
+        if self.io_class is not None:
+            from snapfn.snapshot.portable.ioprio import set_thread_class
+
+            self.io_class_error = set_thread_class(self.io_class)
         buf = memoryview(bytearray(READ_AHEAD_BLOCK))
         try:
             for path in self.paths:
@@ -219,16 +232,22 @@ class ReadAhead:
             out["seconds"] = round(self.seconds, 3)
         if self.error is not None:
             out["error"] = self.error
+        if self.io_class is not None:
+            from snapfn.snapshot.portable.ioprio import scheduler
+
+            out["io_class"] = self.io_class_error or self.io_class
+            out["scheduler"] = scheduler(self.paths[0])
         return out
 
 
-def read_ahead(paths: Iterable[str | os.PathLike]) -> ReadAhead:
+def read_ahead(paths: Iterable[str | os.PathLike], io_class: str | None = None) -> ReadAhead:
     """Start reading `paths` into the page cache in the background (see the module docstring);
-    the returned job has started, or says in `skipped` why not."""
+    the returned job has started, or says in `skipped` why not. `io_class` ("idle"): its
+    thread's I/O class, so that the disk serves the process's other reads first (ioprio.py)."""
     files = [Path(p) for p in paths if Path(p).is_file()]
     if not files:
         return ReadAhead(files, skipped="no files")
-    job = ReadAhead(files, check=True)
+    job = ReadAhead(files, check=True, io_class=io_class)
     job._start()
     return job
 

@@ -678,6 +678,11 @@ class LLMFunction:
         start into the page cache before the first stage (`InitConfig.restore_read_ahead`)."""
         return [Path(snapshot_dir) / self.weights_file] if self.config.restore_read_ahead else []
 
+    @property
+    def restore_read_priority(self) -> str:
+        """The read-ahead's I/O priority (`InitConfig.restore_read_ahead_priority`)."""
+        return self.config.restore_read_ahead_priority
+
     def _overlaps_stream(self) -> bool:
         """Whether this restore makes and warms the KV pool while its weights stream
         (`InitConfig.restore_overlap`): one rank (several meet in collectives after agreeing),
