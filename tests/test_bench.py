@@ -97,6 +97,18 @@ def test_tier1_from_a_fresh_process_and_from_a_zygote_give_the_cold_init_token(
     assert "restore_process_zygote" in proc.stdout
 
 
+def test_a_zygote_mode_that_fails_says_why(tmp_path):
+    """A restore forked from the zygote reports its exception's line, as a fresh process's."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "snapfn.handler.cli", "bench", "--workdir", str(tmp_path)]
+    cmd += ["--modes", "restore_process_zygote", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    error = json.loads(out.read_text())["modes"]["restore_process_zygote"]["error"]
+    assert error.startswith("snapfn.snapshot.process.snapshot.ProcessRestoreFailed: ")
+    assert "no snapshot directory there" in error
+
+
 def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_with_tokenizer):
     from snapfn.handler.llm.bench.child import MODES, parse_args
     from snapfn.handler.llm.bench.cli import format_report

@@ -361,9 +361,16 @@ def _sync(device: str) -> None:
 
 
 def zygote_target(args: dict[str, Any], channel) -> None:
-    """Entry point of a worker forked from a zygote: run one mode, answer on the channel."""
+    """Entry point of a worker forked from a zygote: run one mode, answer on the channel (its
+    exception as the result's one-line `error`, as a fresh process's child reports it)."""
     parsed = parse_args(args["argv"])
-    channel.send({"mode": parsed.mode, **MODES[parsed.mode](parsed)})
+    try:
+        result = MODES[parsed.mode](parsed)
+    except Exception as exc:
+        reason = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}".splitlines()[0]
+        channel.send({"mode": parsed.mode, "error": reason})
+        raise
+    channel.send({"mode": parsed.mode, **result})
 
 
 MODES = {
