@@ -115,6 +115,41 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    """Mistral with a sliding window (transformers' default config has one): the engine serves
+    at most the window's tokens, where windowed attention is full attention."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return save_tiny(
+        tmp_path_factory,
+        "mistral",
+        3,
+        MistralConfig,
+        MistralForCausalLM,
+        intermediate_size=96,
+        sliding_window=96,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory):
+    """Llama with `attention_bias` (q, k, v and o_proj biased), one KV head, tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_tiny(
+        tmp_path_factory,
+        "llama-bias",
+        4,
+        LlamaConfig,
+        LlamaForCausalLM,
+        intermediate_size=96,
+        num_key_value_heads=1,
+        attention_bias=True,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
 def llama_with_tokenizer(tiny_llama_dir, tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

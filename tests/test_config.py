@@ -58,7 +58,11 @@ def test_dtype_from_v5_dtype_key():
         ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"torch_dtype": "int8"}, "dtype 'int8'"),
-        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": None},
+            "sliding_window to be a positive integer, got None",
+        ),
+        ({"model_type": "mistral", "sliding_window": 0}, "positive integer, got 0"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(update, message):
@@ -87,3 +91,35 @@ def test_glm_indexer_types_must_start_full():
         ModelConfig.from_hf(glm)
     cfg = ModelConfig.from_hf({**glm, "indexer_types": ["full", "shared"]})
     assert cfg.arch == "glm_moe_dsa" and cfg.dsa.indexer_types == ("full", "shared")
+
+
+@pytest.mark.parametrize(
+    "update, window",
+    [
+        ({"model_type": "mistral", "sliding_window": 4096}, 4096),
+        ({"model_type": "mistral", "sliding_window": None}, None),
+        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, None),
+        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}, 64),
+        ({"model_type": "llama"}, None),
+    ],
+)
+def test_a_sliding_window_is_kept_where_it_is_on(update, window):
+    assert ModelConfig.from_hf({**BASE, **update}).sliding_window == window
+
+
+@pytest.mark.parametrize(
+    "model_type, bias, qkv, o_proj",
+    [
+        ("llama", True, True, True),
+        ("qwen3", True, True, True),
+        ("qwen2", None, True, False),  # transformers' Qwen2: q/k/v biased, o_proj not
+        ("llama", None, False, False),
+        ("mistral", None, False, False),
+    ],
+)
+def test_which_attention_projections_carry_biases(model_type, bias, qkv, o_proj):
+    raw = {**BASE, "model_type": model_type}
+    if bias is not None:
+        raw["attention_bias"] = bias
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.attention_bias, cfg.o_proj_bias) == (qkv, o_proj)

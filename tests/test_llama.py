@@ -15,7 +15,13 @@ from parity import (
     random_prompts,
 )
 
-ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+ARCHS = [
+    "tiny_llama_dir",
+    "tiny_qwen2_dir",
+    "tiny_qwen3_dir",
+    "tiny_mistral_dir",
+    "tiny_llama_bias_dir",
+]
 
 
 @pytest.mark.parametrize("fixture", ARCHS)
@@ -66,3 +72,18 @@ def test_rotary_table_rows_equal_the_per_step_cos_sin(monkeypatch, rope_type):
     # the same float32 ops, once for all positions: the rows agree to float32 rounding
     torch.testing.assert_close(cos, want_cos, atol=0, rtol=2**-8)
     torch.testing.assert_close(sin, want_sin, atol=0, rtol=2**-8)
+
+
+def test_a_sliding_window_caps_the_context_served(tiny_mistral_dir):
+    """Within its window Mistral's attention is full attention: the engine serves that many
+    tokens at most (a longer prompt is refused, saying so; a generation ends at it)."""
+    from snapfn.snapshot.errors import BadRequest
+
+    engine = our_engine(tiny_mistral_dir)
+    assert engine.model.config.sliding_window == 96 and engine.max_model_len == 96
+    with pytest.raises(BadRequest, match="more than the 95 this engine accepts"):
+        engine.generate(random_prompts(256, [96]), greedy(1))
+    (ids,) = random_prompts(256, [90], seed=5)
+    (result,) = engine.generate([ids], greedy(32))
+    assert len(result.token_ids) == 6 and result.finish_reason == "length"
+    assert list(result.token_ids) == hf_greedy(hf_model(tiny_mistral_dir), ids, 6)

@@ -2,8 +2,12 @@
 
 `ModelConfig.from_hf(dict)` accepts what transformers 4.x and 5.x write: `rope_theta` +
 `rope_scaling` (4.x) or `rope_parameters` (5.x). Anything we do not implement — an unknown
-`model_type`, a RoPE type, a quantization method, sliding windows — is refused with an
-`UnsupportedModel` error that names the field, never silently ignored.
+`model_type`, a RoPE type, a quantization method — is refused with an `UnsupportedModel` error
+that names the field, never silently ignored. A sliding attention window (Mistral's
+`sliding_window`, Qwen's `use_sliding_window`) is kept as `sliding_window`, and the engine serves
+at most that many tokens of context: within it, windowed attention is full causal attention
+(transformers masks only keys `sliding_window` or more positions back), so the outputs are the
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections' biases
+    o_proj_bias: bool = False  # the attention output's (Llama's and Qwen3's attention_bias)
+    sliding_window: int | None = None  # the context the engine serves is capped at it
     qk_norm: bool = False
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
@@ -145,15 +151,25 @@ def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window some or all layers use, or None (full attention everywhere). Qwen
+    turns it on with `use_sliding_window`; Mistral's `sliding_window` is on unless null."""
+    window = raw.get("sliding_window")
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        on = bool(raw.get("use_sliding_window"))
+    else:
+        on = window is not None and raw.get("use_sliding_window", True) is not False
+    if not on:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModel(
+            f"a sliding attention window needs sliding_window to be a positive integer, got "
+            f"{window!r}"
+        )
+    return window
+
+
 def _refuse_unsupported_options(raw: dict[str, Any]) -> None:
-    if (
-        raw.get("sliding_window")
-        and raw.get("use_sliding_window", True)
-        and raw.get("model_type") not in ("qwen2", "qwen3")
-    ):
-        raise UnsupportedModel(f"sliding_window={raw['sliding_window']} is not supported")
-    if raw.get("model_type") in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
-        raise UnsupportedModel("use_sliding_window=true is not supported")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -180,6 +196,10 @@ def _common_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         max_position_embeddings=int(_get(raw, "max_position_embeddings", 4096)),
         tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
         attention_bias=bool(_get(raw, "attention_bias", raw.get("model_type") == "qwen2")),
+        # transformers' Qwen2 biases q/k/v only; Llama and Qwen3 give o_proj attention_bias too
+        o_proj_bias=raw.get("model_type") in ("llama", "qwen3")
+        and bool(_get(raw, "attention_bias", False)),
+        sliding_window=_sliding_window(raw),
         qk_norm=raw.get("model_type") == "qwen3",
         torch_dtype=_parse_dtype(raw),
         eos_token_ids=_as_ids(raw.get("eos_token_id")),

@@ -117,8 +117,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         cfg: ModelConfig = model.config
+        # NOTE: capped at a sliding attention window: within it windowed attention is full
+        # attention, which is what the kernels compute (config.py)
         self.max_model_len = min(
-            sched.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+            sched.max_model_len or cfg.max_position_embeddings,
+            cfg.max_position_embeddings,
+            cfg.sliding_window or cfg.max_position_embeddings,
         )
         self.scheduler = Scheduler(
             kv.allocator,

@@ -37,7 +37,9 @@ class LlamaAttention(nn.Module):
         self.rows = [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd]
         parts = list(zip(("q_proj", "k_proj", "v_proj"), self.rows, strict=True))
         self.qkv_proj = model.fused_linear(prefix, "qkv_proj", parts, cfg.hidden_size, bias)
-        self.o_proj = model.row_linear(f"{prefix}.o_proj", self.num_heads * hd, cfg.hidden_size)
+        self.o_proj = model.row_linear(
+            f"{prefix}.o_proj", self.num_heads * hd, cfg.hidden_size, cfg.o_proj_bias
+        )
         if cfg.qk_norm:
             self.q_norm = model.norm(hd)
             self.k_norm = model.norm(hd)
