@@ -34,6 +34,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=g)
+        if p.numel() == 0:  # a module of size 0 (n_shared_experts=0)
+            continue
         if name.endswith("embed_tokens.weight"):
             p.copy_(noise)
         elif p.ndim == 1:

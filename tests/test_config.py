@@ -70,6 +70,44 @@ def test_unsupported_options_are_refused_by_name(update, message):
         ModelConfig.from_hf({**BASE, **update})
 
 
+GLM = {
+    **BASE,
+    "model_type": "glm_moe_dsa",
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+@pytest.mark.parametrize(
+    "update, dense",
+    [
+        ({"first_k_dense_replace": 1}, 1),
+        ({"first_k_dense_replace": 5}, 2),  # transformers caps it at the layers
+        ({"first_k_dense_replace": 0, "mlp_layer_types": ["dense", "sparse"]}, 1),
+        ({"first_k_dense_replace": 1, "mlp_layer_types": ["sparse", "sparse"]}, 0),
+    ],
+)
+def test_glm_dense_layers_follow_mlp_layer_types_where_listed(update, dense):
+    assert ModelConfig.from_hf({**GLM, **update}).moe.first_k_dense_replace == dense
+
+
+@pytest.mark.parametrize(
+    "types", [["sparse", "dense"], ["dense"], ["dense", "moe"], "dense,sparse"]
+)
+def test_glm_mlp_layer_types_other_than_dense_then_sparse_are_refused(types):
+    with pytest.raises(UnsupportedModel, match="mlp_layer_types must list 2 layers, the dense"):
+        ModelConfig.from_hf({**GLM, "mlp_layer_types": types})
+
+
 def test_glm_indexer_types_must_start_full():
     glm = {
         **BASE,

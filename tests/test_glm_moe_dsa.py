@@ -305,3 +305,19 @@ def test_kv_buffers_hold_latent_everywhere_and_index_keys_on_full_layers(glm_dir
     # HF keeps the indexer's weights_proj and the router in float32 whatever the model dtype
     assert model.model.layers[2].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"n_shared_experts": 0},  # transformers writes the shared experts as empty tensors
+        # transformers' modeling follows mlp_layer_types over first_k_dense_replace
+        {"mlp_layer_types": ["dense", "dense", "sparse", "sparse"], "first_k_dense_replace": 1},
+    ],
+    ids=["no-shared-experts", "mlp-layer-types"],
+)
+def test_configurations_transformers_writes_match_it(tmp_path, overrides):
+    model_dir = save_tiny_glm(tmp_path / "glm", seed=6, **overrides)
+    (ids,) = random_prompts(256, [19], seed=1)
+    ours = our_prefill_logits(our_engine(model_dir), ids, 64)
+    torch.testing.assert_close(ours, hf_logits(hf_model(model_dir), ids), atol=2e-4, rtol=1e-4)

@@ -247,10 +247,27 @@ def _glm_fields(raw: dict[str, Any]) -> dict[str, Any]:
             topk_group=int(_get(raw, "topk_group", 1)),
             routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(_get(raw, "norm_topk_prob", True)),
-            first_k_dense_replace=int(_get(raw, "first_k_dense_replace", 0)),
+            first_k_dense_replace=_dense_layers(raw, num_layers),
         ),
         num_mtp_layers=int(_get(raw, "num_nextn_predict_layers", 0)),
     )
+
+
+def _dense_layers(raw: dict[str, Any], num_layers: int) -> int:
+    """How many leading layers run a dense MLP, the rest MoE: transformers' `mlp_layer_types`
+    where config.json lists it (its modeling follows that list, whatever
+    `first_k_dense_replace` says), else `first_k_dense_replace`."""
+    declared = raw.get("mlp_layer_types")
+    if declared is None:
+        return min(int(_get(raw, "first_k_dense_replace", 0)), num_layers)
+    kinds = list(declared) if isinstance(declared, list) else []
+    dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+    if len(kinds) != num_layers or kinds[dense:] != ["sparse"] * (num_layers - dense):
+        raise UnsupportedModel(
+            f"mlp_layer_types must list {num_layers} layers, the dense ones first and then "
+            f"sparse, got {declared!r}"
+        )
+    return dense
 
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:

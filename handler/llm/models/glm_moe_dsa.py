@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.models.base import CausalLM, WeightTarget
@@ -39,7 +38,6 @@ from snapfn.handler.llm.models.mlp import SwiGLUMLP
 from snapfn.handler.llm.models.moe import MoE
 from snapfn.handler.llm.models.tensor_parallel import gather_vocab
 from snapfn.handler.llm.weights.sharding import local_expert_range
-from snapfn.snapshot.errors import UnsupportedModel
 
 EXPERT_WEIGHT = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"
@@ -123,7 +121,6 @@ class GlmModel(nn.Module):
 class GlmMoeDsaForCausalLM(CausalLM):
     def __init__(self, config, backend, *, dtype, device, parallel=None) -> None:
         super().__init__(config, backend, dtype=dtype, device=device, parallel=parallel)
-        _check_mlp_layer_types(config)
         mla = config.mla
         self.local_experts = local_expert_range(config.moe.n_routed_experts, self.parallel)
         # how tokens meet other ep ranks' experts, shared by the MoE layers; None at ep 1
@@ -224,14 +221,3 @@ class GlmMoeDsaForCausalLM(CausalLM):
         if match is None or int(match[1]) < self.config.num_layers:
             return name
         return f"mtp.{int(match[1]) - self.config.num_layers}.{name[match.end() :]}"
-
-
-def _check_mlp_layer_types(config: ModelConfig) -> None:
-    """We place MoE layers by `first_k_dense_replace`; refuse a config.json that says otherwise."""
-    declared = config.raw.get("mlp_layer_types")
-    first_moe = config.moe.first_k_dense_replace
-    expected = ["dense" if i < first_moe else "sparse" for i in range(config.num_layers)]
-    if declared is not None and list(declared) != expected:
-        raise UnsupportedModel(
-            f"mlp_layer_types {declared} is not 'first_k_dense_replace={first_moe} dense, then sparse'"
-        )

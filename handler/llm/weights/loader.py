@@ -53,13 +53,15 @@ def check_fp8_pairs(ckpt: Checkpoint) -> None:
 
 
 def plan_targets(model: CausalLM, ckpt: Checkpoint) -> tuple[dict[str, WeightTarget], list[str]]:
-    """Map every checkpoint tensor to a parameter; the rest must be on the not-loaded list."""
+    """Map every checkpoint tensor to a parameter; the rest must be on the not-loaded list or
+    hold no element (transformers writes a module of size 0 as empty tensors: GLM's shared
+    experts with `n_shared_experts=0`), which no computation can read."""
     targets, skipped, unexpected = {}, [], []
     for name in sorted(ckpt.tensors):
         target = model.map_weight(name)
         if target is not None:
             targets[name] = target
-        elif model.is_not_loaded(name):
+        elif model.is_not_loaded(name) or 0 in ckpt.tensors[name].shape:
             skipped.append(name)
         else:
             unexpected.append(name)
