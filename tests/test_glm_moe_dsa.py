@@ -321,3 +321,34 @@ def test_configurations_transformers_writes_match_it(tmp_path, overrides):
     (ids,) = random_prompts(256, [19], seed=1)
     ours = our_prefill_logits(our_engine(model_dir), ids, 64)
     torch.testing.assert_close(ours, hf_logits(hf_model(model_dir), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_declared_mtp_layers_without_weights_build_a_model_without_them(tmp_path):
+    """transformers saves GLM without its MTP layers, whatever `num_nextn_predict_layers` says:
+    the model is the main one (transformers' logits), speculation is refused in one line, and
+    a snapshot of it restores the same model."""
+    from snapfn.handler.llm.init_config import InitConfig
+    from snapfn.handler.llm.recipes.function import LLMFunction
+    from snapfn.snapshot.errors import UnsupportedModel
+    from snapfn.snapshot.runtime import init_and_snapshot, restore
+
+    model_dir = save_tiny_glm(tmp_path / "glm", seed=7, num_nextn_predict_layers=1)
+    assert not any(".layers.4." in n for n in Checkpoint.open(model_dir).tensors)
+    engine = our_engine(model_dir)
+    assert engine.model.config.num_mtp_layers == 0 and len(engine.model.mtp) == 0
+    (ids,) = random_prompts(VOCAB, [19], seed=1)
+    torch.testing.assert_close(
+        our_prefill_logits(engine, ids, 64),
+        hf_logits(hf_model(model_dir), ids),
+        atol=2e-4,
+        rtol=1e-4,
+    )
+    with pytest.raises(UnsupportedModel, match="declares 1 .* but holds none of their weights"):
+        our_engine(model_dir, speculative_tokens=2)
+    config = InitConfig(page_size=4, kv_cache_bytes_cpu=1 << 20, cache_dir=tmp_path / "cache")
+    cold = LLMFunction(config, model_dir)
+    startup = init_and_snapshot(cold, tmp_path / "snap", log=None)
+    assert startup.stage("load_weights").figures["mtp_layers"] == "1 declared, 0 in the checkpoint"
+    fn, restored = restore(lambda: LLMFunction(config, model_dir), tmp_path / "snap", log=None)
+    assert restored.tier == "portable" and not restored.fallbacks
+    assert fn.health == cold.health and fn.model.config.num_mtp_layers == 0

@@ -7,7 +7,8 @@ The init phase (snapshot/) times each of these as a stage; here they are plain f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +49,17 @@ def resolve_dtype(config: ModelConfig, requested: str, device: str = "cpu") -> t
     return DTYPES[requested]
 
 
+def with_held_mtp_layers(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """`config` with as many MTP layers as `names` hold (a checkpoint's tensors or a restore
+    layout's parameters: `glm_moe_dsa.mtp_layers_held`), where config.json declares more."""
+    if not config.num_mtp_layers:
+        return config
+    from snapfn.handler.llm.models.glm_moe_dsa import mtp_layers_held
+
+    held = mtp_layers_held(config, names)
+    return config if held == config.num_mtp_layers else replace(config, num_mtp_layers=held)
+
+
 def build_model(config: ModelConfig, opts: EngineOptions) -> CausalLM:
     backend = get_backend(opts.backend, opts.device)
     dtype = resolve_dtype(config, opts.dtype, opts.device)
@@ -80,8 +92,8 @@ class LoadedEngine:
 def build_engine(model_dir: Path | str, opts: EngineOptions | None = None) -> LoadedEngine:
     opts = opts or EngineOptions()
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint.open(model_dir)
+    config = with_held_mtp_layers(ModelConfig.from_dir(model_dir), ckpt.tensors)
     model = build_model(config, opts)
     report = load_weights(model, ckpt)
     kv = allocate_kv(model, plan_num_pages(model, opts), opts.scheduler.page_size)

@@ -5,7 +5,9 @@ Parameter names equal the Hugging Face checkpoint names, with two mappings (`map
   fills row `e - first_local_expert` of `model.layers.{i}.mlp.experts.gate(_scale_inv)`;
 - MTP layers: `model.layers.{num_layers + j}.X` fills `mtp.{j}.X`. They are always loaded
   and coverage-checked; their `embed_tokens` and `shared_head.head`, when present, are copies
-  of the main model's (DeepSeek-V3 shares them) and are not loaded.
+  of the main model's (DeepSeek-V3 shares them) and are not loaded. A checkpoint that holds
+  none of a declared MTP layer's tensors (transformers saves GLM without them) is built without
+  it (`mtp_layers_held`, `build.with_held_mtp_layers`).
 
 KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) and "index_k"
 (`index_head_dim`) on the "full" indexer layers only, stored densely: full layer `i` uses
@@ -23,11 +25,13 @@ the layer's own output (before `shared_head.norm`) as its hidden state.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.engine.kv_pool import KVBufferSpec, KVPool
 from snapfn.handler.llm.models.base import CausalLM, WeightTarget
@@ -38,12 +42,32 @@ from snapfn.handler.llm.models.mlp import SwiGLUMLP
 from snapfn.handler.llm.models.moe import MoE
 from snapfn.handler.llm.models.tensor_parallel import gather_vocab
 from snapfn.handler.llm.weights.sharding import local_expert_range
+from snapfn.snapshot.errors import UnsupportedModel
 
 EXPERT_WEIGHT = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"
 )
 LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.")
 MTP_SHARED_COPIES = r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight"
+MTP_PARAMETER = re.compile(r"mtp\.(\d+)\.")
+
+
+def mtp_layers_held(config: ModelConfig, names: Iterable[str]) -> int:
+    """How many of the MTP layers config.json declares are held, counted from the first:
+    `names` are a checkpoint's tensors (`model.layers.{num_layers + j}.…`) or a restore
+    layout's parameters (`mtp.{j}.…`). transformers saves a GLM without them, whatever
+    `num_nextn_predict_layers` says; the model is then built without them."""
+    held = set()
+    for name in names:
+        match = LAYER_PREFIX.match(name)
+        if match is not None and int(match[1]) >= config.num_layers:
+            held.add(int(match[1]) - config.num_layers)
+        elif (match := MTP_PARAMETER.match(name)) is not None:
+            held.add(int(match[1]))
+    count = 0
+    while count < config.num_mtp_layers and count in held:
+        count += 1
+    return count
 
 
 def index_slots(indexer_types: tuple[str, ...]) -> tuple[int | None, ...]:
@@ -140,6 +164,13 @@ class GlmMoeDsaForCausalLM(CausalLM):
         self.lockstep = getattr(self.exchange, "lockstep", False)
 
     def use_draft_layers(self) -> None:
+        declared = int(self.config.raw.get("num_nextn_predict_layers") or 0)
+        if not self.config.num_mtp_layers and declared:
+            raise UnsupportedModel(
+                "speculative decoding drafts with the model's MTP layers, and this checkpoint "
+                f"declares {declared} (num_nextn_predict_layers) but holds none of their weights "
+                "(transformers saves GLM without them): set SNAPFN_SPECULATIVE_TOKENS=0"
+            )
         if not self.config.num_mtp_layers:
             super().use_draft_layers()  # refused: nothing to draft with
         self.num_draft_layers = self.config.num_mtp_layers

@@ -231,12 +231,18 @@ class LLMFunction:
         figures.update(report_fields(report))
 
     def stage_load_weights(self, figures: Figures) -> None:
-        from snapfn.handler.llm.build import build_model
+        from snapfn.handler.llm.build import build_model, with_held_mtp_layers
         from snapfn.handler.llm.config import ModelConfig
         from snapfn.handler.llm.weights.loader import load_weights
 
         self._cuda_ready(figures)
-        self._model_config = ModelConfig.from_dir(self.source)
+        declared = ModelConfig.from_dir(self.source)
+        self._model_config = with_held_mtp_layers(declared, self._checkpoint.tensors)
+        if self._model_config.num_mtp_layers < declared.num_mtp_layers:
+            figures["mtp_layers"] = (
+                f"{declared.num_mtp_layers} declared, {self._model_config.num_mtp_layers} in the "
+                "checkpoint"
+            )
         self.model = build_model(
             self._model_config, self.config.engine_options(parallel=self.parallel)
         )
@@ -649,7 +655,7 @@ class LLMFunction:
         return streamer
 
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
-        from snapfn.handler.llm.build import build_model
+        from snapfn.handler.llm.build import build_model, with_held_mtp_layers
         from snapfn.handler.llm.config import ModelConfig
         from snapfn.snapshot.portable.format import load_json, read_regular_file
 
@@ -658,7 +664,10 @@ class LLMFunction:
             doc = load_json(raw)
         except ValueError as exc:
             raise RestoreFailed(f"the snapshot's model/config.json is {exc}") from None
-        self._model_config = ModelConfig.from_hf(doc)
+        # the MTP layers the init built: those its weights held (the layout's parameters)
+        self._model_config = with_held_mtp_layers(
+            ModelConfig.from_hf(doc), self._checked.layout.tensors
+        )
         self.model = build_model(
             self._model_config, self.config.engine_options(parallel=self.parallel)
         )
