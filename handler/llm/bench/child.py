@@ -67,16 +67,23 @@ def mode_safetensors(args: argparse.Namespace) -> dict[str, Any]:
     """(b) safetensors.load_file straight into our engine, eager, no snapshot."""
     from safetensors.torch import load_file
 
-    from snapfn.handler.llm.build import EngineOptions, allocate_kv, build_model, plan_num_pages
+    from snapfn.handler.llm.build import (
+        EngineOptions,
+        allocate_kv,
+        build_model,
+        plan_num_pages,
+        with_held_mtp_layers,
+    )
     from snapfn.handler.llm.config import ModelConfig
     from snapfn.handler.llm.engine.engine import Engine
     from snapfn.handler.llm.weights.checkpoint import Checkpoint
 
-    config = ModelConfig.from_dir(args.model)
+    ckpt = Checkpoint.open(args.model)
+    config = with_held_mtp_layers(ModelConfig.from_dir(args.model), ckpt.tensors)
     opts = EngineOptions(device=args.device)
     model = build_model(config, opts)
     params = dict(model.named_parameters())
-    for path in Checkpoint.open(args.model).files:
+    for path in ckpt.files:
         for name, tensor in load_file(path, device=args.device).items():
             target = model.map_weight(name)
             if target is not None:
