@@ -109,22 +109,7 @@ def test_glm_mlp_layer_types_other_than_dense_then_sparse_are_refused(types):
 
 
 def test_glm_indexer_types_must_start_full():
-    glm = {
-        **BASE,
-        "model_type": "glm_moe_dsa",
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 8,
-        "index_n_heads": 2,
-        "index_head_dim": 16,
-        "index_topk": 4,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "indexer_types": ["shared", "full"],
-    }
+    glm = {**GLM, "indexer_types": ["shared", "full"]}
     with pytest.raises(UnsupportedModel, match="indexer_types\\[0\\] must be 'full'"):
         ModelConfig.from_hf(glm)
     cfg = ModelConfig.from_hf({**glm, "indexer_types": ["full", "shared"]})
