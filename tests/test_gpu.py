@@ -25,7 +25,16 @@ def cuda_engine(model_dir, dtype="float32"):
     return build_engine(model_dir, opts).engine
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_mistral_dir",
+        "tiny_llama_bias_dir",
+    ],
+)
 def test_cuda_greedy_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts(256, [4, 19, 11], seed=5)
@@ -44,7 +53,7 @@ def test_cuda_bf16_logits_close_to_fp32_reference(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("on_first_use", [False, True])
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama_bias_dir"])
 def test_graph_replay_matches_eager(fixture, on_first_use, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts(256, [4, 19, 11], seed=5)
