@@ -59,10 +59,8 @@ def mtp_layers_held(config: ModelConfig, names: Iterable[str]) -> int:
     `num_nextn_predict_layers` says; the model is then built without them."""
     held = set()
     for name in names:
-        match = LAYER_PREFIX.match(name)
-        if match is not None and int(match[1]) >= config.num_layers:
-            held.add(int(match[1]) - config.num_layers)
-        elif (match := MTP_PARAMETER.match(name)) is not None:
+        match = MTP_PARAMETER.match(param_name(name, config.num_layers))
+        if match is not None:
             held.add(int(match[1]))
     count = 0
     while count < config.num_mtp_layers and count in held:
@@ -247,8 +245,13 @@ class GlmMoeDsaForCausalLM(CausalLM):
         return WeightTarget(param, index - self.local_experts.start)
 
     def param_name(self, name: str) -> str:
-        """`model.layers.{num_layers + j}.X` -> `mtp.{j}.X`; other names unchanged."""
-        match = LAYER_PREFIX.match(name)
-        if match is None or int(match[1]) < self.config.num_layers:
-            return name
-        return f"mtp.{int(match[1]) - self.config.num_layers}.{name[match.end() :]}"
+        """The parameter checkpoint tensor `name` fills (module-level `param_name`)."""
+        return param_name(name, self.config.num_layers)
+
+
+def param_name(name: str, num_layers: int) -> str:
+    """`model.layers.{num_layers + j}.X` -> `mtp.{j}.X`; other names unchanged."""
+    match = LAYER_PREFIX.match(name)
+    if match is None or int(match[1]) < num_layers:
+        return name
+    return f"mtp.{int(match[1]) - num_layers}.{name[match.end() :]}"
