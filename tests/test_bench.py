@@ -131,6 +131,9 @@ def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_wit
     assert prefill["x"] == pytest.approx(ratio, rel=0.02)
     assert result["memory_gbps"] > 0 and result["matmul_tflops"] > 0
     assert result["backend"] == "torch"
+    # no graphs on CPU: the short prompts' eager figures alone
+    assert [f["tokens"] for f in result["short_prefill"]] == [8, 32, 64]
+    assert all(f["eager_ms"] > 0 and "rows_ms" not in f for f in result["short_prefill"])
     report = {
         "model": "m",
         "device": "cpu",
@@ -140,6 +143,7 @@ def test_steady_mode_reports_decode_and_prefill_beside_their_rooflines(llama_wit
         "ratios": {},
     }
     assert "roofline" in format_report(report)
+    assert "short prompt, one token: 8 tok " in format_report(report)
 
 
 def test_decode_batches_are_distinct_prompts_within_the_vocabulary():

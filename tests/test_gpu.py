@@ -66,10 +66,11 @@ def test_graph_replay_matches_eager(fixture, on_first_use, request):
     eager = cuda_engine(model_dir).generate(prompts, greedy(16))
     engine = cuda_engine(model_dir)
     stats = engine.capture_graphs([1, 2, 4], max_seq_len=256, on_first_use=on_first_use)
-    if on_first_use:  # one request first: bucket 1 captured, then the three's bucket 4
+    if on_first_use:  # one request first: bucket 1 captured, then the three's bucket 4 (a
+        # prefill replays only captured buckets: its 4 tokens ran eagerly)
         (alone,) = engine.generate(prompts[:1], greedy(16))
         assert alone.token_ids == eager[0].token_ids
-        assert stats.captured_on_first_use == [1]
+        assert stats.captured_on_first_use == [1] and stats.prefill_replays == 0
     graphed = engine.generate(prompts, greedy(16))
     assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
     assert _flat(graphed) == pytest.approx(_flat(eager), abs=1e-5)
@@ -99,3 +100,57 @@ def test_a_tight_pool_preempts_between_graph_replays(tiny_llama_dir):
     assert engine.scheduler.num_preemptions > 0 and stats.replays > 0
     assert engine.overlapped_steps > 0 and stats.eager_fallbacks == 0
     assert engine.scheduler.num_available_pages() == 14
+
+
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_llama_bias_dir"]
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_short_prefills_through_decode_graphs_match_transformers(fixture, dtype, request):
+    """Prompts of up to the largest bucket, alone and in 8-token chunks beside decodes, prefilled
+    by replaying the decode graphs a row a token: transformers' greedy tokens (fp32), and the
+    eager prefill's within bf16's rounding."""
+    model_dir = request.getfixturevalue(fixture)
+    prompts = random_prompts(256, [3, 13, 30, 7], seed=9)
+    opts = EngineOptions(
+        device="cuda",
+        dtype=dtype,
+        num_pages=256,
+        scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=8),
+    )
+    eager = build_engine(model_dir, opts).engine.generate(prompts, greedy(12))
+    engine = build_engine(model_dir, opts).engine
+    stats = engine.capture_graphs([1, 2, 4, 8, 16, 32], max_seq_len=256)
+    alone = [engine.generate([p], greedy(12))[0] for p in prompts]  # each in chunks of 8
+    chunked = engine.generate(prompts, greedy(12))  # chunks of 8 beside decode rows
+    assert stats.prefill_replays > len(prompts) and stats.eager_fallbacks == 0
+    if dtype == "float32":
+        hf = hf_model(model_dir)
+        for prompt, one, many in zip(prompts, alone, chunked, strict=True):
+            want = hf_greedy(hf, prompt, 12)
+            assert list(one.token_ids) == want and list(many.token_ids) == want
+    for results in (alone, chunked):  # bf16: the first token's logprob, one rounding apart
+        got = [r.logprobs[0] for r in results]
+        assert got == pytest.approx(
+            [r.logprobs[0] for r in eager], abs=5e-2 if dtype == "bfloat16" else 1e-4
+        )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_uncaptured_bucket_gives_its_replay_bit_for_bit(tiny_llama_dir, dtype):
+    """A tier-0 restore (graphs captured on first use) runs a short prefill's rows eagerly over
+    the bucket's static inputs (`DecodeGraphs.run_uncaptured`); the init replays them from the
+    captured graph. The same kernels over the same inputs: the same logprobs, exactly, so every
+    process answers its first request as the cold init does."""
+    prompts = random_prompts(256, [6, 3, 13], seed=10)
+    opts = EngineOptions(
+        device="cuda", dtype=dtype, num_pages=256, scheduler=SchedulerConfig(page_size=4)
+    )
+    results = {}
+    for late in (False, True):
+        engine = build_engine(tiny_llama_dir, opts).engine
+        stats = engine.capture_graphs([1, 2, 4, 8, 16], max_seq_len=256, on_first_use=late)
+        results[late] = [engine.generate([p], greedy(1))[0] for p in prompts]
+        assert stats.prefill_replays == (0 if late else len(prompts))
+    for a, b in zip(results[True], results[False], strict=True):
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)

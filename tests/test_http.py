@@ -824,6 +824,7 @@ def test_metrics_parse_and_count(client):
         "snapfn_startup_stage_seconds",
         "snapfn_readiness",
         "snapfn_graph_eager_fallbacks",
+        "snapfn_graph_prefill_replays",
         "snapfn_snapshot_fallbacks",
     ):
         assert name in families, name

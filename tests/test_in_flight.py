@@ -28,6 +28,9 @@ class EagerGraphs:
         self.buckets = [max_batch]
         self.stats = GraphStats(buckets=self.buckets)
 
+    def captured(self, n):
+        return True  # short prefills replay as rows too (engine.py, _replay_rows)
+
     def bucket_for(self, batch):
         return self.buckets[0] if batch.is_decode and batch.num_seqs <= self.buckets[0] else None
 

@@ -811,8 +811,9 @@ def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dic
                 scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=256),
             )
             engine = build_engine(model, opts).engine
-            if run.endswith("-graphs"):  # decode replays captured graphs (MoE and DSA too)
-                graphs = engine.capture_graphs([1, 2, 4], max_seq_len=64)
+            if run.endswith("-graphs"):  # decode replays captured graphs (MoE and DSA too),
+                # and so does the prefill of all three prompts (20 tokens), a row a token
+                graphs = engine.capture_graphs([1, 2, 4, 32], max_seq_len=64)
             params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
             prompts = [[5, 17, 3, 9, 12, 40, 7], [2, 8], [30, 1, 4, 4, 11, 6, 19, 23, 2, 9, 10]]
             results[run] = engine.generate(prompts, params)
@@ -820,6 +821,7 @@ def _engine_greedy(preset: str, checkpoint: str, dtype: str, device: str) -> dic
     err = assert_same_greedy(got, results["torch"], 1e-3, what=preset)
     if graphs is not None:
         assert graphs.replays > 0 and graphs.eager_fallbacks == 0, graphs
+        assert graphs.prefill_replays == 1, graphs
         err = max(err, assert_same_greedy(results["triton-graphs"], results["torch"], 1e-3))
     return {"max_abs_err": err, "tokens": sum(len(r.token_ids) for r in got)}
 

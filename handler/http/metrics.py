@@ -30,6 +30,8 @@
     snapfn_engine_preemptions_total                         running requests whose KV pages were
                                                             taken back for others' (recomputed)
     snapfn_graph_replays_total / snapfn_graph_eager_fallbacks_total
+    snapfn_graph_prefill_replays_total                      of the replays, short prefills run a
+                                                            row a token (engine.py)
     snapfn_prefix_cache_queried_tokens_total                prompt tokens the prefix cache was
     snapfn_prefix_cache_hit_tokens_total                    asked for / found (prefill skipped)
     snapfn_prefix_cache_pages                               KV pages it names (workers summed)
@@ -85,6 +87,7 @@ PREFIX_PAGES = "KV pages the prefix cache names (held by requests or idle)"
 SPEC_DRAFTS = "MTP draft tokens verified by speculative decoding"
 SPEC_ACCEPTED = "MTP draft tokens kept (accepted) by speculative decoding"
 PREEMPTIONS = "Running requests preempted: their KV pages taken back, their tokens recomputed"
+PREFILL_REPLAYS = "Short prefills run by replaying a decode graph, a row a token"
 GRAMMAR_LOOKUPS = "Structured-output compile cache lookups by result (hit, miss)"
 GRAMMAR_COMPILE = "Seconds spent compiling grammars (start-up's included)"
 REFRESH_INTERVAL_S = 1.0  # a gunicorn worker copies its runtime's values in this often
@@ -233,6 +236,7 @@ class RuntimeMetrics:
                 ("snapfn_engine_preemptions", PREEMPTIONS, []),
                 ("snapfn_graph_replays", "Decode CUDA graph replays", []),
                 ("snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", []),
+                ("snapfn_graph_prefill_replays", PREFILL_REPLAYS, []),
                 ("snapfn_prefix_cache_queried_tokens", PREFIX_QUERIED, []),
                 ("snapfn_prefix_cache_hit_tokens", PREFIX_HITS, []),
                 ("snapfn_spec_draft_tokens", SPEC_DRAFTS, []),
@@ -338,6 +342,11 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
     yield CounterMetricFamily("snapfn_graph_replays", "Decode CUDA graph replays", value=replays)
     yield CounterMetricFamily(
         "snapfn_graph_eager_fallbacks", "Decode steps run eagerly (no graph fit)", value=eager
+    )
+    yield CounterMetricFamily(
+        "snapfn_graph_prefill_replays",
+        PREFILL_REPLAYS,
+        value=getattr(graphs, "prefill_replays", 0),
     )
     prefix = llm.prefix_cache_stats() if hasattr(llm, "prefix_cache_stats") else None
     if prefix is not None:

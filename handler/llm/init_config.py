@@ -49,6 +49,9 @@ class InitConfig:
     graph_max_batch: int = 64  # decode graph buckets: 1, 2, 4, … up to this; 0: no graphs
     graph_max_seq_len: int = 4096
     overlap_decode: bool = True  # land greedy graph decode steps one step late (engine.py)
+    # a step of at most this many tokens that is not a decode step replays a decode graph, a row
+    # a token (engine.py); 0: such steps (short prefills) run eagerly
+    prefill_graph_tokens: int = 64
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     preemption: bool = True  # KV pages as tokens need them, preempting (engine/scheduler.py)
     restore_overlap: bool = True  # tier 0: the KV pool and warmup while weights stream
@@ -177,6 +180,7 @@ class InitConfig:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 overlap_decode=self.overlap_decode,
+                prefill_graph_tokens=self.prefill_graph_tokens,
                 prefix_caching=self.prefix_caching,
                 preemption=self.preemption,
                 speculative_tokens=self.speculative_tokens,
@@ -194,6 +198,7 @@ _AT_LEAST = {
     "kv_cache_bytes_cpu": 1,
     "graph_max_batch": 0,
     "graph_max_seq_len": 1,
+    "prefill_graph_tokens": 0,
     "speculative_tokens": 0,
     "prewarm_threads": 1,
     "stream_threads": 1,

@@ -10,6 +10,7 @@ times count from `--t0`, the moment the parent spawned this process, so interpre
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -240,6 +241,7 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
     _sync(args.device)
     tokens_per_s = n / (time.perf_counter() - t0)
     roof_tps = tflops * 1e12 / (2 * step_weights(model, n)[1])
+    short = _short_prefill_figures(engine, args)
     return {
         "weight_bytes": weight_bytes,
         "decode_read_bytes": read,
@@ -252,9 +254,50 @@ def mode_steady(args: argparse.Namespace) -> dict[str, Any]:
             "roofline_tokens_per_s": round(roof_tps, 1),
             "x": round(roof_tps / tokens_per_s, 2),
         },
+        "short_prefill": short,
         "backend": getattr(getattr(model, "backend", None), "name", "?"),
         "deepgemm": bool(getattr(model.backend, "deepgemm_in_use", lambda: False)()),
     }
+
+
+SHORT_PREFILL_TOKENS = (8, 32, 64)
+
+
+def _short_prefill_figures(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A one-token request's milliseconds for short prompts, eager and replayed through the
+    decode graphs a row a token (engine.py, `_replay_rows`), side by side: each the best of
+    three, every run a prompt of its own (no prefix-cache hit). Without captured graphs (CPU)
+    the rows' figure is absent."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+
+    vocab, one = engine.model.config.vocab_size, SamplingParams(max_new_tokens=1, ignore_eos=True)
+    runs = itertools.count()
+
+    def best_ms(n: int, rows: bool) -> tuple[float, int]:
+        times, replays = [], engine.graphs.stats.prefill_replays if engine.graphs else 0
+        for _ in range(4):  # the first: warm-up
+            offset = 104729 * next(runs)
+            prompt = [(offset + 7919 * i + 11) % vocab for i in range(n)]
+            with engine.prefills_as_rows(rows):
+                _sync(args.device)
+                t0 = time.perf_counter()
+                engine.generate([prompt], one)
+                _sync(args.device)
+            times.append(time.perf_counter() - t0)
+        after = engine.graphs.stats.prefill_replays if engine.graphs else 0
+        return round(min(times[1:]) * 1e3, 3), after - replays
+
+    figures = []
+    for n in SHORT_PREFILL_TOKENS:
+        if n > min(engine.prefill_graph_tokens, engine.max_req_input_len):
+            continue
+        eager_ms, _ = best_ms(n, False)
+        rows_ms, replays = best_ms(n, True)
+        entry = {"tokens": n, "eager_ms": eager_ms}
+        if replays:  # every run replayed (4); none: no graph holds n rows
+            entry.update(rows_ms=rows_ms, x=round(eager_ms / rows_ms, 2))
+        figures.append(entry)
+    return figures
 
 
 def _config(args: argparse.Namespace, **more: object):

@@ -564,6 +564,13 @@ def _notes(r: dict[str, Any]) -> str:
             + f"; prefill {p['tokens_per_s']:.0f} tok/s (roofline {p['roofline_tokens_per_s']:.0f}, {p['x']}x)"
             + f"; {r['memory_gbps']} GB/s, {r['matmul_tflops']} TFLOP/s, backend {r['backend']}"
         )
+        short = [
+            f"{f['tokens']} tok {f['eager_ms']} ms eager"
+            + (f", {f['rows_ms']} ms as graph rows ({f['x']}x)" if "rows_ms" in f else "")
+            for f in r.get("short_prefill", [])
+        ]
+        if short:
+            parts.append("short prompt, one token: " + "; ".join(short))
     elif r.get("decode"):
         parts.append("decode " + ", ".join(f"{k}={v}" for k, v in r["decode"].items()))
     if r.get("mode") == "prefix" and "hit_first_token_ms" in r:

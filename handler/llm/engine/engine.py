@@ -19,6 +19,11 @@ Structured output (`SamplingParams.guide`): with a compile cache attached (`atta
 spec that does not compile is a BadRequest), the sampler masks its row, each appended token
 advances the matcher, and the grammar's end ends the request with finish_reason "stop".
 
+Short prefills (`SchedulerConfig.prefill_graph_tokens`, on by default): a step that is not a
+decode step but is no longer than the largest decode graph replays a captured decode graph, a
+row a token (`_replay_rows`), in place of an eager forward whose kernel launches cost more host
+time than the GPU spends on it.
+
 Overlapped decode (`SchedulerConfig.overlap_decode`, on by default): a greedy decode step
 replayed from a CUDA graph is landed one step late. `step()` launches the next decode step
 (same requests, input ids straight from the GPU) before it waits for the current one's tokens,
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -101,6 +107,16 @@ class SchedulerConfig:
     # greedy drafts read by the host after the next verify's launch, the draft-extend ahead
     # of the verify's read-back (speculative.py); off: each read when made, in turn
     overlap_speculative: bool = True
+    # a step of at most this many tokens that is not a decode step (a short prefill, or one
+    # beside decodes) replays a decode graph, a row a token (module doc); 0: such steps run eagerly
+    prefill_graph_tokens: int = 64
+
+
+# the most context a step's rows may read, summed over its rows, for the step to replay a decode
+# graph: each row reads its context through the decode kernel, where a prefill reads it once
+# (32768 tokens of an 8B's KV is 4.3 GB, ~1.5 ms at an H100's HBM rate; an eager short prefill
+# of that model spends ~37 ms launching its kernels)
+ROW_CONTEXT_TOKENS = 32768
 
 
 class Engine:
@@ -140,6 +156,7 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: SpecGraphs | None = None  # speculative decoding's, in place of graphs
         self.overlap_decode = sched.overlap_decode
+        self.prefill_graph_tokens = sched.prefill_graph_tokens
         self._in_flight: InFlightStep | None = None
         self._pick_buffers: PickBuffers | None = None
         self.overlapped_steps = 0  # decode steps launched before the previous one landed
@@ -187,13 +204,65 @@ class Engine:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run `batch` (built on the host): a decode graph's replay copies it into the graph's
-        inputs itself; anything else moves it to the model's device first."""
-        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
-        if bucket is not None:
-            return self.graphs.replay(batch, bucket)
-        if self.graphs is not None and batch.is_decode:
-            self.graphs.stats.eager_fallbacks += 1
+        inputs itself (a short step that is not a decode step: its tokens as rows of one,
+        `_replay_rows`); anything else moves it to the model's device first."""
+        graphs = self.graphs
+        if graphs is not None:
+            bucket = graphs.bucket_for(batch)
+            if bucket is not None:
+                return graphs.replay(batch, bucket)
+            if batch.is_decode:
+                graphs.stats.eager_fallbacks += 1
+            else:
+                logits = self._replay_rows(batch)
+                if logits is not None:
+                    return logits
         return self.model(batch.to(self.model.device), self.kv)
+
+    @contextmanager
+    def prefills_as_rows(self, on: bool):
+        """Inside: short prefills replay decode graphs (`_replay_rows`) only if `on`."""
+        saved = self.prefill_graph_tokens
+        self.prefill_graph_tokens = saved if on else 0
+        try:
+            yield
+        finally:
+            self.prefill_graph_tokens = saved
+
+    def _replay_rows(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """`batch`'s logits from a decode graph replaying each of its tokens as a row of its own
+        (the context up to and including it: `seq_len` = its position + 1, its request's page
+        table), or None where the step is too long for that (`prefill_graph_tokens`, the
+        largest bucket, `ROW_CONTEXT_TOKENS`). A bucket not captured yet (graphs captured on
+        first use) runs the same padded rows eagerly, uncaptured. Every row's K/V is written before a layer's
+        attention reads any, so each token attends to its request's earlier tokens of this
+        step as a prefill's does. The logits are those rows of the graph's output that the
+        batch asks for (each request's last token; every token with `all_logits`)."""
+        num_tokens = batch.input_ids.shape[0]
+        if num_tokens > self.prefill_graph_tokens or self.drafter is not None:
+            return None
+        positions = batch.positions.tolist()
+        if sum(positions) + num_tokens > ROW_CONTEXT_TOKENS:
+            return None
+        tables = batch.page_table_cpu.tolist()
+        owners = [b for b, q in enumerate(batch.q_lens_cpu) for _ in range(q)]
+        rows = ForwardBatch.build(
+            [[t] for t in batch.input_ids.tolist()],
+            positions,
+            [tables[b] for b in owners],
+            batch.page_size,
+            "cpu",
+        )
+        bucket = self.graphs.bucket_for(rows)
+        if bucket is None:
+            return None
+        if self.graphs.captured(bucket):
+            out = self.graphs.replay(rows, bucket)
+            self.graphs.stats.prefill_replays += 1
+        else:  # NOTE: a capture costs more than the eager prefill it would replace; the same
+            # kernels run eagerly give the replay's logits, as every process's first request must
+            out = self.graphs.run_uncaptured(rows, bucket)
+        return out if batch.all_logits else _take_rows(out, batch.logits_indices.tolist())
 
     def attach_tokenizer(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
         """Set the tokenizer (for text, streaming and stop strings) and the eos ids."""
@@ -695,6 +764,14 @@ class Engine:
         flag = torch.tensor([int(busy)], device=self.model.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _take_rows(out: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`out[rows]`, without copying `rows` to the device (which would wait for the replay's
+    kernels): a slice where they are consecutive, else each row's slice joined."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return out[rows[0] : rows[0] + len(rows)]
+    return torch.cat([out[r : r + 1] for r in rows])
 
 
 def _argmax_verified(req: Request) -> bool:

@@ -49,6 +49,7 @@ def decode_captures(model) -> bool:
 class GraphStats:
     buckets: list[int] = field(default_factory=list)
     replays: int = 0
+    prefill_replays: int = 0  # of them, steps that are not decode steps (a row a token)
     eager_fallbacks: int = 0
     capture_s: float = 0.0
     # captured by their first replay (`capture_on_first_use`), in that order; None: all at once
@@ -61,6 +62,7 @@ class GraphStats:
         out = {
             "buckets": self.buckets,
             "replays": self.replays,
+            "prefill_replays": self.prefill_replays,
             "eager_fallbacks": self.eager_fallbacks,
             "capture_s": round(self.capture_s, 3),
         }
@@ -201,6 +203,10 @@ class DecodeGraphs:
         where `_run` returns several)."""
         return tuple(t[:b] for t in out) if isinstance(out, tuple) else out[:b]
 
+    def captured(self, n: int) -> bool:
+        """Whether bucket `n`'s graph is captured (a replay of one that is not captures it)."""
+        return n in self._graphs
+
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that can replay this batch, or None (then it runs eagerly)."""
         if not batch.is_decode or batch.page_table.shape[1] > self.width:
@@ -215,6 +221,20 @@ class DecodeGraphs:
         step produced is launched before the host has seen them."""
         if n not in self._graphs:
             self._capture_late(n)
+        self._fill(batch, n, input_ids)
+        self._graphs[n].replay()
+        self.stats.replays += 1
+        return self._rows(self._outputs[n], batch.num_seqs)
+
+    def run_uncaptured(self, batch: ForwardBatch, n: int) -> torch.Tensor:
+        """Run `batch` as bucket `n`'s graph would, eagerly, without capturing it: the same
+        kernels over the same padded static inputs (the logits its replay would give), at an
+        eager forward's host cost, where a capture would cost more than it saves."""
+        self._fill(batch, n, None)
+        return self._rows(self._run(self._batches[n], n), batch.num_seqs)
+
+    def _fill(self, batch: ForwardBatch, n: int, input_ids: torch.Tensor | None) -> None:
+        """Write `batch` into the static inputs (padding the rest of bucket `n`) and plan."""
         b, w = batch.num_seqs, batch.page_table.shape[1]
         self._copied.wait()  # the mirror's last copy must be done before it changes
         host = self._host_views
@@ -229,15 +249,14 @@ class DecodeGraphs:
         self._upload()
         if input_ids is not None:
             self.input_ids[:b].copy_(input_ids)  # after the upload, in stream order
-        static = self._batches[n]
+        static = self._batches.get(n)
+        if static is None:  # a bucket run uncaptured (`run_uncaptured`) before its capture
+            static = self._batches[n] = self._static_batch(n)
         static.seq_lens_cpu = self._host_seq_lens(n)
         # NOTE: after the inputs are in the static buffers and before the replay: the backend
         # plans from them (flashinfer's page metadata, from the host mirror), which a graph
         # cannot do
         self.model.backend.begin_forward(static, graph=True)
-        self._graphs[n].replay()
-        self.stats.replays += 1
-        return self._rows(self._outputs[n], b)
 
 
 def _numpy(t: torch.Tensor):

@@ -454,14 +454,19 @@ class LLMFunction:
         figures.update(self.health)
         _count_kernel_choices(figures)
 
-    def generate_one(self, max_new_tokens: int = 1) -> dict[str, Any]:
-        """One real greedy generation through the whole path (decode graphs when > 1 token)."""
+    def generate_one(self, max_new_tokens: int = 1, prefill_rows: bool = False) -> dict[str, Any]:
+        """One real greedy generation through the whole path (decode graphs when > 1 token).
+        Its prompt is prefilled eagerly unless `prefill_rows`, whatever graphs are captured (a
+        short prefill replays a captured bucket a row a token, engine.py: another summation
+        order), so that a tier-0 restore replays the init's record exactly: its decode graphs
+        may not be captured yet. A process image holds the init's graphs: its replay check may."""
         from snapfn.handler.llm.engine.request import SamplingParams
 
         tok = self.engine.tokenizer
         prompt = tok.encode("Hello") if tok is not None else [0]
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        (result,) = self.engine.generate([prompt or [0]], params)
+        with self.engine.prefills_as_rows(prefill_rows):
+            (result,) = self.engine.generate([prompt or [0]], params)
         record = {
             "prompt_ids": list(prompt or [0]),
             "token": result.token_ids[0],

@@ -83,7 +83,7 @@ class LLMProcessHost:
 
         self.fn = self.make_function()
         startup = cold_init(self.fn, self.log)
-        self.replay = self.fn.generate_one(REPLAY_TOKENS)
+        self.replay = self.fn.generate_one(REPLAY_TOKENS, prefill_rows=True)
         writer = FilesWriter(Path(self.args["root"]))
         section, layout = self.write_files(writer, startup.to_json())
         self.layout = RestoreLayout.from_json(layout)
@@ -249,7 +249,7 @@ class LLMProcessHost:
         figures.update(report_fields(report), kept_ring=ring is None)
 
     def _replay_check(self, figures: dict[str, Any]) -> None:
-        got = self.fn.generate_one(len(self.replay["tokens"]))
+        got = self.fn.generate_one(len(self.replay["tokens"]), prefill_rows=True)
         figures.update(tokens=got["tokens"], recorded=self.replay["tokens"])
         stats = self.fn.engine.prefix_cache_stats()  # emptied before the checkpoint
         figures["prefix_cache_pages"] = stats["cached_pages"] if stats is not None else "off"
