@@ -59,8 +59,13 @@ def test_dtype_from_v5_dtype_key():
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"torch_dtype": "int8"}, "dtype 'int8'"),
         (
-            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": None},
-            "sliding_window to be a positive integer, got None",
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": "8",
+                "max_window_layers": 0,
+            },
+            "sliding_window to be a positive integer, got '8'",
         ),
         ({"model_type": "mistral", "sliding_window": 0}, "positive integer, got 0"),
     ],
@@ -122,7 +127,18 @@ def test_glm_indexer_types_must_start_full():
         ({"model_type": "mistral", "sliding_window": 4096}, 4096),
         ({"model_type": "mistral", "sliding_window": None}, None),
         ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, None),
-        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}, 64),
+        (
+            {
+                "model_type": "qwen3",
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 1,
+            },
+            64,
+        ),
+        # transformers: layers from max_window_layers (28) on slide, and the model has fewer
+        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}, None),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": None}, None),
         ({"model_type": "llama"}, None),
     ],
 )

@@ -20,7 +20,7 @@ from snapfn.handler.llm.kernels import get_backend
 from snapfn.handler.llm.models import model_class
 from snapfn.handler.llm.models.base import CausalLM
 from snapfn.handler.llm.parallel import ParallelConfig
-from snapfn.handler.llm.tokenizer import load_tokenizer
+from snapfn.handler.llm.tokenizer import load_tokenizer, stop_token_ids
 from snapfn.handler.llm.weights.checkpoint import Checkpoint
 from snapfn.handler.llm.weights.loader import LoadReport, load_weights
 from snapfn.snapshot.errors import BadRequest
@@ -49,9 +49,15 @@ def resolve_dtype(config: ModelConfig, requested: str, device: str = "cpu") -> t
     return DTYPES[requested]
 
 
-def with_held_mtp_layers(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
-    """`config` with as many MTP layers as `names` hold (a checkpoint's tensors or a restore
-    layout's parameters: `glm_moe_dsa.mtp_layers_held`), where config.json declares more."""
+def as_held(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """`config` for the tensors `names` hold (a checkpoint's, or a restore layout's parameters):
+    as many MTP layers as they hold, where config.json declares more
+    (`glm_moe_dsa.mtp_layers_held`), and an `lm_head` of its own where config.json ties it to
+    the embedding but they hold one (transformers then loads it: "will NOT tie"; where the two
+    are equal, as tied, the logits are the same)."""
+    names = set(names)
+    if config.tie_word_embeddings and "lm_head.weight" in names:
+        config = replace(config, tie_word_embeddings=False)
     if not config.num_mtp_layers:
         return config
     from snapfn.handler.llm.models.glm_moe_dsa import mtp_layers_held
@@ -93,11 +99,11 @@ def build_engine(model_dir: Path | str, opts: EngineOptions | None = None) -> Lo
     opts = opts or EngineOptions()
     model_dir = Path(model_dir)
     ckpt = Checkpoint.open(model_dir)
-    config = with_held_mtp_layers(ModelConfig.from_dir(model_dir), ckpt.tensors)
+    config = as_held(ModelConfig.from_dir(model_dir), ckpt.tensors)
     model = build_model(config, opts)
     report = load_weights(model, ckpt)
     kv = allocate_kv(model, plan_num_pages(model, opts), opts.scheduler.page_size)
     tokenizer = load_tokenizer(model_dir)
-    eos = set(config.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
+    eos = set(config.eos_token_ids) | stop_token_ids(model_dir, tokenizer)
     engine = Engine(model, kv, opts.scheduler, tokenizer, frozenset(eos))
     return LoadedEngine(engine, config, report)

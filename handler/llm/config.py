@@ -41,6 +41,8 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 0.0  # 0 = unset (transformers: None)
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # yarn's cos/sin scale; None: from factor and mscale
+    truncate: bool = True  # yarn: round the correction range's ends outwards
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,12 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     turns it on with `use_sliding_window`; Mistral's `sliding_window` is on unless null."""
     window = raw.get("sliding_window")
     if raw.get("model_type") in ("qwen2", "qwen3"):
-        on = bool(raw.get("use_sliding_window"))
+        # transformers: no window without a size, and one only where a layer slides
+        on = (
+            bool(raw.get("use_sliding_window"))
+            and window is not None
+            and "sliding_attention" in _qwen_layer_types(raw)
+        )
     else:
         on = window is not None and raw.get("use_sliding_window", True) is not False
     if not on:
@@ -169,12 +176,38 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return window
 
 
+def _qwen_layer_types(raw: dict[str, Any]) -> list[str]:
+    """Qwen's per-layer attention kinds: `layer_types` where listed, else (transformers' rule)
+    the layers from `max_window_layers` on slide."""
+    listed = raw.get("layer_types")
+    if isinstance(listed, list):
+        return listed
+    num_layers = int(raw["num_hidden_layers"])
+    first = _get(raw, "max_window_layers", 28)
+    if isinstance(first, bool) or not isinstance(first, int):
+        raise UnsupportedModel(f"max_window_layers must be an integer, got {first!r:.40}")
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+
+
 def _refuse_unsupported_options(raw: dict[str, Any]) -> None:
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias=true is not supported")
+
+
+def _attention_biases(raw: dict[str, Any]) -> dict[str, bool]:
+    """Which attention projections carry biases, as transformers' modeling builds them: Qwen2
+    always q/k/v (its `attention_bias` is not read), Mistral never (nor read), Llama and Qwen3
+    q/k/v/o with `attention_bias`, GLM its latent and output projections with it (`mla.py`)."""
+    model_type = raw.get("model_type")
+    if model_type == "qwen2":
+        return {"attention_bias": True, "o_proj_bias": False}
+    if model_type == "mistral":
+        return {"attention_bias": False, "o_proj_bias": False}
+    bias = bool(_get(raw, "attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias and model_type in ("llama", "qwen3")}
 
 
 def _common_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -195,10 +228,7 @@ def _common_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         rope=parse_rope(raw),
         max_position_embeddings=int(_get(raw, "max_position_embeddings", 4096)),
         tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
-        attention_bias=bool(_get(raw, "attention_bias", raw.get("model_type") == "qwen2")),
-        # transformers' Qwen2 biases q/k/v only; Llama and Qwen3 give o_proj attention_bias too
-        o_proj_bias=raw.get("model_type") in ("llama", "qwen3")
-        and bool(_get(raw, "attention_bias", False)),
+        **_attention_biases(raw),
         sliding_window=_sliding_window(raw),
         qk_norm=raw.get("model_type") == "qwen3",
         torch_dtype=_parse_dtype(raw),
@@ -211,7 +241,7 @@ def _common_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _glm_fields(raw: dict[str, Any]) -> dict[str, Any]:
     num_layers = int(raw["num_hidden_layers"])
-    indexer_types = raw.get("indexer_types") or ["full"] * num_layers
+    indexer_types = raw.get("indexer_types") or _indexer_pattern(raw, num_layers)
     if len(indexer_types) != num_layers or set(indexer_types) - {"full", "shared"}:
         raise UnsupportedModel(
             f"indexer_types must list 'full'/'shared' per layer, got {indexer_types}"
@@ -253,6 +283,28 @@ def _glm_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _indexer_pattern(raw: dict[str, Any], num_layers: int) -> list[str]:
+    """GLM's indexer kinds where `indexer_types` is not listed, as transformers derives them:
+    `index_topk_pattern` ("FSSF…", or a list), else layer i is full when
+    `max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0` (defaults 2 and 1: all)."""
+    pattern = raw.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        kinds = {"F": "full", "S": "shared"}
+        if set(pattern) - set(kinds):
+            raise UnsupportedModel(f"index_topk_pattern must be F/S letters, got {pattern!r:.80}")
+        return [kinds[c] for c in pattern]
+    if pattern is not None:
+        return list(pattern) if isinstance(pattern, list) else [pattern]
+    freq, offset = _get(raw, "index_topk_freq", 1), _get(raw, "index_skip_topk_offset", 2)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (freq, offset)):
+        raise UnsupportedModel(
+            f"index_topk_freq and index_skip_topk_offset must be integers, got {freq!r:.20}, "
+            f"{offset!r:.20}"
+        )
+    freq = max(freq, 1)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
 def _dense_layers(raw: dict[str, Any], num_layers: int) -> int:
     """How many leading layers run a dense MLP, the rest MoE: transformers' `mlp_layer_types`
     where config.json lists it (its modeling follows that list, whatever
@@ -271,27 +323,46 @@ def _dense_layers(raw: dict[str, Any], num_layers: int) -> int:
 
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
-    """Normalise transformers 4.x (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    """Normalise transformers 4.x (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`) as
+    transformers 5 reads them: `rope_scaling`, where set, is taken whole over `rope_parameters`;
+    `rope_theta` from the dict, else the top level; a scaled type's
+    `original_max_position_embeddings` from the top level (Phi-3's place), else the dict, else
+    `max_position_embeddings`."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    theta = _get(params, "rope_theta", _get(raw, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "dynamic":
+        # NOTE: dynamic NTK rescales only past max_position_embeddings, which the engine never
+        # serves (Engine.max_model_len); up to there its frequencies are the default ones
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModel(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}, dynamic)"
         )
+    original = None
+    if rope_type in ("llama3", "yarn"):
+        original = _get(
+            raw,
+            "original_max_position_embeddings",
+            _get(params, "original_max_position_embeddings", raw.get("max_position_embeddings")),
+        )
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and original:  # DeepSeek-V3's way of saying it
+        factor = _get(raw, "max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
-        beta_fast=float(merged.get("beta_fast", 32.0)),
-        beta_slow=float(merged.get("beta_slow", 1.0)),
-        mscale=float(merged.get("mscale") or 0.0),
-        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        factor=float(1.0 if factor is None else factor),
+        low_freq_factor=float(_get(params, "low_freq_factor", 1.0)),
+        high_freq_factor=float(_get(params, "high_freq_factor", 4.0)),
+        original_max_position_embeddings=None if original is None else int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

@@ -327,11 +327,20 @@ def _eos_ids_from_configs(model_dir: Path) -> tuple[int, ...]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         value = _read_json(model_dir / name).get("eos_token_id")
-        if isinstance(value, int):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(int(v) for v in value)
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(type(v) is int and v >= 0 for v in values):
+            raise CheckpointError(
+                f"{model_dir / name}: eos_token_id {value!r:.60} is not token ids"
+            )
+        ids.extend(values)
     return tuple(ids)
+
+
+def stop_token_ids(model_dir: Path, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The ids that end a generation, as transformers' `generate` takes them: generation_config's
+    and config.json's `eos_token_id` (a folder without a tokenizer too), and the tokenizer's."""
+    ids = set(_eos_ids_from_configs(Path(model_dir)))
+    return frozenset(ids | (set(tokenizer.eos_token_ids) if tokenizer is not None else set()))
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

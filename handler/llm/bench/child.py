@@ -71,16 +71,16 @@ def mode_safetensors(args: argparse.Namespace) -> dict[str, Any]:
     from snapfn.handler.llm.build import (
         EngineOptions,
         allocate_kv,
+        as_held,
         build_model,
         plan_num_pages,
-        with_held_mtp_layers,
     )
     from snapfn.handler.llm.config import ModelConfig
     from snapfn.handler.llm.engine.engine import Engine
     from snapfn.handler.llm.weights.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(args.model)
-    config = with_held_mtp_layers(ModelConfig.from_dir(args.model), ckpt.tensors)
+    config = as_held(ModelConfig.from_dir(args.model), ckpt.tensors)
     opts = EngineOptions(device=args.device)
     model = build_model(config, opts)
     params = dict(model.named_parameters())

@@ -7,7 +7,7 @@ Parameter names equal the Hugging Face checkpoint names, with two mappings (`map
   and coverage-checked; their `embed_tokens` and `shared_head.head`, when present, are copies
   of the main model's (DeepSeek-V3 shares them) and are not loaded. A checkpoint that holds
   none of a declared MTP layer's tensors (transformers saves GLM without them) is built without
-  it (`mtp_layers_held`, `build.with_held_mtp_layers`).
+  it (`mtp_layers_held`, `build.as_held`).
 
 KV cache per token: "latent" on every layer (`kv_lora_rank + qk_rope_head_dim`) and "index_k"
 (`index_head_dim`) on the "full" indexer layers only, stored densely: full layer `i` uses
@@ -47,6 +47,7 @@ from snapfn.snapshot.errors import UnsupportedModel
 EXPERT_WEIGHT = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight(?P<scale>_scale_inv)?"
 )
+FUSED_EXPERTS = re.compile(r".+\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?")
 LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.")
 MTP_SHARED_COPIES = r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight"
 MTP_PARAMETER = re.compile(r"mtp\.(\d+)\.")
@@ -235,6 +236,12 @@ class GlmMoeDsaForCausalLM(CausalLM):
     def map_weight(self, name: str) -> WeightTarget | None:
         expert = EXPERT_WEIGHT.fullmatch(self.param_name(name))
         if expert is None:
+            if FUSED_EXPERTS.fullmatch(name):
+                raise UnsupportedModel(
+                    f"{name}: experts saved fused, all in one tensor (transformers' "
+                    "save_pretrained(save_original_format=False)); snapfn reads them one "
+                    "tensor an expert: save with save_original_format=True (the default)"
+                )
             return super().map_weight(name)
         param = f"{expert['prefix']}.{expert['proj']}{expert['scale'] or ''}"
         index = int(expert["expert"])

@@ -168,7 +168,9 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    if rope.mscale and rope.mscale_all_dim:
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
         attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
     else:
         attention_factor = mscale(factor)
@@ -176,8 +178,10 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -231,13 +231,13 @@ class LLMFunction:
         figures.update(report_fields(report))
 
     def stage_load_weights(self, figures: Figures) -> None:
-        from snapfn.handler.llm.build import build_model, with_held_mtp_layers
+        from snapfn.handler.llm.build import as_held, build_model
         from snapfn.handler.llm.config import ModelConfig
         from snapfn.handler.llm.weights.loader import load_weights
 
         self._cuda_ready(figures)
         declared = ModelConfig.from_dir(self.source)
-        self._model_config = with_held_mtp_layers(declared, self._checkpoint.tensors)
+        self._model_config = as_held(declared, self._checkpoint.tensors)
         if self._model_config.num_mtp_layers < declared.num_mtp_layers:
             figures["mtp_layers"] = (
                 f"{declared.num_mtp_layers} declared, {self._model_config.num_mtp_layers} in the "
@@ -393,13 +393,11 @@ class LLMFunction:
             figures["skipped"] = "no CUDA device: decode runs eagerly"
 
     def stage_tokenizer(self, figures: Figures, folder: Path) -> None:
-        from snapfn.handler.llm.tokenizer import load_tokenizer
+        from snapfn.handler.llm.tokenizer import load_tokenizer, stop_token_ids
 
         loaded, self._tokenizer = self._tokenizer, None
         tokenizer = loaded[0] if loaded is not None else load_tokenizer(folder)
-        eos = set(self._model_config.eos_token_ids) | (
-            set(tokenizer.eos_token_ids) if tokenizer else set()
-        )
+        eos = set(self._model_config.eos_token_ids) | stop_token_ids(folder, tokenizer)
         self.engine.attach_tokenizer(tokenizer, frozenset(eos))
         figures.update(
             present=tokenizer is not None, vocab=tokenizer.vocab_size if tokenizer else 0
@@ -660,7 +658,7 @@ class LLMFunction:
         return streamer
 
     def stage_build_model(self, figures: Figures, model_folder: Path) -> None:
-        from snapfn.handler.llm.build import build_model, with_held_mtp_layers
+        from snapfn.handler.llm.build import as_held, build_model
         from snapfn.handler.llm.config import ModelConfig
         from snapfn.snapshot.portable.format import load_json, read_regular_file
 
@@ -670,9 +668,7 @@ class LLMFunction:
         except ValueError as exc:
             raise RestoreFailed(f"the snapshot's model/config.json is {exc}") from None
         # the MTP layers the init built: those its weights held (the layout's parameters)
-        self._model_config = with_held_mtp_layers(
-            ModelConfig.from_hf(doc), self._checked.layout.tensors
-        )
+        self._model_config = as_held(ModelConfig.from_hf(doc), self._checked.layout.tensors)
         self.model = build_model(
             self._model_config, self.config.engine_options(parallel=self.parallel)
         )

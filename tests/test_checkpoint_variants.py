@@ -1,0 +1,234 @@
+"""Configurations transformers writes or reads that snapfn must read as transformers does:
+logits against transformers on the same checkpoint, for config.json keys read one way by
+transformers and easily read another (rope dicts, per-family bias rules, aliases, tied heads
+that are not tied, windows no layer uses), and the refusals that remain, in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from snapfn.handler.llm.config import ModelConfig
+from snapfn.snapshot.errors import UnsupportedModel
+
+from conftest import TINY
+from parity import hf_logits, hf_model, our_engine, our_prefill_logits, random_prompts
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
+
+def _families():
+    import transformers as T
+
+    return {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+    }
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight at unit scale (a freshly initialised model's are small, which hides wrong
+    rope or bias handling in tiny logits)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(
+                torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 1 else p.shape[-1] ** -0.5)
+            )
+
+
+def _save(path, family, seed=0, edit=None, **config):
+    config_cls, model_cls = _families()[family]
+    base = TINY | {"max_position_embeddings": 512, "intermediate_size": 96}
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(base | config))).eval()
+    _randomize(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    if edit is not None:
+        raw = json.loads((path / "config.json").read_text())
+        edit(raw)
+        (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def _tied_with_its_own_head(raw):
+    raw["tie_word_embeddings"] = True  # transformers: "will NOT tie", lm_head.weight differs
+
+
+def _scaling_and_parameters(raw):
+    # both in one file: transformers reads rope_scaling whole, rope_parameters unread
+    raw["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _llama3_without_original(raw):
+    # a 4.x-style dict: transformers takes max_position_embeddings as the original length
+    raw.pop("rope_parameters", None)
+    raw["rope_theta"] = 500000.0
+    raw["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+
+
+CASES = {
+    "yarn attention_factor": ("llama", {"rope_parameters": YARN | {"attention_factor": 0.7}}),
+    "yarn truncate false": ("llama", {"rope_parameters": YARN | {"truncate": False}}),
+    "qwen3 yarn attention_factor": (
+        "qwen3",
+        {"rope_parameters": YARN | {"attention_factor": 1.3}, "head_dim": 32},
+    ),
+    "llama3 without its original length": ("llama", {"edit": _llama3_without_original}),
+    "rope_scaling beside rope_parameters": ("llama", {"edit": _scaling_and_parameters}),
+    "dynamic rope within the model length": (
+        "llama",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    ),
+    "hidden_act swish": ("llama", {"hidden_act": "swish"}),
+    "tied embeddings, yet a head of its own": (
+        "llama",
+        {"tie_word_embeddings": False, "edit": _tied_with_its_own_head},
+    ),
+    "qwen2 attention_bias false (q/k/v biased all the same)": (
+        "qwen2",
+        {"edit": lambda raw: raw.update(attention_bias=False)},
+    ),
+    "mistral attention_bias true (no biases all the same)": (
+        "mistral",
+        {"sliding_window": None, "edit": lambda raw: raw.update(attention_bias=True)},
+    ),
+    "qwen3 window on, but no layer slides": (
+        "qwen3",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "layer_types": ["full_attention", "full_attention"],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    family, config = CASES[case]
+    config = dict(config)
+    model_dir = _save(tmp_path / "m", family, edit=config.pop("edit", None), **config)
+    (ids,) = random_prompts(256, [23], seed=7)
+    ours = our_prefill_logits(our_engine(model_dir), ids, 64)
+    ref = hf_logits(hf_model(model_dir), ids)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_a_window_that_slides_somewhere_still_caps_the_context(tmp_path):
+    model_dir = _save(
+        tmp_path / "m",
+        "qwen3",
+        use_sliding_window=True,
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    assert our_engine(model_dir).max_model_len == 8
+    raw = json.loads((model_dir / "config.json").read_text())
+    del raw["layer_types"]
+    raw["max_window_layers"] = 2  # transformers: layers from the second on would slide
+    assert ModelConfig.from_hf(raw).sliding_window is None
+    raw["max_window_layers"] = 1
+    assert ModelConfig.from_hf(raw).sliding_window == 8
+
+
+def _glm_raw(**keys):
+    raw = {
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 2,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }
+    return raw | keys
+
+
+@pytest.mark.parametrize(
+    "keys, want",
+    [
+        ({}, "FFFFF"),  # transformers' defaults: every layer runs its indexer
+        ({"index_topk_pattern": "FSFSS"}, "FSFSS"),
+        ({"index_topk_pattern": ["full", "shared", "full", "full", "shared"]}, "FSFFS"),
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, "FSFSF"),
+        ({"index_topk_freq": 3}, "FFSSF"),  # offset 2: layer i full when (i - 1) % 3 == 0
+        ({"indexer_types": ["full"] * 5, "index_topk_pattern": "FSSSS"}, "FFFFF"),  # listed wins
+    ],
+)
+def test_glm_indexer_kinds_follow_transformers_rules(keys, want):
+    kinds = ModelConfig.from_hf(_glm_raw(**keys)).dsa.indexer_types
+    assert "".join(k[0].upper() for k in kinds) == want
+
+
+@pytest.mark.parametrize("pattern", ["FSX", "SFFFF"])
+def test_a_glm_indexer_pattern_it_cannot_run_is_refused_in_one_line(pattern):
+    with pytest.raises(UnsupportedModel) as err:
+        ModelConfig.from_hf(_glm_raw(index_topk_pattern=pattern))
+    assert "\n" not in str(err.value)
+
+
+def test_experts_saved_fused_are_refused_naming_the_fix(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from glm_checkpoints import save_tiny_glm
+
+    model_dir = save_tiny_glm(tmp_path / "glm", seed=1)
+    (shard,) = sorted(model_dir.glob("*.safetensors"))
+    tensors = load_file(shard)
+    ups = sorted(n for n in tensors if n.endswith("experts.0.up_proj.weight"))
+    layer = ups[0].removesuffix(".0.up_proj.weight")
+    tensors[f"{layer}.down_proj"] = torch.zeros(2, 2, 2)
+    save_file(tensors, shard)
+    with pytest.raises(UnsupportedModel, match="save_original_format=True"):
+        our_engine(model_dir)
+
+
+def test_generation_config_eos_ends_a_folder_without_a_tokenizer(tiny_llama_dir, tmp_path):
+    from snapfn.handler.llm.engine.request import SamplingParams
+
+    from parity import greedy
+
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    assert not (model_dir / "tokenizer.json").exists()
+    (prompt,) = random_prompts(256, [5], seed=8)
+    free = our_engine(model_dir).generate([prompt], greedy(6))[0].token_ids
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[2]]}))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    (result,) = our_engine(model_dir).generate([prompt], params)
+    assert result.token_ids == free[:3] and result.finish_reason == "stop"
+
+
+def test_an_eos_id_that_is_not_a_token_id_is_refused(tiny_llama_dir, tmp_path):
+    from snapfn.snapshot.errors import CheckpointError
+
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ["2"]}))
+    with pytest.raises(CheckpointError, match="eos_token_id"):
+        our_engine(model_dir)
