@@ -37,17 +37,18 @@ def main() -> None:
     )
     engine = build_engine(args.model, opts).engine
     vocab = engine.model.config.vocab_size
-    prompt = [(7919 * i + 11) % vocab for i in range(args.tokens)]
+    # each run a prompt of its own: a repeated one would find its full pages in the prefix cache
+    prompts = [[(7919 * i + 11 + k) % vocab for i in range(args.tokens)] for k in range(3)]
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    engine.generate([prompt], one)  # warm: shapes, kernels compiled
+    engine.generate([prompts[0]], one)  # warm: shapes, kernels compiled
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    engine.generate([prompt], one)
+    engine.generate([prompts[1]], one)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        engine.generate([prompt], one)
+        engine.generate([prompts[2]], one)
         torch.cuda.synchronize()
     rows = sorted(
         (
