@@ -95,6 +95,38 @@ def test_stop_string_truncates_text(llama_with_tokenizer):
     assert len(stopped.token_ids) < len(full.token_ids)
 
 
+def _streamed(engine, prompt, params) -> tuple[list[str], str | None]:
+    """Every output's text delta of one request, and its finish reason."""
+    rid, deltas, reason = engine.add_request(prompt, params), [], None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.text_delta)
+                reason = out.finish_reason or reason
+    return deltas, reason
+
+
+def test_streamed_text_never_gives_out_the_start_of_its_stop_string(llama_with_tokenizer):
+    """Stop strings that span tokens: the deltas, joined, are the text before the stop (a
+    stop's first characters are held back until the text shows whether it completes), and a
+    held-back tail that no stop claims comes out when the request ends."""
+    engine = our_engine(llama_with_tokenizer)
+    (prompt,) = random_prompts(256, [8], seed=9)
+    full = engine.generate([prompt], greedy(24))[0].text
+    assert len(full) > 20
+    for start, length in [(1, 2), (4, 3), (6, 3), (9, 4), (12, 2), (15, 5)]:
+        stop = full[start : start + length]
+        params = SamplingParams(max_new_tokens=24, stop=("\x00never", stop), ignore_eos=True)
+        deltas, reason = _streamed(engine, prompt, params)
+        assert "".join(deltas) == full[: full.index(stop)], stop
+        assert reason == "stop"
+    # a stop whose start ends the text but never completes: the tail comes out at the end
+    params = SamplingParams(max_new_tokens=24, stop=(full[-2:] + "\x00",), ignore_eos=True)
+    deltas, reason = _streamed(engine, prompt, params)
+    assert "".join(deltas) == full and reason == "length"
+    assert not deltas[-2].endswith(full[-2:])  # held back until the end
+
+
 def test_seeded_sampling_is_reproducible(tiny_llama_dir):
     engine = our_engine(tiny_llama_dir)
     (prompt,) = random_prompts(256, [5], seed=10)

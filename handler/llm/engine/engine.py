@@ -701,27 +701,37 @@ class Engine:
         )
 
     def _detokenize(self, req: Request, token: int) -> str:
+        """The text `token` adds that can be given out now. Where the request has stop strings,
+        the last `longest stop - 1` characters are held back until more text shows that no stop
+        string begins in them (or the request ends), so that no output ever carries the start
+        of the stop string that later ends it."""
         detok = self._detok.get(req.request_id)
         if detok is None:
             return ""
-        before = len(req.text)
-        req.text += detok.push(token)
-        if req.params.stop:
-            cut = find_stop(
-                req.text, req.params.stop, max(0, before - max(map(len, req.params.stop)))
-            )
-            if cut is not None:
-                req.text = req.text[:cut]
-                req.finish_reason = "stop_string"
-        return req.text[before:] if len(req.text) > before else ""
+        return self._release(req, detok.push(token), final=False)
 
     def _flush(self, req: Request, delta: str) -> str:
+        """`delta`, the detokenizer's rest and the held-back text: the request ends here."""
         detok = self._detok.get(req.request_id)
         if detok is None:
             return delta
-        rest = detok.flush()
-        req.text += rest
-        return delta + rest
+        return delta + self._release(req, detok.flush(), final=True)
+
+    def _release(self, req: Request, new_text: str, final: bool) -> str:
+        before = len(req.text)
+        req.text += new_text
+        end, stops = len(req.text), req.params.stop
+        if stops:
+            cut = find_stop(req.text, stops, before)
+            if cut is not None:  # after what was given out: a stop's start was held back
+                req.text = req.text[:cut]
+                end = cut
+                if not final:
+                    req.finish_reason = "stop_string"
+            elif not final:
+                end = max(req.emitted, end - max(0, max(map(len, stops)) - 1))
+        delta, req.emitted = req.text[req.emitted : end], max(req.emitted, end)
+        return delta
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if req.finish_reason == "stop_string":

@@ -183,6 +183,8 @@ class Request:
     preemptions: int = 0  # times its pages were taken back for others' (scheduler.py)
     finish_reason: str | None = None
     text: str = ""
+    # of `text`, the characters its outputs gave out: the rest may still begin a stop string
+    emitted: int = 0
     generator: object | None = None  # torch.Generator for seeded sampling
     matcher: object | None = None  # with params.guide: its structured.GrammarMatcher
     # speculative decoding (engine/speculative.py): the drafts its next step verifies, and the
