@@ -177,3 +177,24 @@ def test_on_cuda_plain_rows_keep_the_kernel_and_graphs_beside_the_reference_path
     assert mixed[1].token_ids == eager.token_ids
     assert mixed[1].token_ids != solo[1].token_ids
     assert fast.graphs.stats.eager_fallbacks == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_penalty_near_zero_still_samples(engine, temperature):
+    """A repetition penalty of 1e-300 divides a positive logit past float32's range: clamped
+    to its largest finite value, the row still samples (an inf in it would make every
+    probability NaN, and the draw fail)."""
+    logits = torch.tensor([3.0, -1.0, 0.5, 2.0])
+    p = SamplingParams(repetition_penalty=1e-300)
+    shaped = shape_logits(logits, p, prompt_ids=[0, 2], output_ids=[])
+    assert torch.isfinite(shaped).all() and int(shaped.argmax()) == 0
+    (prompt,) = random_prompts(256, [6], seed=12)
+    sampled = SamplingParams(
+        max_new_tokens=4,
+        ignore_eos=True,
+        repetition_penalty=1e-300,
+        temperature=temperature,
+        seed=3,
+    )
+    (out,) = engine.generate([prompt], sampled)
+    assert len(out.token_ids) == 4

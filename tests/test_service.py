@@ -62,3 +62,51 @@ def test_cancel_frees_pages(service):
 def test_bad_request_raises_at_submit(service):
     with pytest.raises(BadRequest):
         service.submit([], greedy(1))
+
+
+def _embedded_service():
+    from snapfn.handler.llm.build import build_engine
+    from snapfn.handler.llm.embedded import embedded_model_dir
+    from snapfn.handler.llm.structured.compiler import GrammarCache
+
+    loaded = build_engine(embedded_model_dir())
+    engine = loaded.engine
+    grammars = GrammarCache(engine.tokenizer, loaded.config.vocab_size, engine.eos_token_ids)
+    engine.attach_grammars(grammars)
+    return LLMService(engine)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # compile, then fail at their first token on the grammar library's limits
+        {"guided_regex": "(a{1000}){1000}"},
+        {
+            "guided_json": {
+                "type": "object",
+                "properties": {f"p{i}": {"type": "string"} for i in range(500)},
+            }
+        },
+    ],
+)
+def test_a_request_whose_grammar_fails_fails_alone(fields):
+    """A grammar past the library's limits fails its own request with a 400-kind error; the
+    requests beside it run on as if it had not been there."""
+    from snapfn.handler.llm.engine.request import SamplingParams
+    from snapfn.handler.llm.structured.spec import spec_from_fields
+
+    svc = _embedded_service()
+    try:
+        prompt = svc.engine.tokenizer.encode("The answer is")
+        plain = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        alone = svc.generate(prompt, plain, timeout_s=120).token_ids
+        guided = SamplingParams(max_new_tokens=12, guide=spec_from_fields(fields))
+        beside = svc.submit(prompt, plain)
+        failing = svc.submit(prompt, guided)
+        with pytest.raises(BadRequest, match="structured output failed"):
+            failing.result(timeout_s=120)
+        assert beside.result(timeout_s=120).token_ids == alone
+        assert (svc.stats.failed, svc.stats.finished) == (1, 2)
+        assert svc.kv_usage() == 0.0
+    finally:
+        svc.close()

@@ -25,7 +25,8 @@
     snapfn_snapshot_fallbacks_total{from,to,step}           fallbacks taken at start-up
     snapfn_kv_cache_usage_ratio                             share of KV pages in use (the fullest
                                                             worker's)
-    snapfn_engine_requests_total{outcome}                   submitted / finished / cancelled
+    snapfn_engine_requests_total{outcome}                   submitted / finished / cancelled /
+                                                            failed
     snapfn_engine_steps_total
     snapfn_engine_preemptions_total                         running requests whose KV pages were
                                                             taken back for others' (recomputed)
@@ -328,6 +329,7 @@ def engine_metrics(llm: Any) -> Iterator[Metric]:
         ("submitted", stats.requests),
         ("finished", stats.finished),
         ("cancelled", stats.cancelled),
+        ("failed", getattr(stats, "failed", 0)),
     ):
         requests.add_metric([outcome], float(value))
     yield requests

@@ -26,6 +26,7 @@ from typing import Any
 from snapfn.handler.llm.engine.engine import Engine
 from snapfn.handler.llm.engine.request import GenerationResult, RequestOutput, SamplingParams
 from snapfn.handler.llm.stream import ServiceStats, Stream
+from snapfn.snapshot.errors import BadRequest
 
 
 @dataclass
@@ -143,13 +144,18 @@ class LLMService:
                 self.stats.generated_tokens += len(out.new_token_ids)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-                    self.stats.finished += 1
+                    if out.error is not None:
+                        self.stats.failed += 1
+                    else:
+                        self.stats.finished += 1
                 if stream is not None:
-                    stream._put(out)
+                    # a request that failed alone: its error, a 400 where nothing was sent yet
+                    stream._put(BadRequest(out.error) if out.error is not None else out)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
+            self.stats.failed += len(streams)
         for request_id, stream in streams.items():
             self.engine.cancel(request_id)
             # one exception object per stream: threads re-raising a shared one would splice

@@ -24,6 +24,7 @@ class ServiceStats:
     requests: int = 0
     finished: int = 0
     cancelled: int = 0
+    failed: int = 0  # ended by an error: their grammar's alone, or every request of a failed step
     generated_tokens: int = 0
     prompt_tokens: int = 0
     steps: int = 0

@@ -681,6 +681,8 @@ class Engine:
             req.top_logprobs.append(top)
         if req.matcher is not None:
             req.matcher.accept(token)
+            if req.matcher.failure is not None:
+                return self._fail(req, f"structured output failed: {req.matcher.failure}")
         delta = self._detokenize(req, token)
         reason = self._finish_reason(req, token)
         if reason is not None:
@@ -699,6 +701,12 @@ class Engine:
             prompt_logprobs=tuple(req.prompt_logprobs) if first else (),
             prompt_top_logprobs=tuple(req.prompt_top_logprobs) if first else (),
         )
+
+    def _fail(self, req: Request, reason: str) -> RequestOutput:
+        """End `req` alone, with `reason` (its output: no token, finish_reason "error")."""
+        self.scheduler.finish(req, "error")
+        self._forget(req)
+        return RequestOutput(req.request_id, (), (), "", True, "error", error=reason)
 
     def _detokenize(self, req: Request, token: int) -> str:
         """The text `token` adds that can be given out now. Where the request has stop strings,

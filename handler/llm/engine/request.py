@@ -220,6 +220,8 @@ class RequestOutput:
     new_top_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_logprobs: tuple[float | None, ...] = ()
     prompt_top_logprobs: tuple[TopLogprobs | None, ...] = ()
+    # why the request failed (finish_reason "error"), where it failed alone (its grammar)
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,10 @@ def shape_logits(
         seen = torch.tensor(prompt_ids + output_ids, dtype=torch.int64, device=device)
         mask = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, seen, True)
         penalty = params.repetition_penalty
-        shaped = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # NOTE: clamped: a penalty near 0 would overflow a positive logit to inf, and a row
+        # with inf in it samples nothing (NaN probabilities)
+        divided = (logits / penalty).clamp(max=torch.finfo(logits.dtype).max)
+        shaped = torch.where(logits > 0, divided, logits * penalty)
         logits = torch.where(mask, shaped, logits)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         out = torch.tensor(output_ids, dtype=torch.int64, device=device)

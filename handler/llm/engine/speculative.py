@@ -118,6 +118,7 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         new_top_logprobs=tuple(top for o in outs for top in o.new_top_logprobs),
         prompt_logprobs=first.prompt_logprobs,
         prompt_top_logprobs=first.prompt_top_logprobs,
+        error=last.error,
     )
 
 
