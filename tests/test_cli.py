@@ -1,15 +1,20 @@
 """The `snapfn` command's conventions (`handler/cli.py`): `--version`, every option's default in
-its help, one line and no traceback for a user's error."""
+its help, one line and no traceback for a user's error; and `snapfn inspect`
+(`handler/llm/recipes/cli.py`) on whatever a manifest or a JSON file given to it holds."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from snapfn.handler.cli import build_parser, main
 from snapfn.handler.version import snapfn_version
+
+from snapshot_samples import write_snapshot
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -87,3 +92,120 @@ def test_device_check_counts_the_gpus_shown_and_the_torch_build(monkeypatch):
     with pytest.raises(BadRequest, match="built without CUDA"):
         cli.check_device("cuda", {"CUDA_VISIBLE_DEVICES": "0"})
     cli.check_device("cuda", {"CUDA_VISIBLE_DEVICES": "0"}, torch_runs_it=False)  # a function
+
+
+# ---- snapfn inspect --------------------------------------------------------------------------
+STARTUP = {
+    "kind": "init",
+    "tier": "cold",
+    "total_s": 1.5,
+    "ok": True,
+    "stages": [{"name": "load_weights", "start_s": 0.25, "seconds": 0.5, "figures": {"bytes": 7}}],
+    "fallbacks": [{"from": "portable", "to": "cold", "step": "load_weights", "reason": "bit flip"}],
+}
+LLM = {
+    "memory_plan": {
+        "num_pages": 8,
+        "page_size": 16,
+        "kv_bytes": 2 << 20,
+        "weights_bytes": 3 << 20,
+        "source": "fixed budget",
+    },
+    "graph_buckets": [1, 2, 4],
+    "compile_caches": [],
+}
+
+
+def inspected_snapshot(path: Path, edit=None) -> Path:
+    """A sample snapshot with a startup manifest and an llm section, its manifest then edited."""
+    write_snapshot(path, startup=STARTUP, llm=LLM)
+    manifest = json.loads((path / "manifest.json").read_text())
+    if edit is not None:
+        edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_inspect_shows_the_startup_manifest(tmp_path, capsys):
+    assert main(["inspect", str(inspected_snapshot(tmp_path / "snap"))]) == 0
+    out = capsys.readouterr().out
+    assert "init (cold): 1.500 s, ok=True\n" in out
+    assert "load_weights          0.250     0.500  bytes=7\n" in out
+    assert "fallback portable -> cold at load_weights: bit flip\n" in out
+    assert "memory plan: 8 pages x 16 tokens (2.0 MiB KV, 3.0 MiB weights, fixed budget)\n" in out
+    assert "graph buckets: [1, 2, 4]\n" in out and "restore chain here: " in out
+
+
+@pytest.mark.parametrize(
+    ("edit", "shows"),
+    [
+        (lambda m: m["startup"].pop("fallbacks"), "fallbacks: (absent)\n"),
+        (lambda m: m["startup"].update(total_s="fast"), "init (cold): (absent) s, ok=True\n"),
+        (lambda m: m["startup"].update(stages={}), "stages: (absent)\n"),
+        (
+            lambda m: m["startup"]["stages"][0].update(figures=[1], seconds=None),
+            "load_weights          0.250  (absent)  \n",
+        ),
+        (lambda m: m["startup"]["stages"].append("x"), "(absent)           (absent)  (absent)"),
+        (lambda m: m["llm"].pop("memory_plan"), "memory plan: (absent)\n"),
+        (lambda m: m["llm"]["memory_plan"].update(kv_bytes=10**400), "((absent) MiB KV, 3.0 MiB"),
+        (lambda m: m["llm"].pop("graph_buckets"), "graph buckets: (absent)\n"),
+        (lambda m: m.update(llm="x"), "llm: (absent)\n"),
+        (
+            lambda m: m.update(process={"worker": 1, "hooks": "h", "regions": [1]}),
+            "before-snapshot hooks: (absent)\n  regions kept out of the image: 0.00 GB ((absent)",
+        ),
+    ],
+)
+def test_inspect_marks_a_field_missing_or_of_another_type_absent(tmp_path, capsys, edit, shows):
+    assert main(["inspect", str(inspected_snapshot(tmp_path / "snap", edit))]) == 0
+    captured = capsys.readouterr()
+    assert shows in captured.out and captured.err == ""
+
+
+def test_inspect_plots_the_stages_it_can_draw(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+
+    def edit(manifest):
+        manifest["startup"]["stages"] += [{"name": "huge", "start_s": 1e300, "seconds": 1}, "x"]
+
+    plot = tmp_path / "waterfall.png"
+    snapshot = inspected_snapshot(tmp_path / "snap", edit)
+    assert main(["inspect", str(snapshot), "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("write", "says"),
+    [
+        (
+            lambda p: inspected_snapshot(p, lambda m: m.pop("startup")),
+            "it holds no startup manifest (a JSON object at 'startup')",
+        ),
+        (
+            lambda p: inspected_snapshot(p, lambda m: m.update(startup="x")),
+            "it holds no startup manifest (a JSON object at 'startup')",
+        ),
+        (lambda p: p.write_bytes(b"\xff\xfe\x00binary"), "it is not UTF-8"),
+        (lambda p: p.write_text("[1, 2]"), "it is not a JSON object"),
+        (lambda p: p.write_text('{"startup": 3}'), "it holds no startup manifest"),
+    ],
+)
+def test_inspect_refuses_what_holds_no_startup_manifest_in_one_line(tmp_path, capsys, write, says):
+    path = tmp_path / "given"
+    write(path)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snapfn inspect: error [bad_snapshot]: ") and says in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_inspect_reads_a_file_no_larger_than_a_manifest(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("snapfn.snapshot.portable.format.MAX_MANIFEST_BYTES", 1024)
+    path = tmp_path / "startup.json"
+    path.write_text(json.dumps(STARTUP).ljust(2048))
+    assert main(["inspect", str(path)]) == 2
+    assert "startup.json is 2048 bytes, more than the 1024 allowed" in capsys.readouterr().err
+    path.write_text(json.dumps(STARTUP))
+    assert main(["inspect", str(path)]) == 0
+    assert "init (cold): 1.500 s, ok=True\n" in capsys.readouterr().out

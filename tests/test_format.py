@@ -11,7 +11,13 @@ import pytest
 
 from snapfn.snapshot.errors import BadSnapshot, IncompatibleSnapshot
 from snapfn.snapshot.portable.compat import FORMAT_VERSION
-from snapfn.snapshot.portable.format import MANIFEST, check_chunk, chunk_digests, validate_snapshot
+from snapfn.snapshot.portable.format import (
+    MANIFEST,
+    MAX_FILE_BYTES,
+    check_chunk,
+    chunk_digests,
+    validate_snapshot,
+)
 
 from snapshot_samples import BIG, CHUNK, COMPAT, flip_bit, refusal, write_snapshot
 
@@ -129,6 +135,26 @@ def test_malformed_entries(snap: Path) -> None:
     assert "4 chunk digests for 5120 bytes in chunks of 1024" in refusal(BadSnapshot, snap)
     edit_manifest(snap, lambda m: m["files"]["tokenizer.json"].update(sha256="ABC"))
     assert "sha256 'ABC' is not 64 lowercase hex digits" in refusal(BadSnapshot, snap)
+
+
+@pytest.mark.parametrize(
+    "relpath, key, value",
+    [
+        ("tokenizer.json", "size", 10**30),
+        ("tokenizer.json", "size", MAX_FILE_BYTES + 1),
+        ("weights/big.bin", "chunk_bytes", 2**64),
+    ],
+)
+def test_sizes_past_the_largest_file_are_refused(snap: Path, relpath, key, value) -> None:
+    edit_manifest(snap, lambda m: m["files"][relpath].update({key: value}))
+    message = refusal(BadSnapshot, snap)
+    assert f"manifest.json lists {relpath!r}: {key} {value} is more than the" in message
+
+
+def test_the_largest_size_passes_the_format_check(snap: Path) -> None:
+    edit_manifest(snap, lambda m: m["files"]["tokenizer.json"].update(size=MAX_FILE_BYTES))
+    message = refusal(BadSnapshot, snap)
+    assert f"'tokenizer.json' has 17 bytes, manifest.json says {MAX_FILE_BYTES} (trunc" in message
 
 
 @pytest.mark.parametrize(

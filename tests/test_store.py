@@ -183,6 +183,11 @@ def test_object_of_another_size_is_refused(aws, s3, sample, tmp_path):
         (b"{not json", BadSnapshot, "manifest.json is not valid JSON"),
         ({"files": {"../escape": {"size": 1, "sha256": "0" * 64}}}, BadSnapshot, "escapes"),
         ({"format_version": 99}, IncompatibleSnapshot, "format_version is 99"),
+        (
+            {"files": {"tokenizer.json": {"size": 10**30, "sha256": "0" * 64}}},
+            BadSnapshot,
+            f"lists 'tokenizer.json': size {10**30} is more than the 1125899906842624 bytes",
+        ),
     ],
 )
 def test_manifest_that_does_not_verify_is_refused(
@@ -195,6 +200,41 @@ def test_manifest_that_does_not_verify_is_refused(
     message = refused(exc_type, pull, uri, tmp_path / "d", endpoint_url=aws.endpoint_url, log=None)
     assert reason in message
     assert siblings(tmp_path / "d") == ["sample"]  # nothing written, not even a staging dir
+
+
+class BodyCountingClient:
+    """A client whose get_object bodies count the bytes read from them."""
+
+    def __init__(self, client) -> None:
+        self.client, self.bytes_read = client, 0
+
+    def get_object(self, **kwargs):
+        response = self.client.get_object(**kwargs)
+        body, read = response["Body"], response["Body"].read
+
+        def counted(*args):
+            data = read(*args)
+            self.bytes_read += len(data)
+            return data
+
+        body.read = counted
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_manifest_past_the_limit_is_refused_without_reading_it_whole(
+    aws, s3, sample, tmp_path, monkeypatch
+):
+    _, uri = sample
+    monkeypatch.setattr("snapfn.snapshot.store.transfer.MAX_MANIFEST_BYTES", 4096)
+    key = S3Location.parse(uri).key("manifest.json")
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b" " * (1 << 20))
+    client = BodyCountingClient(aws.client("s3"))
+    message = refused(BadSnapshot, pull, uri, tmp_path / "d", client=client, log=None)
+    assert message == f"snapshot {uri}: manifest.json is more than the 4096 bytes allowed"
+    assert client.bytes_read <= 4097
 
 
 def test_whole_file_sha256_is_checked_beside_the_chunks(aws, s3, sample, tmp_path):

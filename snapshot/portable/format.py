@@ -26,7 +26,8 @@ without `chunks` always has `sha256`.
 Reading: `validate_snapshot` refuses, with a one-line message naming the file (and chunk), any
 snapshot whose directory or manifest is missing, unparsable or of another format version, whose
 compat key differs from the current one, which lists an unsafe path (absolute, `..`, not
-canonical) or a file that is missing or has another size, or which holds a file it does not list.
+canonical), a size or chunk_bytes past `MAX_FILE_BYTES`, or a file that is missing or has another
+size, or which holds a file it does not list.
 The manifest is read with bounded size and depth (`MAX_MANIFEST_BYTES`, `MAX_JSON_DEPTH`):
 anything but a regular file at `manifest.json` (a directory, a FIFO, a socket, a device, a
 symlink) is refused from its `lstat`, before any read, and it is opened non-blocking in case it
@@ -86,6 +87,9 @@ TIERS = ("portable", "process")
 # An 8B llama's manifest, its compile caches' 553 files listed, is ~0.2 MB, nested 9 deep.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_JSON_DEPTH = 32
+# A listed file's size and chunk_bytes: 1 PiB, far past any model's weights, well inside off_t
+# and a float's exact integers, so no size reaches os.ftruncate or arithmetic that overflows.
+MAX_FILE_BYTES = 1 << 50
 _REQUIRED_KEYS: dict[str, type] = {"created_at": str, "compat": dict, "files": dict}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -362,6 +366,8 @@ def entry_problem(entry: Any) -> str | None:
     size, sha256, chunks = entry.get("size"), entry.get("sha256"), entry.get("chunks")
     if not _is_count(size):
         return f"size {_r(size)} is not a byte count"
+    if size > MAX_FILE_BYTES:
+        return f"size {_r(size)} is more than the {MAX_FILE_BYTES} bytes a listed file may have"
     if chunks is None:
         return None if _is_hex64(sha256) else f"sha256 {_r(sha256)} is not 64 lowercase hex digits"
     chunk_bytes = entry.get("chunk_bytes")
@@ -375,6 +381,8 @@ def digests_problem(chunk_bytes: Any, chunks: Any, file_sha256: Any) -> str | No
     """Why chunk digests (and an optional whole-file sha256) are malformed, or None."""
     if not _is_count(chunk_bytes) or chunk_bytes == 0:
         return f"chunk_bytes {_r(chunk_bytes)} is not a positive byte count"
+    if chunk_bytes > MAX_FILE_BYTES:
+        return f"chunk_bytes {_r(chunk_bytes)} is more than the {MAX_FILE_BYTES} bytes allowed"
     if not isinstance(chunks, list) or not all(_is_hex64(c) for c in chunks):
         return "chunks is not a list of sha256 digests (64 lowercase hex digits)"
     if file_sha256 is not None and not _is_hex64(file_sha256):

@@ -11,7 +11,8 @@ manifest first, uploads every file (multipart above `multipart_bytes`, parts upl
 parallel threads, through boto3's transfer manager) and puts manifest.json last: a prefix whose
 upload is partial or still running has no manifest, so it never looks like a snapshot.
 
-`pull` fetches and shape-checks the manifest (`format.parse_manifest`), then fetches every chunk
+`pull` fetches the manifest (a larger object than `format.MAX_MANIFEST_BYTES` is refused, read
+no further) and shape-checks it (`format.parse_manifest`), then fetches every chunk
 (a file without chunk digests: the whole file) with a ranged GET in `num_threads` threads,
 written by pwrite into a staging sibling of `dest` and checked against its sha256 before it is
 journaled (pull_staging.py: a rerun after an interruption fetches only what is not journaled).
@@ -41,6 +42,7 @@ from snapfn.snapshot.errors import BadRequest, SnapfnError, bad_snapshot, one_li
 from snapfn.snapshot.portable.digests import DigestRange, digest_ranges, run_parallel
 from snapfn.snapshot.portable.format import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     check_listing,
     parse_manifest,
     validate_snapshot,
@@ -131,12 +133,15 @@ def push(
 
 
 def fetch_manifest(client: Any, where: S3Location) -> bytes:
-    """The bytes of `where`'s manifest.json (a missing one: BadSnapshot, the upload is partial)."""
+    """The bytes of `where`'s manifest.json, of which at most MAX_MANIFEST_BYTES + 1 are read:
+    BadSnapshot for a larger one, and for a missing one (the upload is partial)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     key = where.key(MANIFEST)
     try:
-        return client.get_object(Bucket=where.bucket, Key=key)["Body"].read()
+        body = client.get_object(Bucket=where.bucket, Key=key)["Body"]
+        with body:  # NOTE: closed, not drained, where the object is larger than the limit
+            raw = _read_at_most(body, MAX_MANIFEST_BYTES + 1)
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") == "NoSuchKey":
             reason = f"{MANIFEST} is missing (an incomplete upload, or not a snapshot)"
@@ -144,6 +149,19 @@ def fetch_manifest(client: Any, where: S3Location) -> bytes:
         raise s3_refusal(where, key, exc) from None
     except BotoCoreError as exc:
         raise s3_refusal(where, key, exc) from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        reason = f"{MANIFEST} is more than the {MAX_MANIFEST_BYTES} bytes allowed"
+        raise bad_snapshot(where, reason)
+    return raw
+
+
+def _read_at_most(body: Any, max_bytes: int) -> bytes:
+    """The first `max_bytes` bytes of a streamed object's body (all of it, if shorter)."""
+    pieces, total = [], 0
+    while total < max_bytes and (piece := body.read(min(1 << 20, max_bytes - total))):
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
 
 
 def pull(

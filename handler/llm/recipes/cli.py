@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from snapfn.handler.llm.init_config import InitConfig
-from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.errors import BadRequest, bad_snapshot
+
+ABSENT = "(absent)"  # what `snapfn inspect` shows for a field missing or not of its type
+MAX_PLOT_S = 1e9  # a stage drawn on a waterfall: seconds to hours of a start, never years
 
 
 def add_init_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,14 +171,34 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_startup(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(startup manifest, whole snapshot manifest or {}) from a snapshot dir or a JSON file."""
-    from snapfn.snapshot.portable.format import read_manifest
+    """(startup manifest, the JSON object that holds it) from a snapshot dir or a JSON file.
+
+    A file is read as a snapshot's manifest.json is: a regular file of at most
+    MAX_MANIFEST_BYTES, UTF-8 JSON, nested within bounds. BadSnapshot (one line) unless it is a
+    JSON object and its `startup` (or, without that key, the object itself) is one too; the
+    fields inside are `format_table`'s to show or mark absent."""
+    from snapfn.snapshot.portable.format import (
+        MAX_MANIFEST_BYTES,
+        load_json,
+        read_manifest,
+        read_regular_file,
+    )
 
     if path.is_dir():
         manifest = read_manifest(path)
-        return manifest["startup"], manifest
-    data = json.loads(path.read_text())
-    return data.get("startup", data), data
+        startup = manifest.get("startup")
+    else:
+        file = path.resolve()  # the user's own path: a symlink to a JSON file is followed
+        try:
+            manifest = load_json(read_regular_file(file.parent, file.name, MAX_MANIFEST_BYTES))
+        except ValueError as e:
+            raise bad_snapshot(path, f"it is {e}") from None
+        if not isinstance(manifest, dict):
+            raise bad_snapshot(path, "it is not a JSON object")
+        startup = manifest.get("startup", manifest)
+    if not isinstance(startup, dict):
+        raise bad_snapshot(path, "it holds no startup manifest (a JSON object at 'startup')")
+    return startup, manifest
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -187,68 +210,115 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from snapfn.handler.llm.recipes.waterfall import plot_waterfall
 
-        plot_waterfall([startup], args.plot, title=str(args.snapshot))
+        plot_waterfall([_plottable(startup)], args.plot, title=str(args.snapshot))
         print(f"waterfall written to {args.plot}")
     return 0
 
 
+def _plottable(startup: dict[str, Any]) -> dict[str, Any]:
+    """The startup manifest's stages that a waterfall can draw: a name, and a start and a
+    length in seconds within MAX_PLOT_S."""
+    stages = startup.get("stages")
+    drawable = [
+        {"name": _text(s.get("name")), "start_s": s["start_s"], "seconds": s["seconds"]}
+        for s in (stages if isinstance(stages, list) else ())
+        if isinstance(s, dict)
+        and all(_is_number(s.get(k)) and abs(s[k]) <= MAX_PLOT_S for k in ("start_s", "seconds"))
+    ]
+    kind, tier = _text(startup.get("kind")), _text(startup.get("tier"))
+    return {"kind": kind, "tier": tier, "stages": drawable}
+
+
 def format_table(startup: dict[str, Any], manifest: dict[str, Any]) -> str:
-    lines = [
-        f"{startup['kind']} ({startup['tier']}): {startup['total_s']:.3f} s, ok={startup['ok']}"
-    ]
-    lines.append(f"{'stage':<18} {'start s':>8} {'seconds':>9}  figures")
-    for s in startup["stages"]:
-        figs = ", ".join(
-            f"{k}={_short(v)}" for k, v in s["figures"].items() if not isinstance(v, dict | list)
-        )
-        lines.append(f"{s['name']:<18} {s['start_s']:8.3f} {s['seconds']:9.3f}  {figs}")
-    lines += [
-        f"fallback {f['from']} -> {f['to']} at {f['step']}: {f['reason']}"
-        for f in startup["fallbacks"]
-    ]
+    """The startup manifest's stages and the snapshot's sections, a line each; a field that is
+    missing, or not of its type, reads ABSENT."""
+    lines = _startup_lines(startup)
     llm = manifest.get("llm")
-    if llm:
-        plan = llm["memory_plan"]
-        lines.append(
-            f"memory plan: {plan['num_pages']} pages x {plan['page_size']} tokens "
-            f"({plan['kv_bytes'] / 2**20:.1f} MiB KV, {plan['weights_bytes'] / 2**20:.1f} MiB weights, {plan['source']})"
-        )
-        lines.append(f"graph buckets: {llm['graph_buckets'] or 'none (eager decode)'}")
-        parallel = llm.get("parallel")
-        if isinstance(parallel, dict) and isinstance(llm.get("ranks"), list):
-            files = ", ".join(f"weights/rank{k}.bin" for k in range(len(llm["ranks"])))
-            lines.append(
-                f"ranks: tp {parallel.get('tp_size')} x ep {parallel.get('ep_size')}"
-                f" ({parallel.get('ep_dispatch')}), each its own weights: {files}"
-            )
-        lines.append(f"compile caches saved: {llm['compile_caches'] or 'none'}")
+    if llm is not None:
+        lines += _llm_lines(llm)
     process = manifest.get("process")
     if isinstance(process, dict):
-        worker = process.get("worker", {})
-        gpu = worker.get("device_in_use_bytes")
-        lines.append(
-            f"process image (tier 1): {process.get('image_bytes', 0) / 1e6:.1f} MB"
-            + (f", {gpu / 1e9:.2f} GB left on the GPU at the checkpoint" if gpu else "")
-            + f"; before-snapshot hooks: {', '.join(process.get('hooks', [])) or 'none'}"
-        )
-        moved = process.get("memory")
-        if isinstance(moved, dict):
-            lines.append(
-                f"  memory moved out of the image: {moved['moved_bytes'] / 1e6:.1f} MB in"
-                f" {moved['pieces']} mappings of {moved['file']}, mapped at restore"
-            )
-        lines += _process_memory_lines(process)
-        ranks = manifest.get("process_ranks")
-        if isinstance(ranks, list) and ranks:
-            folders = [
-                process.get("images"),
-                *(r.get("images") for r in ranks if isinstance(r, dict)),
-            ]
-            lines.append(f"  a process image per rank: {', '.join(map(str, folders))}")
-    if "compat" in manifest:
-        lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in manifest["compat"].items()))
+        lines += _process_lines(process, manifest.get("process_ranks"))
+    compat = manifest.get("compat")
+    if isinstance(compat, dict):
+        lines.append("compat: " + ", ".join(f"{k}={v}" for k, v in compat.items()))
         lines.append(restore_chain(manifest))
     return "\n".join(lines)
+
+
+def _startup_lines(startup: dict[str, Any]) -> list[str]:
+    kind, tier, ok = (_text(startup.get(k)) for k in ("kind", "tier", "ok"))
+    lines = [f"{kind} ({tier}): {_number(startup.get('total_s'), '.3f')} s, ok={ok}"]
+    lines.append(f"{'stage':<18} {'start s':>8} {'seconds':>9}  figures")
+    stages = startup.get("stages")
+    for s in stages if isinstance(stages, list) else ():
+        figures = _get(s, "figures")
+        figs = ", ".join(
+            f"{k}={_short(v)}"
+            for k, v in (figures.items() if isinstance(figures, dict) else ())
+            if not isinstance(v, dict | list)
+        )
+        start_s, seconds = _number(_get(s, "start_s"), ".3f"), _number(_get(s, "seconds"), ".3f")
+        lines.append(f"{_text(_get(s, 'name')):<18} {start_s:>8} {seconds:>9}  {figs}")
+    if not isinstance(stages, list):
+        lines.append(f"stages: {ABSENT}")
+    fallbacks = startup.get("fallbacks")
+    if not isinstance(fallbacks, list):
+        return [*lines, f"fallbacks: {ABSENT}"]
+    return lines + [
+        f"fallback {_text(_get(f, 'from'))} -> {_text(_get(f, 'to'))} at"
+        f" {_text(_get(f, 'step'))}: {_text(_get(f, 'reason'))}"
+        for f in fallbacks
+    ]
+
+
+def _llm_lines(llm: Any) -> list[str]:
+    if not isinstance(llm, dict):
+        return [f"llm: {ABSENT}"]
+    plan = llm.get("memory_plan")
+    if isinstance(plan, dict):
+        pages, page_size = _text(plan.get("num_pages")), _text(plan.get("page_size"))
+        kv_mib = _number(plan.get("kv_bytes"), ".1f", 2**20)
+        weights_mib = _number(plan.get("weights_bytes"), ".1f", 2**20)
+        lines = [
+            f"memory plan: {pages} pages x {page_size} tokens ({kv_mib} MiB KV,"
+            f" {weights_mib} MiB weights, {_text(plan.get('source'))})"
+        ]
+    else:
+        lines = [f"memory plan: {ABSENT}"]
+    lines.append(f"graph buckets: {llm.get('graph_buckets', ABSENT) or 'none (eager decode)'}")
+    parallel = llm.get("parallel")
+    if isinstance(parallel, dict) and isinstance(llm.get("ranks"), list):
+        files = ", ".join(f"weights/rank{k}.bin" for k in range(len(llm["ranks"])))
+        lines.append(
+            f"ranks: tp {parallel.get('tp_size')} x ep {parallel.get('ep_size')}"
+            f" ({parallel.get('ep_dispatch')}), each its own weights: {files}"
+        )
+    lines.append(f"compile caches saved: {llm.get('compile_caches', ABSENT) or 'none'}")
+    return lines
+
+
+def _process_lines(process: dict[str, Any], ranks: Any) -> list[str]:
+    gpu = _get(process.get("worker"), "device_in_use_bytes")
+    hooks = process.get("hooks", [])
+    lines = [
+        f"process image (tier 1): {_number(process.get('image_bytes', 0), '.1f', 1e6)} MB"
+        + (f", {_number(gpu, '.2f', 1e9)} GB left on the GPU at the checkpoint" if gpu else "")
+        + "; before-snapshot hooks: "
+        + ((", ".join(map(str, hooks)) or "none") if isinstance(hooks, list) else ABSENT)
+    ]
+    moved = process.get("memory")
+    if isinstance(moved, dict):
+        lines.append(
+            f"  memory moved out of the image: {_number(moved.get('moved_bytes'), '.1f', 1e6)} MB"
+            f" in {_text(moved.get('pieces'))} mappings of {_text(moved.get('file'))},"
+            " mapped at restore"
+        )
+    lines += _process_memory_lines(process)
+    if isinstance(ranks, list) and ranks:
+        folders = [process.get("images"), *(_get(r, "images") for r in ranks)]
+        lines.append(f"  a process image per rank: {', '.join(map(str, folders))}")
+    return lines
 
 
 def restore_chain(manifest: dict[str, Any], current: dict[str, Any] | None = None) -> str:
@@ -272,22 +342,61 @@ def restore_chain(manifest: dict[str, Any], current: dict[str, Any] | None = Non
 def _process_memory_lines(process: dict[str, Any]) -> list[str]:
     """Where the image's bytes come from (the census taken at the checkpoint) and the regions a
     restorer makes for the worker."""
-    from snapfn.snapshot.process.smaps import describe
-
+    censuses = process.get("private_memory")
     lines = [
-        f"  private memory {stage}: {describe(found)}"
-        for stage, found in process.get("private_memory", {}).items()
-        if "private_bytes" in found
+        f"  private memory {stage}: {_census(found)}"
+        for stage, found in (censuses.items() if isinstance(censuses, dict) else ())
+        if isinstance(found, dict) and "private_bytes" in found
     ]
     regions = process.get("regions", [])
-    if regions:
-        total = sum(r["nbytes"] for r in regions) / 1e9
+    if isinstance(regions, list) and regions:
+        sizes = [_get(r, "nbytes") for r in regions]
+        total = _number(sum(n for n in sizes if _is_number(n)), ".2f", 1e9)
         fills = ", ".join(
-            f"{r['name']} {r['nbytes'] / 1e9:.2f} GB {r['fill']}" for r in regions[:3]
+            f"{_text(_get(r, 'name'))} {_number(n, '.2f', 1e9)} GB {_text(_get(r, 'fill'))}"
+            for r, n in zip(regions[:3], sizes, strict=False)
         )
         more = f", +{len(regions) - 3} more" if len(regions) > 3 else ""
-        lines.append(f"  regions kept out of the image: {total:.2f} GB ({fills}{more})")
+        lines.append(f"  regions kept out of the image: {total} GB ({fills}{more})")
     return lines
+
+
+def _census(found: dict[str, Any]) -> str:
+    """smaps.describe's line for a census of the shape it reads, else ABSENT."""
+    from snapfn.snapshot.process.smaps import describe
+
+    top = found.get("top")
+    readable = _is_number(found["private_bytes"]) and isinstance(top, list)
+    readable = readable and all(
+        isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) and _is_number(t[1])
+        for t in top
+    )
+    return describe(found) if readable else ABSENT
+
+
+# ---------------------------------------------------------------- fields of a JSON document
+
+
+def _get(section: Any, key: str) -> Any:
+    """section[key]; None where `section` is not a JSON object or lacks `key`."""
+    return section.get(key) if isinstance(section, dict) else None
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number a float holds (not a bool, not NaN or infinite, not an int past 1e308)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) <= sys.float_info.max
+
+
+def _number(value: Any, spec: str, scale: float = 1.0) -> str:
+    """`value / scale` in the format `spec`, or ABSENT."""
+    return format(value / scale, spec) if _is_number(value) else ABSENT
+
+
+def _text(value: Any) -> str:
+    """A JSON scalar as text, or ABSENT (missing, null, or a list or object)."""
+    return str(value) if isinstance(value, str | int | float | bool) else ABSENT
 
 
 def _short(value: Any) -> str:
