@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from snapfn.handler.function.runtime import WorkerRuntime
 from snapfn.handler.function.target import ServeTarget
+from snapfn.handler.http.api_key import api_key_bytes, refusal
 from snapfn.handler.http.app import create_app
 from snapfn.handler.http.metrics import startup_metrics
 from snapfn.handler.http.serve_config import ServeConfig
@@ -357,6 +358,19 @@ def test_chat_default_max_tokens_fills_the_context(chat_model_dir, tmp_path):
         rt.close()
 
 
+@pytest.mark.parametrize(("limits", "generated"), [((3, 10), 3), ((10, 3), 10), ((None, 3), 3)])
+def test_chat_max_completion_tokens_wins_over_max_tokens(client, limits, generated):
+    max_completion_tokens, max_tokens = limits
+    r = chat(
+        client,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=max_completion_tokens,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+    assert r.status_code == 200 and r.json["usage"]["completion_tokens"] == generated
+
+
 # ---- bad input ------------------------------------------------------------------------------
 BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens", 400),
@@ -469,6 +483,7 @@ def test_structured_output_on_both_endpoints(client):
 def test_a_structured_spec_that_does_not_compile_is_a_400_saying_so(client):
     r = completion(client, prompt="x", guided_regex="(unclosed")
     assert r.status_code == 400 and "the regex does not compile" in r.json["error"]["message"]
+    assert r.json["error"]["param"] == "guided_regex"
     metrics = client.get("/metrics").get_data(as_text=True)
     assert 'snapfn_grammar_cache_lookups_total{result="miss"}' in metrics
     assert "snapfn_grammar_compile_seconds_total" in metrics
@@ -757,6 +772,14 @@ def test_invoke_llm_event(client, engine, tokenizer):
     assert client.post("/invoke", json=[1, 2]).status_code == 400
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_invoke_an_integer_too_large_for_a_float_is_a_400(client, field):
+    body = f'{{"prompt": "hi", "max_tokens": 2, "{field}": {"9" * 400}}}'
+    r = client.post("/invoke", data=body, content_type="application/json")
+    assert r.status_code == 400 and r.json["error"]["code"] == "bad_request"
+    assert r.json["error"]["message"].startswith(f"{field} must be float")
+
+
 @pytest.fixture(scope="module")
 def function_client(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fn")
@@ -804,6 +827,17 @@ def test_bearer_auth(runtime):
     assert r.json["error"]["code"] == "invalid_api_key"
     assert c.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["sekrit-ké", "sekrit-€"])
+def test_a_non_ascii_key_matches_its_utf8_bytes(runtime, key):
+    c = create_app(runtime, ServeConfig(model_name=MODEL, api_key=key)).test_client()
+    as_wsgi = key.encode().decode("latin-1")  # what a WSGI server makes of the UTF-8 bytes
+    assert c.get("/v1/models", headers={"Authorization": f"Bearer {as_wsgi}"}).status_code == 200
+    assert c.get("/v1/models", headers={"Authorization": "Bearer sekrit-k?"}).status_code == 401
+    key_bytes = api_key_bytes(key)
+    assert refusal(key_bytes, "/v1/models", f"Bearer {key}") is None  # aiohttp decodes UTF-8
+    assert refusal(key_bytes, "/v1/models", "Bearer sekrit-k\udce9") is not None
 
 
 # ---- metrics and config ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """JSON bodies in (`handler/http/json_io.py`): the size limit with and without a
-Content-Length, invalid Unicode, strict JSON; on a bare Flask app with the error handlers."""
+Content-Length, a chunked body the server cannot read, invalid Unicode, strict JSON; on a bare
+Flask app with the error handlers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import io
 
 import pytest
 from flask import Flask
+from gunicorn.http.body import Body, ChunkedReader
+from gunicorn.http.unreader import IterUnreader
 
 from snapfn.handler.http.json_io import install_error_handlers, json_response, read_json_body
 
@@ -91,3 +94,16 @@ def test_deep_nesting_is_a_400_not_a_crash(client):
     deep = b"[" * 900 + b'"\\ud800"' + b"]" * 900  # the walker is iterative
     r = app.test_client().post("/echo", data=deep, content_type="application/json")
     assert r.status_code == 400 and r.json["error"]["code"] in ("invalid_unicode", "invalid_json")
+
+
+@pytest.mark.parametrize("framing", [b"zz\r\nabc\r\n0\r\n\r\n", b"3\r\nabcXX0\r\n\r\n", b"5\r\nab"])
+def test_a_chunked_body_the_server_cannot_read_is_a_400(client, framing):
+    stream = Body(ChunkedReader(None, IterUnreader([framing])))  # what gunicorn hands the app
+    r = client.post(
+        "/echo",
+        content_type="application/json",
+        headers={"Transfer-Encoding": "chunked"},
+        environ_overrides={"wsgi.input_terminated": True, "wsgi.input": stream},
+    )
+    assert r.status_code == 400 and r.json["error"]["code"] == "invalid_body"
+    assert "could not be read" in r.json["error"]["message"]

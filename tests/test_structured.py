@@ -203,6 +203,30 @@ def test_a_spec_that_does_not_compile_is_refused_saying_so(engine, fields, says)
     assert engine.grammars.stats()["entries"] == before  # nothing cached for it
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"guided_json": {"$ref": "#"}}, "response_format", "no output can match it"),
+        ({"guided_grammar": "start: a\na: a"}, "guided_grammar", "no output can match it"),
+        ({"guided_regex": "[a-z"}, "guided_regex", "parse error: unclosed character class"),
+        ({"guided_json": False}, "response_format", "the schema is false"),
+    ],
+)
+def test_a_compile_error_names_its_field_and_a_one_line_reason(engine, fields, param, says):
+    with pytest.raises(InvalidGuide) as caught:
+        engine.check_request([1, 2], SamplingParams(guide=spec_from_fields(fields)))
+    message = str(caught.value)
+    assert caught.value.param == param and says in message
+    assert message.startswith(f"'{param}'") and "<state>" not in message and len(message) < 400
+
+
+def test_the_boolean_schema_true_is_any_json_value(engine):
+    fields = {"response_format": {"type": "json_schema", "json_schema": {"schema": True}}}
+    out = run(engine, spec_from_fields(fields), **SAMPLING["seeded"])
+    assert out.finish_reason == "stop"
+    json.loads(out.text)  # any value, not only an object (this seed writes `true`)
+
+
 # ---- the compile cache ----------------------------------------------------------------------
 def test_cache_counts_hits_and_misses_and_drops_the_least_recently_used(engine):
     from snapfn.handler.llm.structured.compiler import GrammarCache

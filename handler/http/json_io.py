@@ -8,11 +8,14 @@ Contract:
   or sent chunked (read up to one byte past the limit, never cut and parsed). Before the 413
   goes out, the rest of the body is read and dropped, up to `LINGER_FACTOR` × the limit, so
   that a client still sending it reads the answer instead of a reset; a body longer still has
-  its connection closed after the 413.
+  its connection closed after the 413. A chunked body the server cannot read (a malformed chunk
+  size, a chunk without its terminator, a connection that ends mid-body) is a 400
+  (`invalid_body`).
 - `json_response(body, status, headers)` sends a JSON response; `json_safe(value)` turns the
   non-finite floats of a value (a manifest, a function's result) into null first.
 - `install_error_handlers(app, retry_after_s)` makes every error a JSON response in OpenAI's
-  shape (`openai/shapes.error_body`): `ApiError` → its status, other `BadRequest` → 400,
+  shape (`openai/shapes.error_body`): `ApiError` → its status, other `BadRequest` → 400
+  (with its `param` where it names a field),
   not ready or starting → 503 with `Retry-After`, failed start → 503, HTTP errors → their code
   (a 405 keeps its `Allow`), anything else → a logged 500, never a dead worker.
 """
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
+from gunicorn.http.errors import ParseException
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from snapfn.handler.function.target import NotReady
@@ -39,6 +43,9 @@ log = logging.getLogger("snapfn.http")
 SURROGATE = re.compile("[\ud800-\udfff]")  # what no valid Unicode string holds
 READ_CHUNK_BYTES = 1 << 16
 LINGER_FACTOR = 4  # a refused body's rest is read and dropped up to this many limits
+# what a server's body stream raises for a body it cannot read: gunicorn's framing errors, its
+# NoMoreData (an OSError) for a body cut short, werkzeug's dev server's OSError / ValueError
+BODY_READ_ERRORS = (ParseException, OSError, ValueError)
 
 
 def install_error_handlers(app: Flask, retry_after_s: int) -> None:
@@ -49,7 +56,9 @@ def install_error_handlers(app: Flask, retry_after_s: int) -> None:
 
     @app.errorhandler(BadRequest)
     def bad_request(exc: BadRequest) -> Response:
-        return json_response(error_body(str(exc), "invalid_request_error", code=exc.code), 400)
+        param = getattr(exc, "param", None)  # a structured-output field (`InvalidGuide`)
+        body = error_body(str(exc), "invalid_request_error", param, code=exc.code)
+        return json_response(body, 400)
 
     @app.errorhandler(ServiceUnavailable)
     def unavailable(exc: ServiceUnavailable) -> Response:
@@ -130,7 +139,14 @@ def _read_body() -> bytes:
         return request.get_data()  # werkzeug reads nothing it cannot bound
     stream, chunks, size = request.environ["wsgi.input"], [], 0
     while size <= limit:
-        chunk = stream.read(min(READ_CHUNK_BYTES, limit + 1 - size))
+        try:
+            chunk = stream.read(min(READ_CHUNK_BYTES, limit + 1 - size))
+        except BODY_READ_ERRORS as exc:
+            raise ApiError(
+                f"the request body could not be read ({type(exc).__name__}): send a "
+                "well-formed chunked body, or a Content-Length",
+                code="invalid_body",
+            ) from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -153,7 +169,10 @@ def _drop_the_rest() -> bool:
             return False
         budget = declared
     while budget > 0:
-        chunk = stream.read(min(READ_CHUNK_BYTES, budget))
+        try:
+            chunk = stream.read(min(READ_CHUNK_BYTES, budget))
+        except BODY_READ_ERRORS:
+            return False  # where its rest ends is unknown
         if not chunk:
             return True
         budget -= len(chunk)

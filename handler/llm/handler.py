@@ -142,8 +142,8 @@ def sampling_params(event: Mapping[str, Any]) -> SamplingParams:
         raise BadRequest(f"seed must be an integer or null, got {type(seed).__name__}")
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=float(_typed(event, "temperature", float, defaults.temperature)),
-        top_p=float(_typed(event, "top_p", float, defaults.top_p)),
+        temperature=_typed(event, "temperature", float, defaults.temperature),
+        top_p=_typed(event, "top_p", float, defaults.top_p),
         top_k=_typed(event, "top_k", int, defaults.top_k),
         seed=seed,
         stop=_stop(event.get("stop")),
@@ -195,7 +195,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _typed(event: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
-    """`event[name]` checked against `kind` (int excludes bool; float accepts int)."""
+    """`event[name]` checked against `kind` (int excludes bool; float accepts an int that a
+    float can hold, and returns it as a float)."""
     value = event.get(name)
     if value is None:
         return default
@@ -209,4 +210,11 @@ def _typed(event: Mapping[str, Any], name: str, kind: type, default: Any) -> Any
         raise BadRequest(
             f"{name} must be {kind.__name__}, got {type(value).__name__} {value!r:.60}"
         )
+    if kind is float:
+        try:
+            return float(value)
+        except OverflowError:
+            raise BadRequest(
+                f"{name} must be float, got an integer too large for one ({value!r:.60}…)"
+            ) from None
     return value

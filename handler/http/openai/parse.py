@@ -98,7 +98,9 @@ def parse_chat(body: Any, limits: Limits) -> GenerationRequest:
 
     fields, unknown = validate_body(ChatCompletionRequest, body)
     warn_unknown("/v1/chat/completions", unknown)
-    max_tokens = fields.max_tokens or fields.max_completion_tokens or 0  # 0: fill the context
+    # max_completion_tokens wins over max_tokens (OpenAI's newer name; vLLM reads it first);
+    # neither: 0, fill the context
+    max_tokens = fields.max_completion_tokens or fields.max_tokens or 0
     common = common_fields(fields, limits, max_tokens)
     if fields.top_logprobs > 0 and not fields.logprobs:
         raise ApiError(

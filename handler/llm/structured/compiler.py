@@ -6,8 +6,10 @@ ids the ones the engine stops on); the cache's key is (that tokenizer, the spec)
 a miss that compiles it (llguidance: the grammar parsed, its lexer built, the first token mask
 computed, so a request's first mask is a lookup) and keeps it, the least recently used one
 dropped past `max_entries`. `matcher(spec)` is a fresh per-request matcher, a copy of the
-compiled one. A spec that does not compile is a `BadRequest` naming what it is and what the
-library found wrong; nothing is cached for it.
+compiled one. A spec that does not compile is an `InvalidGuide` (a `BadRequest`, 400) naming
+what it is, the request fields that send it (`param`: the first) and, on one line, what the
+library found wrong; nothing is cached for it. The boolean schema `true` is any JSON value;
+`false`, which nothing matches, does not compile.
 
 `preload(specs)` compiles a list of specs ahead of requests (the init's and the restore's
 `grammars` stage): they count as compiled, not as misses, so `stats()` tells a request that
@@ -30,11 +32,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from snapfn.handler.llm.structured.matcher import GrammarMatcher
-from snapfn.handler.llm.structured.spec import GrammarSpec
+from snapfn.handler.llm.structured.spec import GrammarSpec, InvalidGuide
 from snapfn.snapshot.errors import BadRequest, one_line
 
 DEFAULT_MAX_ENTRIES = 256
 ANY_JSON_OBJECT = '{"type":"object"}'
+ANY_JSON = "{}"  # the boolean schema `true`, as an object llguidance can add its options to
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace); a schema's own
 # "x-guidance" options override this (llguidance's JSON docs)
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -43,6 +46,21 @@ LIBRARY_FORMATS = {  # spec kind → llguidance.grammar_from's format
     "grammar": "grammar",  # Lark, or llama.cpp's GBNF
     "choice": "choice",
 }
+# spec kind → the request fields that send it, which its compile error names (`param`: the
+# first). A JSON schema is one spec by either spelling, so which one was sent is not known.
+FIELDS = {
+    "json_schema": ("response_format", "guided_json"),
+    "json_object": ("response_format",),
+    "regex": ("guided_regex",),
+    "grammar": ("guided_grammar",),
+    "choice": ("guided_choice",),
+}
+# llguidance's stop reasons at the first token (its message is then the parser's state dump)
+STOP_REASONS = {
+    "NoExtensionBias": "no output can match it (e.g. a rule or $ref that only refers to itself)",
+    "LexerTooComplex": "its lexer is too complex (e.g. a regex with a large repeat count)",
+}
+MAX_REASON_CHARS = 300
 
 
 class GrammarCache:
@@ -158,9 +176,12 @@ class GrammarCache:
     def _compile(self, spec: GrammarSpec) -> Any:
         llguidance = _llguidance()
 
+        if spec.kind == "json_schema" and spec.text == "false":
+            raise _not_compiled(spec, "the schema is false, which no output matches")
         try:
             if spec.kind in ("json_schema", "json_object"):
                 schema = ANY_JSON_OBJECT if spec.kind == "json_object" else spec.text
+                schema = ANY_JSON if schema == "true" else schema
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, defaults=JSON_DEFAULTS
                 )
@@ -176,8 +197,25 @@ class GrammarCache:
         return compiled
 
 
-def _not_compiled(spec: GrammarSpec, why: str) -> BadRequest:
-    return BadRequest(one_line(f"{spec.describe()} does not compile: {why}")[:600])
+def _not_compiled(spec: GrammarSpec, why: str) -> InvalidGuide:
+    """A 400 naming the request fields that send `spec`, with llguidance's reason on one line."""
+    fields = FIELDS[spec.kind]
+    named = " or ".join(f"'{field}'" for field in fields)
+    message = f"{named}: {spec.describe()} does not compile: {_reason(why)}"
+    return InvalidGuide(message, fields[0])
+
+
+def _reason(message: str) -> str:
+    """llguidance's message cut to its first line that says something: a stop reason in words
+    (its parser state dump dropped); a parse error with the line that names its cause."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "llguidance gave no reason"
+    first = STOP_REASONS.get(lines[0], lines[0])
+    cause = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if cause is not None and first.endswith(":"):
+        first = f"{first} {cause.removeprefix('error:').strip()}"
+    return one_line(first)[:MAX_REASON_CHARS]
 
 
 def _llguidance() -> Any:
