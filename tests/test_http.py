@@ -654,6 +654,12 @@ def test_echo_puts_the_prompt_first(client, tokenizer):
     assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
     assert all(v <= 0 for v in scored["token_logprobs"][1:])
     assert all(top for top in scored["top_logprobs"][1:])
+    # each offset indexes the text, where the prompt's special tokens (bos) write nothing
+    scored_text = completion(client, **body, echo=True, logprobs=0).json["choices"][0]["text"]
+    for token_id, offset in zip(prompt_ids, scored["text_offset"], strict=False):
+        shown = tokenizer.decode([token_id], skip_special_tokens=True)
+        assert scored_text[offset : offset + len(shown)] == shown
+    assert scored["text_offset"][len(prompt_ids)] == len("hello world")
     events = sse(completion(client, **body, echo=True, stream=True).data)
     assert events[0]["choices"][0]["text"].startswith("hello world")
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "hello world" + plain

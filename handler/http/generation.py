@@ -191,6 +191,13 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 def _token_text(tokenizer: Any) -> TokenText:
+    """A token's name in `tokens` (special tokens by theirs), and as `shown`, what it writes
+    into the text (nothing for a special token), which `text_offset` counts."""
     if tokenizer is None:
         return lambda token_id: f"<{token_id}>"
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    token_text.shown = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=True)
+    return token_text

@@ -110,12 +110,15 @@ def completion_logprobs(
     tops: Sequence[TopLogprobs | None] = (),
     k: int = 0,
 ) -> dict[str, Any]:
-    """The `logprobs` object of completions for `ids` (with `k` > 0: `tops`, one per token)."""
+    """The `logprobs` object of completions for `ids` (with `k` > 0: `tops`, one per token).
+    `text_offset` indexes the choice's text, where special tokens are not written: a token
+    adds the length of what it writes there (`token_text.shown`, where given), not of its name."""
     tokens = [token_text(t) for t in ids]
+    shown = getattr(token_text, "shown", token_text)
     offsets, at = [], 0
-    for token in tokens:
+    for token_id in ids:
         offsets.append(at)
-        at += len(token)
+        at += len(shown(token_id))
     top_objects = None
     if k > 0:
         tops = [*tops, *[()] * (len(ids) - len(tops))]  # a worker that sent none: the chosen
