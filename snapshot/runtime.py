@@ -48,7 +48,12 @@ from snapfn.snapshot.errors import InitFailed, SnapfnError, bad_snapshot, one_li
 from snapfn.snapshot.function import SnapshotFunction
 from snapfn.snapshot.portable import pagecache
 from snapfn.snapshot.portable.compat import LAYOUT_FIELDS, cache_drift, compat_key
-from snapfn.snapshot.portable.format import parse_manifest, read_manifest, validate_snapshot
+from snapfn.snapshot.portable.format import (
+    PROCESS_IMAGES,
+    parse_manifest,
+    read_manifest,
+    validate_snapshot,
+)
 from snapfn.snapshot.portable.pagecache import ReadAhead
 from snapfn.snapshot.portable.publish import SnapshotWriter
 from snapfn.snapshot.stages import Log, StageRunner, StartupManifest, format_stage, stderr_log
@@ -269,6 +274,7 @@ def _validate(figures: dict, snapshot_dir: Path, fn: SnapshotFunction, raw: byte
         key=key,
         compat_fields=LAYOUT_FIELDS,
         manifest_bytes=raw,
+        unread=lambda path: path.startswith(PROCESS_IMAGES),  # tier 0 reads no process image
     )
     fn.cache_drift = cache_drift(manifest["compat"], _compat_here(fn))
     figures["files"] = len(manifest["files"])

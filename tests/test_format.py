@@ -14,6 +14,7 @@ from snapfn.snapshot.portable.compat import FORMAT_VERSION
 from snapfn.snapshot.portable.format import (
     MANIFEST,
     MAX_FILE_BYTES,
+    PROCESS_IMAGES,
     check_chunk,
     chunk_digests,
     validate_snapshot,
@@ -43,15 +44,36 @@ def test_bit_flip_in_small_file_is_caught_in_sizes_mode(snap: Path) -> None:
 
 
 def test_bit_flip_in_chunked_file_is_named_by_chunk(snap: Path) -> None:
+    """A chunked file a restore reads as it is (a big tokenizer or compile cache) is hashed in
+    sizes mode too, naming the chunk."""
     flip_bit(snap / "weights" / "big.bin", 2 * CHUNK + 5)
-    manifest = validate_snapshot(snap)  # sizes mode leaves chunks to the streamer...
-    chunk_bytes, digests = chunk_digests(manifest, "weights/big.bin")
-    data = (snap / "weights" / "big.bin").read_bytes()
-    check_chunk("weights/big.bin", 1, data[chunk_bytes : 2 * chunk_bytes], digests[1])
-    with pytest.raises(BadSnapshot, match="'weights/big.bin' chunk 2 sha256 mismatch"):
-        check_chunk("weights/big.bin", 2, data[2 * chunk_bytes : 3 * chunk_bytes], digests[2])
-    message = refusal(BadSnapshot, snap, verify="full")  # ...and full mode names it
-    assert "'weights/big.bin' chunk 2 (bytes 2048..3071) sha256 mismatch" in message
+    for verify in ("sizes", "full"):
+        message = refusal(BadSnapshot, snap, verify=verify)
+        assert "'weights/big.bin' chunk 2 (bytes 2048..3071) sha256 mismatch" in message
+
+
+def test_sizes_mode_leaves_the_streamed_files_to_their_reader(tmp_path: Path) -> None:
+    """The weights (and a function's device memory) are checked chunk by chunk as they stream,
+    so sizes mode leaves them to the streamer; `unread` files are left alone too."""
+    from snapfn.snapshot.portable.publish import SnapshotWriter
+
+    with SnapshotWriter(tmp_path / "snap", chunk_bytes=CHUNK) as w:
+        for rel in ("weights/rank0.bin", "process/cuda0.bin", "process/pages-1.img"):
+            (w.root / rel).parent.mkdir(exist_ok=True)
+            (w.root / rel).write_bytes(BIG)
+        snap = w.publish({"compat": COMPAT})
+    for rel in ("weights/rank0.bin", "process/cuda0.bin", "process/pages-1.img"):
+        flip_bit(snap / rel, 2 * CHUNK + 5)
+    message = refusal(BadSnapshot, snap)  # the image: read as it is
+    assert "'process/pages-1.img' chunk 2" in message
+    manifest = validate_snapshot(snap, unread=lambda p: p.startswith(PROCESS_IMAGES))
+    chunk_bytes, digests = chunk_digests(manifest, "weights/rank0.bin")
+    data = (snap / "weights" / "rank0.bin").read_bytes()
+    check_chunk("weights/rank0.bin", 1, data[chunk_bytes : 2 * chunk_bytes], digests[1])
+    with pytest.raises(BadSnapshot, match="'weights/rank0.bin' chunk 2 sha256 mismatch"):
+        check_chunk("weights/rank0.bin", 2, data[2 * chunk_bytes : 3 * chunk_bytes], digests[2])
+    message = refusal(BadSnapshot, snap, verify="full")  # full mode hashes every file
+    assert "chunk 2 (bytes 2048..3071) sha256 mismatch" in message
 
 
 def test_truncation(snap: Path) -> None:

@@ -282,3 +282,65 @@ def test_a_tier1_restore_warms_the_prefix_cache_again(tmp_path):
         assert service.prefix_cache_stats()["cached_pages"] == warmed["cached_pages"]
     finally:
         service.close()
+
+
+def _flip(path: Path, at: float = 0.5) -> None:
+    with path.open("r+b") as f:
+        offset = int(path.stat().st_size * at)
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
+@pytest.mark.parametrize("image", ["pages-1.img", "memory.bin", "core-1.img", "inventory.img"])
+def test_a_tampered_image_file_is_refused_before_the_worker_resumes(
+    tier1, tmp_path, cold_outputs, image
+):
+    """Every image file criu or the worker reads is hashed beside criu's restore, and the worker
+    resumes only once they match: a flipped byte anywhere in them (the worker's memory, a
+    thread's registers) is refused at validate, and the portable tier serves."""
+    import shutil
+
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+
+    snap = shutil.copytree(tier1 / "snap", tmp_path / "snap")
+    path = snap / "process" / image
+    if not path.exists():
+        pytest.skip(f"this image has no {image} (criu's layout or SNAPFN_PROCESS_MEMORY)")
+    _flip(path)
+    service, startup, fn = restore_llm(snap, config(tmp_path), None, log=None)
+    try:
+        (fallback,) = startup.fallbacks
+        assert (fallback["from"], fallback["to"], fallback["step"]) == (
+            "process",
+            "portable",
+            "validate",
+        )
+        assert f"process/{image}" in fallback["reason"] and "sha256 mismatch" in fallback["reason"]
+        assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+    finally:
+        service.close()
+
+
+def test_an_image_of_other_snapfn_code_is_refused_in_one_line(tier1, tmp_path, cold_outputs):
+    """A restored worker runs the code its image holds and the host the installed code: an
+    image whose code fingerprint is not the installed one restores from its portable tier."""
+    import shutil
+
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+    from snapfn.snapshot.process.code_identity import code_fingerprint
+
+    snap = shutil.copytree(tier1 / "snap", tmp_path / "snap")
+    doc = json.loads((snap / "manifest.json").read_text())
+    assert doc["process"]["code"] == code_fingerprint()
+    doc["process"]["code"] = "0" * 64
+    (snap / "manifest.json").write_text(json.dumps(doc))
+    service, startup, fn = restore_llm(snap, config(tmp_path), None, log=None)
+    try:
+        (fallback,) = startup.fallbacks
+        assert fallback["step"] == "validate" and "other snapfn code" in fallback["reason"]
+        assert "\n" not in fallback["reason"]
+        assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+    finally:
+        service.close()

@@ -125,7 +125,10 @@ class LLMService:
                 self._fail_all(exc)
                 continue
             self.stats.steps += 1
-            self._deliver(outputs)
+            try:
+                self._deliver(outputs)
+            except Exception as exc:  # never the loop: its requests would wait for good
+                self._fail_all(exc)
 
     def _lockstep_changes(self) -> None:
         """Apply the requests added and cancelled since the last step, then tell the other ranks

@@ -49,7 +49,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -83,6 +83,13 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("sizes", "full")
+# files whose reader checks each chunk's digest as it streams it, before any byte is used: the
+# LLM's weights (weights/streamer.py) and a function's device memory image
+# (handler/function/device_memory.py); every other file a restore reads is hashed first
+STREAM_VERIFIED = re.compile(r"weights/rank\d+\.bin|process(-rank\d+)?/cuda\d+\.bin")
+# a tier-1 snapshot's process image folders (`process`, `process-rank1`, …), which a tier-0
+# restore does not read
+PROCESS_IMAGES = ("process/", "process-rank")
 TIERS = ("portable", "process")
 # An 8B llama's manifest, its compile caches' 553 files listed, is ~0.2 MB, nested 9 deep.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -227,6 +234,7 @@ def validate_snapshot(
     key: Any = CONFIGURED,
     compat_fields: Iterable[str] | None = None,
     manifest_bytes: bytes | None = None,
+    unread: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Return the manifest of a snapshot that passes every check; raise (one line) otherwise.
 
@@ -236,8 +244,11 @@ def validate_snapshot(
     `compat_fields`: the compat key's fields that must match `current_compat` (default: all;
     a portable restore passes compat.LAYOUT_FIELDS and drops the caches on the rest).
 
-    `verify="sizes"`: listing, sizes, and sha256 of every file without chunk digests.
-    `verify="full"`: also every chunk digest and whole-file sha256, hashed in parallel threads.
+    `verify="sizes"`: listing, sizes, and the digests of every file a restore reads as it is,
+    hashed in parallel threads: all but the files whose reader checks each chunk as it streams
+    it (`STREAM_VERIFIED`: the weights, a function's device memory) and those `unread(path)`
+    says this restore does not read (a tier-0 restore: the process images, `PROCESS_IMAGES`).
+    `verify="full"`: every chunk digest and whole-file sha256 of every file.
     With a snapshot key (`key`, by default the configured one: signature.py) the manifest's
     signature is checked first, before anything in it is trusted.
     """
@@ -254,8 +265,9 @@ def validate_snapshot(
             raise IncompatibleSnapshot(one_line(f"snapshot {root}: {e}")) from None
     files = manifest["files"]
     check_listing(root, files)
-    unchunked = [relpath for relpath, entry in files.items() if "chunks" not in entry]
-    verify_files(root, manifest, sorted(files) if verify == "full" else unchunked, num_threads)
+    skipped = unread or (lambda _: False)
+    read = [p for p in files if not STREAM_VERIFIED.fullmatch(p) and not skipped(p)]
+    verify_files(root, manifest, sorted(files) if verify == "full" else read, num_threads)
     return manifest
 
 

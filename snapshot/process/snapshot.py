@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, SnapfnError, bad_snapshot
 from snapfn.snapshot.portable.compat import check_compat, compat_key
 from snapfn.snapshot.portable.format import (
+    PROCESS_IMAGES,
     load_json,
     parse_manifest,
     read_manifest_bytes,
@@ -55,6 +56,7 @@ from snapfn.snapshot.portable.format import (
 from snapfn.snapshot.portable.signature import check_signature, configured
 from snapfn.snapshot.process import criu
 from snapfn.snapshot.process import worker_process as process
+from snapfn.snapshot.process.code_identity import code_fingerprint
 from snapfn.snapshot.stages import StageRecord, StageRunner, StartupManifest
 
 if TYPE_CHECKING:
@@ -195,10 +197,9 @@ def _checkpoint(worker, images: Path, config, log, figures: dict, lock=None) -> 
 
 
 def _register_images(writer: SnapshotWriter, images: Path, skip: set[str]) -> None:
-    """Record chunk digests for the process image files now, so that a restore checks their
-    sizes only (hashing ~0.1 GB of small images cost 0.2 s of an 8B restore); `pull` and
-    `validate_snapshot(verify="full")` check every chunk. criu parses each image it restores,
-    and the replay check guards the whole restored worker."""
+    """Record chunk digests for the process image files now (a restore hashes them beside
+    criu's restore, and the worker resumes only once they match: `_validate`); `pull` and
+    `validate_snapshot(verify="full")` check every chunk too."""
     from snapfn.snapshot.portable.digests import DigestRange, num_chunks, run_parallel, sha256_range
 
     root = writer.root
@@ -351,6 +352,12 @@ def process_section_problem(manifest: dict[str, Any]) -> str | None:
     pid = meta.get("host_pid")
     if pid is not None and (type(pid) is not int or not 0 < pid < 1 << 22):
         return f"its process section's host_pid is {pid!r:.64}, not a pid"
+    code = meta.get("code")
+    if code != code_fingerprint():
+        return (
+            f"its process image holds other snapfn code (fingerprint {str(code)[:12]!r}, "
+            f"installed {code_fingerprint()[:12]!r}): it restores from its portable tier"
+        )
     return _memory_problem(meta.get("memory"), images, files) or _regions_problem(
         meta.get("regions", []), files, manifest.get("compat", {})
     )
@@ -501,7 +508,15 @@ def rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
 def _validate(
     snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None, rank: int = 0
 ) -> dict:
-    manifest = rank_view(validate_snapshot(snapshot_dir, None, verify="sizes"), rank)
+    # NOTE: every image file this rank's restore reads is hashed here, beside criu's restore
+    # (criu and the CUDA restore read them before; the worker resumes only once this passed,
+    # stage "gate"): a tampered image is refused before any of it runs
+    mine = f"{rank_images(rank)}/"
+
+    def unread(path: str) -> bool:  # the other ranks' images
+        return path.startswith(PROCESS_IMAGES) and not path.startswith(mine)
+
+    manifest = rank_view(validate_snapshot(snapshot_dir, None, "sizes", unread=unread), rank)
     problem = process_section_problem(manifest)
     if problem is not None:
         raise bad_snapshot(snapshot_dir, problem)

@@ -33,6 +33,7 @@ from snapfn.snapshot.cuda import checkpoint as cuda_checkpoint
 from snapfn.snapshot.errors import RestoreFailed, one_line
 from snapfn.snapshot.keeper import client as keeper
 from snapfn.snapshot.process import criu, smaps
+from snapfn.snapshot.process.code_identity import code_fingerprint
 from snapfn.snapshot.process.pipe_channel import PipeChannel
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ def checkpoint(
             log(f"private memory ({stage}): {smaps.describe(found, top=8)}")
     return {
         "images": images_dir.name,
+        "code": code_fingerprint(),  # the code the image holds (code_identity.py)
         "inherit": inherit,
         "mount_namespace": mount_namespace,
         "net_namespace": net_namespace,

@@ -97,6 +97,7 @@ ZYGOTE_PRELOAD = (
     "snapfn.snapshot.process.client",
     "snapfn.snapshot.keeper.region_prefetch",
     "snapfn.snapshot.cuda.checkpoint",
+    "snapfn.snapshot.process.code_identity:code_fingerprint",  # what a tier-1 restore checks
     "snapfn.handler.llm.kernels.triton.warm:warm_compiler",  # Triton's compiler, where installed
 )
 
