@@ -265,11 +265,15 @@ def test_a_damaged_image_that_criu_rejects_fails_at_criu_restore(config, tmp_pat
     core.write_bytes(bytes(data))
     manifest = read_manifest(dest)
     manifest_path = dest / "manifest.json"
-    # NOTE: re-record the digest so that validation passes and criu itself meets the damage
+    # NOTE: re-record the digests (the image files' are chunk digests, hashed by validation)
+    # so that validation passes and criu itself meets the damage
     import hashlib
     import json
 
-    manifest["files"]["process/pstree.img"]["sha256"] = hashlib.sha256(data).hexdigest()
+    entry = manifest["files"]["process/pstree.img"]
+    digest = hashlib.sha256(data).hexdigest()
+    assert len(data) <= entry.get("chunk_bytes", len(data))  # one chunk
+    entry.update(sha256=digest, **({"chunks": [digest]} if "chunks" in entry else {}))
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ProcessRestoreFailed) as info:
         restore(dest, config)
