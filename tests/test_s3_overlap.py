@@ -284,3 +284,31 @@ def test_arrivals_wait_names_the_chunk_when_the_pull_fails():
         "BadSnapshot: object 'p/w.bin' is missing"
     )
     assert arrivals.wait_for("w.bin", 4, 8) >= 0  # what arrived before the failure still reads
+
+
+def test_generate_falls_back_to_the_named_model_when_the_s3_manifest_is_refused(
+    aws, tmp_path, monkeypatch, capsys
+):
+    """A manifest refused as it is fetched (here: a listed size past any file's) is refused in
+    one line, and `--model` is the cold init's source, as for a refusal after the pull; without
+    --model the command fails with the refusal."""
+    import boto3
+
+    uri = f"s3://{BUCKET}/snapshots/{uuid.uuid4().hex[:8]}/bad"
+    doc = {"format_version": 1, "created_at": "x", "compat": {}, "files": {"a": {"size": 10**30}}}
+    client = boto3.client("s3", endpoint_url=aws.endpoint_url, region_name="us-east-1")
+    key = uri.removeprefix(f"s3://{BUCKET}/") + "/manifest.json"
+    client.put_object(Bucket=BUCKET, Key=key, Body=json.dumps(doc).encode())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws.endpoint_url)
+    monkeypatch.setenv("SNAPFN_SNAPSHOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    prompt = ["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
+    model = str(embedded_model_dir())
+    assert main(["generate", "--snapshot", uri, "--model", model, *prompt]) == 0
+    fell_back = capsys.readouterr()
+    assert "a cold init from" in fell_back.err and "size" in fell_back.err
+    assert main(["generate", "--model", model, *prompt]) == 0
+    assert json.loads(fell_back.out) == json.loads(capsys.readouterr().out)
+    assert main(["generate", "--snapshot", uri, *prompt]) == 2
+    refused = capsys.readouterr().err
+    assert "is more than the" in refused and "a cold init" not in refused

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from snapfn.snapshot.errors import BadRequest
+from snapfn.snapshot.errors import BadRequest, BadSnapshot, IncompatibleSnapshot, one_line
 
 
 def add_target_arguments(p: argparse.ArgumentParser, verb: str) -> None:
@@ -78,7 +79,16 @@ def opened_snapshot(args: argparse.Namespace, streamed: tuple[str, ...]) -> Any:
 
     if args.snapshot is None or not is_s3_uri(args.snapshot):
         return None if args.snapshot is None else OpenedSnapshot(Path(args.snapshot))
-    return open_snapshot(args.snapshot, snapshot_cache_config(args), streamed=streamed)
+    try:
+        return open_snapshot(args.snapshot, snapshot_cache_config(args), streamed=streamed)
+    except (BadSnapshot, IncompatibleSnapshot) as exc:
+        # NOTE: refused before anything was pulled (its manifest): the model the user named
+        # is the fallback's source, as for a refusal after the pull; none named: the error
+        model = getattr(args, "model", None)
+        if model is None:
+            raise
+        print(f"[snapfn] {one_line(str(exc))}; a cold init from {model} instead", file=sys.stderr)
+        return None
 
 
 def snapshot_cache_config(args: argparse.Namespace) -> Any:
