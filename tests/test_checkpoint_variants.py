@@ -148,52 +148,6 @@ def test_a_window_that_slides_somewhere_still_caps_the_context(tmp_path):
     assert ModelConfig.from_hf(raw).sliding_window == 8
 
 
-def _glm_raw(**keys):
-    raw = {
-        "model_type": "glm_moe_dsa",
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 5,
-        "num_attention_heads": 2,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 8,
-        "index_n_heads": 2,
-        "index_head_dim": 16,
-        "index_topk": 4,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-    }
-    return raw | keys
-
-
-@pytest.mark.parametrize(
-    "keys, want",
-    [
-        ({}, "FFFFF"),  # transformers' defaults: every layer runs its indexer
-        ({"index_topk_pattern": "FSFSS"}, "FSFSS"),
-        ({"index_topk_pattern": ["full", "shared", "full", "full", "shared"]}, "FSFFS"),
-        ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, "FSFSF"),
-        ({"index_topk_freq": 3}, "FFSSF"),  # offset 2: layer i full when (i - 1) % 3 == 0
-        ({"indexer_types": ["full"] * 5, "index_topk_pattern": "FSSSS"}, "FFFFF"),  # listed wins
-    ],
-)
-def test_glm_indexer_kinds_follow_transformers_rules(keys, want):
-    kinds = ModelConfig.from_hf(_glm_raw(**keys)).dsa.indexer_types
-    assert "".join(k[0].upper() for k in kinds) == want
-
-
-@pytest.mark.parametrize("pattern", ["FSX", "SFFFF"])
-def test_a_glm_indexer_pattern_it_cannot_run_is_refused_in_one_line(pattern):
-    with pytest.raises(UnsupportedModel) as err:
-        ModelConfig.from_hf(_glm_raw(index_topk_pattern=pattern))
-    assert "\n" not in str(err.value)
-
-
 def test_experts_saved_fused_are_refused_naming_the_fix(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -162,3 +162,26 @@ def test_which_attention_projections_carry_biases(model_type, bias, qkv, o_proj)
         raw["attention_bias"] = bias
     cfg = ModelConfig.from_hf(raw)
     assert (cfg.attention_bias, cfg.o_proj_bias) == (qkv, o_proj)
+
+
+@pytest.mark.parametrize(
+    "keys, want",
+    [
+        ({}, "FFFFF"),  # transformers' defaults: every layer runs its indexer
+        ({"index_topk_pattern": "FSFSS"}, "FSFSS"),
+        ({"index_topk_pattern": ["full", "shared", "full", "full", "shared"]}, "FSFFS"),
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, "FSFSF"),
+        ({"index_topk_freq": 3}, "FFSSF"),  # offset 2: layer i full when (i - 1) % 3 == 0
+        ({"indexer_types": ["full"] * 5, "index_topk_pattern": "FSSSS"}, "FFFFF"),  # listed wins
+    ],
+)
+def test_glm_indexer_kinds_follow_transformers_rules(keys, want):
+    kinds = ModelConfig.from_hf({**GLM, "num_hidden_layers": 5, **keys}).dsa.indexer_types
+    assert "".join(k[0].upper() for k in kinds) == want
+
+
+@pytest.mark.parametrize("pattern", ["FSX", "SFFFF"])
+def test_a_glm_indexer_pattern_it_cannot_run_is_refused_in_one_line(pattern):
+    with pytest.raises(UnsupportedModel) as err:
+        ModelConfig.from_hf({**GLM, "num_hidden_layers": 5, "index_topk_pattern": pattern})
+    assert "\n" not in str(err.value)
