@@ -197,9 +197,8 @@ def _checkpoint(worker, images: Path, config, log, figures: dict, lock=None) -> 
 
 
 def _register_images(writer: SnapshotWriter, images: Path, skip: set[str]) -> None:
-    """Record chunk digests for the process image files now (a restore hashes them beside
-    criu's restore, and the worker resumes only once they match: `_validate`); `pull` and
-    `validate_snapshot(verify="full")` check every chunk too."""
+    """Record chunk digests for the process image files now (a restore hashes them before criu
+    starts: `_validate`); `pull` and `validate_snapshot(verify="full")` check every chunk too."""
     from snapfn.snapshot.portable.digests import DigestRange, num_chunks, run_parallel, sha256_range
 
     root = writer.root
@@ -249,10 +248,10 @@ def restore_process_snapshot(
     because Python work started earlier holds the GIL while the restore is being launched).
     `on_restored(pid)` is told the restored worker's pid then (a restore of several ranks kills
     them all when one fails, before they wait for each other).
-    Validation runs beside the criu restore (it took 0.1 s of an 8B restore on the H200) once
-    the image files have their recorded sizes (else criu waits for it); the restored worker
-    resumes only once it passed (stage "gate"), and a failure is reported as the validate
-    step's even when criu failed too. With a keeper (snapshot/keeper/daemon.py) answering, the compat
+    Validation (the manifest, and every image file this rank reads hashed chunk by chunk) ends
+    before criu starts, since a restored task runs at once; the compat key (cuInit) and the
+    prefetch helper run beside it and criu, the worker resumes only once the compat key
+    matches (stage "gate"), and a failure is reported as the validate step's. With a keeper (snapshot/keeper/daemon.py) answering, the compat
     key's GPU fields, the regions and the CUDA restore are the keeper's."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
@@ -262,7 +261,7 @@ def restore_process_snapshot(
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
     validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept, rank))
-    # what criu and the helper start on, unvalidated
+    # what the prefetch helper starts on, unvalidated (it checks what it fills by its sums)
     unchecked = rank_view(_read_manifest(snapshot_dir), rank)
     prefetching = None
     if device.startswith("cuda"):  # NOTE: beside criu too (spawning took 0.04 s)
@@ -276,7 +275,10 @@ def restore_process_snapshot(
         return {**resume, **regions, "snapshot_dir": str(snapshot_dir.absolute())}
 
     try:
-        meta = _process_meta(unchecked, snapshot_dir) or validated.result()["process"]
+        # NOTE: criu starts only once every image file is hashed: a restored task runs as soon
+        # as criu has restored it (its code and heap from the image), so a tampered image must
+        # be refused before criu maps any of it
+        meta = validated.result()["process"]
 
         def gate(figures: dict) -> None:
             if on_restored is not None:
@@ -284,8 +286,6 @@ def restore_process_snapshot(
             if aside is not None:
                 aside()
             manifest = validated.result()
-            if manifest["process"] != meta:
-                raise bad_snapshot(snapshot_dir, "its manifest changed during the restore")
             try:
                 check_compat(manifest["compat"], current.result())
             except IncompatibleSnapshot as exc:
@@ -401,29 +401,6 @@ def _regions_problem(docs: Any, files: dict[str, Any], compat: dict[str, Any]) -
     return None
 
 
-def _process_meta(manifest: dict[str, Any], snapshot_dir: Path) -> dict[str, Any] | None:
-    """The unvalidated manifest's process section, so that criu can start beside the
-    validation — but only once it passed `process_section_problem` and every image file criu
-    will read has its recorded size (criu hangs on a truncated image, eagerly or lazily, until
-    it is killed). None when anything looks wrong: the caller then waits for validate's
-    reason."""
-    if not manifest or process_section_problem(manifest) is not None:
-        return None
-    try:
-        meta, files = manifest["process"], manifest["files"]
-        images = meta["images"]
-        on_disk = {
-            f"{images}/{p.name}": p.stat().st_size
-            for p in (snapshot_dir / images).iterdir()
-            if p.is_file()
-        }
-        recorded = {k: int(v["size"]) for k, v in files.items() if k.startswith(f"{images}/")}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    registered = {k: v for k, v in on_disk.items() if k in recorded}  # logs are not registered
-    return meta if recorded and registered == recorded else None
-
-
 def _close_prefetch(prefetching) -> None:
     if prefetching is None:
         return
@@ -508,9 +485,8 @@ def rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
 def _validate(
     snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None, rank: int = 0
 ) -> dict:
-    # NOTE: every image file this rank's restore reads is hashed here, beside criu's restore
-    # (criu and the CUDA restore read them before; the worker resumes only once this passed,
-    # stage "gate"): a tampered image is refused before any of it runs
+    # NOTE: every image file this rank's restore reads is hashed here, before criu starts
+    # (restore_process_snapshot): a tampered image is refused before any of it runs
     mine = f"{rank_images(rank)}/"
 
     def unread(path: str) -> bool:  # the other ranks' images
