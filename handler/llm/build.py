@@ -104,6 +104,5 @@ def build_engine(model_dir: Path | str, opts: EngineOptions | None = None) -> Lo
     report = load_weights(model, ckpt)
     kv = allocate_kv(model, plan_num_pages(model, opts), opts.scheduler.page_size)
     tokenizer = load_tokenizer(model_dir)
-    eos = set(config.eos_token_ids) | stop_token_ids(model_dir, tokenizer)
-    engine = Engine(model, kv, opts.scheduler, tokenizer, frozenset(eos))
+    engine = Engine(model, kv, opts.scheduler, tokenizer, stop_token_ids(model_dir, tokenizer))
     return LoadedEngine(engine, config, report)

@@ -338,9 +338,11 @@ def _eos_ids_from_configs(model_dir: Path) -> tuple[int, ...]:
 
 def stop_token_ids(model_dir: Path, tokenizer: Tokenizer | None) -> frozenset[int]:
     """The ids that end a generation, as transformers' `generate` takes them: generation_config's
-    and config.json's `eos_token_id` (a folder without a tokenizer too), and the tokenizer's."""
-    ids = set(_eos_ids_from_configs(Path(model_dir)))
-    return frozenset(ids | (set(tokenizer.eos_token_ids) if tokenizer is not None else set()))
+    and config.json's `eos_token_id` and the tokenizer's eos (its `eos_token_ids`, which holds
+    the configs' too); a folder without a tokenizer, the configs' alone."""
+    if tokenizer is not None:
+        return tokenizer.eos_token_ids
+    return frozenset(_eos_ids_from_configs(Path(model_dir)))
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -251,8 +251,9 @@ def restore_process_snapshot(
     Validation (the manifest, and every image file this rank reads hashed chunk by chunk) ends
     before criu starts, since a restored task runs at once; the compat key (cuInit) and the
     prefetch helper run beside it and criu, the worker resumes only once the compat key
-    matches (stage "gate"), and a failure is reported as the validate step's. With a keeper (snapshot/keeper/daemon.py) answering, the compat
-    key's GPU fields, the regions and the CUDA restore are the keeper's."""
+    matches (stage "gate"), and a failure is reported as the validate step's. With a keeper
+    (snapshot/keeper/daemon.py) answering, the compat key's GPU fields, the regions and the
+    CUDA restore are the keeper's."""
     snapshot_dir = Path(snapshot_dir)
     runner = StageRunner(StartupManifest(kind="restore", tier="process"), log=log)
     # NOTE: without a keeper the compat key needs cuInit (~0.3 s on the H200), which the CUDA

@@ -234,10 +234,11 @@ class Engine:
         (the context up to and including it: `seq_len` = its position + 1, its request's page
         table), or None where the step is too long for that (`prefill_graph_tokens`, the
         largest bucket, `ROW_CONTEXT_TOKENS`). A bucket not captured yet (graphs captured on
-        first use) runs the same padded rows eagerly, uncaptured. Every row's K/V is written before a layer's
-        attention reads any, so each token attends to its request's earlier tokens of this
-        step as a prefill's does. The logits are those rows of the graph's output that the
-        batch asks for (each request's last token; every token with `all_logits`)."""
+        first use) runs the same padded rows eagerly, uncaptured. Every row's K/V is written
+        before a layer's attention reads any, so each token attends to its request's earlier
+        tokens of this step as a prefill's does. The logits are those rows of the graph's
+        output that the batch asks for (each request's last token; every token with
+        `all_logits`)."""
         num_tokens = batch.input_ids.shape[0]
         if num_tokens > self.prefill_graph_tokens or self.drafter is not None:
             return None

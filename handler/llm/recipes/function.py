@@ -398,8 +398,7 @@ class LLMFunction:
 
         loaded, self._tokenizer = self._tokenizer, None
         tokenizer = loaded[0] if loaded is not None else load_tokenizer(folder)
-        eos = set(self._model_config.eos_token_ids) | stop_token_ids(folder, tokenizer)
-        self.engine.attach_tokenizer(tokenizer, frozenset(eos))
+        self.engine.attach_tokenizer(tokenizer, stop_token_ids(folder, tokenizer))
         figures.update(
             present=tokenizer is not None, vocab=tokenizer.vocab_size if tokenizer else 0
         )
