@@ -107,6 +107,44 @@ def test_the_cuda_restore_is_the_keepers_when_it_answers(fake_keeper, recorded_c
     assert figures == {"restore_s": 0.2, "unlock_s": 0.01, "by": "keeper"}
 
 
+def test_the_callers_work_starts_while_the_keeper_restores(fake_keeper, monkeypatch):
+    """`started` runs once the keeper has the request, not after its answer: the restorer's
+    own work (the tokenizer) overlaps the CUDA restore instead of delaying its request."""
+    _, address = fake_keeper
+    started, order = threading.Event(), []
+
+    def restore(pid: int) -> float:  # the keeper's: waits for the restorer's work to start
+        assert started.wait(5), "started() had not run while the keeper restored"
+        order.append("restore")
+        return 0.2
+
+    monkeypatch.setattr(cuda_checkpoint, "restore", restore)
+    monkeypatch.setattr(cuda_checkpoint, "unlock", lambda pid: 0.01)
+    figures: dict = {}
+    process._cuda_restore(5, figures, address, lambda: order.append("started") or started.set())
+    assert figures["by"] == "keeper" and order == ["started", "restore"]
+
+
+def test_the_callers_work_starts_once_when_the_keeper_fails_after_the_request(
+    fake_keeper, monkeypatch
+):
+    _, address = fake_keeper
+    calls: list[str] = []
+
+    def keeper_then_local(pid: int) -> float:
+        calls.append("restore")
+        if len(calls) == 2:  # the keeper's attempt ("started", "restore") fails
+            raise RestoreFailed("the driver said no")
+        return 0.2
+
+    monkeypatch.setattr(cuda_checkpoint, "restore", keeper_then_local)
+    monkeypatch.setattr(cuda_checkpoint, "unlock", lambda pid: 0.01)
+    figures: dict = {}
+    process._cuda_restore(6, figures, address, lambda: calls.append("started"))
+    assert calls == ["started", "restore", "restore"]
+    assert "the driver said no" in figures["keeper"] and "by" not in figures
+
+
 def test_without_a_keeper_or_when_it_refuses_the_restore_does_it_itself(
     tmp_path, recorded_cuda, monkeypatch
 ):

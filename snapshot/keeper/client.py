@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +70,18 @@ def _connect(address: str, timeout_s: float) -> socket.socket:
     return sock
 
 
-def _exchange(sock: socket.socket, address: str, message: Mapping[str, Any]) -> dict[str, Any]:
+def _exchange(
+    sock: socket.socket,
+    address: str,
+    message: Mapping[str, Any],
+    sent: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Send `message`, return the answer; KeeperUnavailable when the keeper does not answer,
-    RestoreFailed with its reason when it refuses."""
+    RestoreFailed with its reason when it refuses. `sent()` runs between the two."""
     try:
         sock.send(json.dumps(message).encode())
+        if sent is not None:
+            sent()
         reply = json.loads(sock.recv(MAX_MESSAGE) or b"null")
     except (OSError, ValueError) as exc:
         raise KeeperUnavailable(one_line(f"keeper at {address}: {exc}")) from None
@@ -132,9 +139,14 @@ def _check_lease(lease: Lease, asked: FileIdentity, identity: Any) -> None:
         raise ValueError(f"a memfd of {os.fstat(lease.fd).st_size} bytes for {lease.size}")
 
 
-def call(address: str, message: Mapping[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict:
+def call(
+    address: str,
+    message: Mapping[str, Any],
+    timeout_s: float = CALL_TIMEOUT_S,
+    sent: Callable[[], None] | None = None,
+) -> dict:
     with _connect(address, timeout_s) as sock:
-        return _exchange(sock, address, message)
+        return _exchange(sock, address, message, sent)
 
 
 def device_fields(address: str, index: int) -> dict[str, Any]:
@@ -145,9 +157,12 @@ def device_fields(address: str, index: int) -> dict[str, Any]:
     return fields
 
 
-def cuda_restore(address: str, pid: int) -> dict[str, float]:
-    """The CUDA restore and unlock of `pid`, done by the keeper: their seconds."""
-    reply = call(address, {"op": "cuda_restore", "pid": pid}, RESTORE_TIMEOUT_S)
+def cuda_restore(
+    address: str, pid: int, sent: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """The CUDA restore and unlock of `pid`, done by the keeper: their seconds. `sent()` runs
+    once the request is sent, while the keeper works."""
+    reply = call(address, {"op": "cuda_restore", "pid": pid}, RESTORE_TIMEOUT_S, sent)
     return {"restore_s": float(reply["restore_s"]), "unlock_s": float(reply["unlock_s"])}
 
 

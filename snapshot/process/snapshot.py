@@ -243,9 +243,9 @@ def restore_process_snapshot(
     in `.startup`) on any failure.
 
     `accept(manifest)` runs in the validate stage: the caller's own refusal (e.g. a snapshot of
-    another function) raises there. `aside()` is called once criu has restored the worker, to
-    start the caller's own work beside the CUDA restore and the worker's resume (after criu,
-    because Python work started earlier holds the GIL while the restore is being launched).
+    another function) raises there. `aside()` is called once the CUDA restore is under way (or
+    the worker resumed, without CUDA), to start the caller's own work beside it: Python work
+    started earlier holds the GIL while the restore is being launched.
     `on_restored(pid)` is told the restored worker's pid then (a restore of several ranks kills
     them all when one fails, before they wait for each other).
     Validation (the manifest, and every image file this rank reads hashed chunk by chunk) ends
@@ -284,8 +284,6 @@ def restore_process_snapshot(
         def gate(figures: dict) -> None:
             if on_restored is not None:
                 on_restored(runner.manifest.stage("criu_restore").figures["pid"])
-            if aside is not None:
-                aside()
             manifest = validated.result()
             try:
                 check_compat(manifest["compat"], current.result())
@@ -300,6 +298,7 @@ def restore_process_snapshot(
             runner.run,
             log,
             gate,
+            beside=aside,
         )
     except Exception as exc:
         # NOTE: the stage that failed, not the last one recorded: validate, on a side thread,

@@ -291,14 +291,18 @@ def restore(
     run_stage: Callable[[str, Callable[[dict], Any]], Any],
     log: Log | None,
     gate: Callable[[dict], Any] | None = None,
+    beside: Callable[[], None] | None = None,
 ) -> tuple[Worker, dict[str, Any]]:
     """criu restore → [gate] → resume + CUDA restore → the worker's "restored" message.
 
     `run_stage(name, fn)` times each step (a StageRunner's `run`). `gate` (stage "gate") runs
     once the worker exists but before it resumes: checks that ran beside the criu restore
     raise there, and the worker is killed. `resume` (or what calling it returns, just before
-    it is sent) goes to the worker in its resume message. Returns the worker, serving, and its
-    "restored" message (its identity refresh and its own timed stages).
+    it is sent) goes to the worker in its resume message. `beside()` is called once, when the
+    CUDA restore is under way (its request sent to the keeper; without one, just before the
+    driver's restore) or the worker resumed without CUDA: the caller's own work, which then
+    takes the GIL from no step of the restore that needs it. Returns the worker, serving, and
+    its "restored" message (its identity refresh and its own timed stages).
     """
     pipes = {name: os.pipe() for name in PIPES}
     ours = {"ctl": pipes["ctl"][1], "rep": pipes["rep"][0], "out": pipes["out"][0]}
@@ -336,8 +340,10 @@ def restore(
             run_stage("gate", gate)
         message = resume() if callable(resume) else resume  # e.g. naming a prefetch helper
         worker.channel.send({"op": "resume", **message})
+        once = _once(beside)
         if meta["uses_cuda"]:
-            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f, config.keeper_address))
+            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f, config.keeper_address, once))
+        once()
         restored = run_stage(
             "resume", lambda f: worker.wait_event("restored", config.restore_timeout_s)
         )
@@ -426,17 +432,33 @@ def _criu_restore(
     raise AssertionError("unreachable")
 
 
-def _cuda_restore(pid: int, figures: dict, keeper_address: str) -> None:
+def _once(fn: Callable[[], None] | None) -> Callable[[], None]:
+    """`fn`, run by the first call only (none: a no-op)."""
+    pending = [fn] if fn is not None else []
+
+    def call() -> None:
+        if pending:
+            pending.pop()()
+
+    return call
+
+
+def _cuda_restore(
+    pid: int, figures: dict, keeper_address: str, started: Callable[[], None] = lambda: None
+) -> None:
     """Restore and unlock the worker's GPU state: by the keeper when one answers (its driver
-    is initialised), else here (the keeper's failure noted)."""
+    is initialised), else here (the keeper's failure noted). `started()` runs once the restore
+    is under way: the keeper's request sent, or just before the driver's restore here; once."""
+    started = _once(started)
     if keeper_address:
         try:
-            done = keeper.cuda_restore(keeper_address, pid)
+            done = keeper.cuda_restore(keeper_address, pid, sent=started)
         except RestoreFailed as exc:
             figures["keeper"] = str(exc)
         else:
             figures.update({k: round(v, 4) for k, v in done.items()}, by="keeper")
             return
+    started()
     figures["restore_s"] = round(cuda_checkpoint.restore(pid), 4)
     figures["unlock_s"] = round(cuda_checkpoint.unlock(pid), 4)
 

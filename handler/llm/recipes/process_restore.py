@@ -50,9 +50,11 @@ def restore_process(snapshot_dir: Path, config: InitConfig, log: Log | None, on_
 
     def load_tokenizer_aside() -> None:
         # NOTE: the tokenizer (0.1-0.2 s for a 128k vocabulary, its import included) loads
-        # beside the CUDA restore; started before criu, it held the GIL while the restore was
-        # being launched (0.15-0.4 s later on the H200, commit ffa93c9). Only the thread starts
-        # here, in the gate, which the CUDA restore waits for.
+        # beside the CUDA restore, started once the keeper has its request: started before
+        # criu, it held the GIL while the restore was being launched (0.15-0.4 s later on the
+        # H200, commit ffa93c9); started in the gate, before the request, a zygote's child
+        # (tokenizers already imported) parsed the file holding the GIL and the gate took
+        # 0.12 s (H100, 2026-12-07, `2026-12-07-h100-tiers-llama8b-prefill-rows`).
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-tokenizer")
         tokenizer.append(pool.submit(load_tokenizer))
         pool.shutdown(wait=False)
