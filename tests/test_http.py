@@ -277,6 +277,11 @@ def test_stop_token_ids_end_a_choice(client):
     choice = completion(client, stop_token_ids=[stop_id], **body).json["choices"][0]
     assert choice["token_ids"] == ids[: ids.index(stop_id) + 1]
     assert choice["finish_reason"] == "stop"
+    # the stop token's own text is not in the choice's text (vLLM's rule), the rest is
+    before = completion(client, **{**body, "max_tokens": ids.index(stop_id)}).json["choices"][0]
+    assert choice["text"] == before["text"]
+    streamed = sse(completion(client, stop_token_ids=[stop_id], stream=True, **body).data)
+    assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == before["text"]
 
 
 def test_a_tiny_temperature_is_greedy_and_harms_no_other_request(client):

@@ -684,7 +684,9 @@ class Engine:
             req.matcher.accept(token)
             if req.matcher.failure is not None:
                 return self._fail(req, f"structured output failed: {req.matcher.failure}")
-        delta = self._detokenize(req, token)
+        # NOTE: a stop token's own text is not output (vLLM's rule without
+        # include_stop_str_in_output): an eos or stop_token_ids token that is an ordinary word
+        delta = "" if self._stop_token(req, token) else self._detokenize(req, token)
         reason = self._finish_reason(req, token)
         if reason is not None:
             delta = self._flush(req, delta) if reason != "stop_string" else delta
@@ -745,14 +747,17 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if req.finish_reason == "stop_string":
             return "stop_string"
-        p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if self._stop_token(req, token):
             return "stop"
         if req.matcher is not None and req.matcher.finished:  # the grammar's end
             return "stop"
         if self._at_length_limit(req):
             return "length"
         return None
+
+    def _stop_token(self, req: Request, token: int) -> bool:
+        p = req.params
+        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
