@@ -344,3 +344,53 @@ def test_an_image_of_other_snapfn_code_is_refused_in_one_line(tier1, tmp_path, c
         assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
     finally:
         service.close()
+
+
+def test_image_files_a_keeper_holds_are_not_hashed_again_until_one_is_written(
+    tier1, tmp_path, cold_outputs, monkeypatch
+):
+    """A keeper that hashed the image files and holds them under read leases answers for them,
+    and the restore hashes only the rest; a write to one (its open breaks the lease) makes the
+    next restore hash every file itself, refuse the changed one and serve from tier 0."""
+    import shutil
+
+    from test_keeper import serving
+    from test_verified_images import _write_elsewhere
+
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+    from snapfn.snapshot.keeper.daemon import Keeper
+    from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+    from snapfn.snapshot.keeper.verified_images import VerifiedImages
+    from snapfn.snapshot.process.snapshot import ASK_KEEPER_BYTES
+
+    snap = shutil.copytree(tier1 / "snap", tmp_path / "snap")
+    before = signal.getsignal(signal.SIGIO)
+    images = VerifiedImages.install()
+    address = str(tmp_path / "k" / "keeper.sock")
+    stop, thread = serving(Keeper(PinnedCache("memfd"), cuda=False, images=images), address)
+    monkeypatch.setenv("SNAPFN_PINNED_SOCKET", address)
+    try:
+        images.hold(snap)
+        big = [p for p in (snap / "process").iterdir() if p.stat().st_size >= ASK_KEEPER_BYTES]
+        assert big
+        service, startup, _ = restore_llm(snap, config(tmp_path), None, log=None)
+        try:
+            assert startup.tier == "process" and not startup.fallbacks
+            assert startup.stage("validate").figures["images_held_by_keeper"] == len(big)
+            assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+        finally:
+            service.close()
+        biggest = max(big, key=lambda p: p.stat().st_size)
+        _write_elsewhere(biggest)
+        service, startup, _ = restore_llm(snap, config(tmp_path), None, log=None)
+        try:
+            (fallback,) = startup.fallbacks
+            assert fallback["step"] == "validate" and "sha256 mismatch" in fallback["reason"]
+            assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+        finally:
+            service.close()
+    finally:
+        stop.set()
+        thread.join(5)
+        images.drop()
+        signal.signal(signal.SIGIO, before)

@@ -149,6 +149,18 @@ def call(
         return _exchange(sock, address, message, sent)
 
 
+def verified_images(address: str, asked: Mapping[str, Any]) -> set[str]:
+    """Which files of `asked` (verified_images.ask) the keeper hashed and holds unchanged;
+    never raises: none when no keeper answers, or it answers badly."""
+    try:
+        found = call(address, {"op": "verified", "files": dict(asked)})["verified"]
+    except (RestoreFailed, KeyError):
+        return set()
+    if not isinstance(found, list):
+        return set()
+    return {p for p in found if isinstance(p, str) and p in asked}
+
+
 def device_fields(address: str, index: int) -> dict[str, Any]:
     """The compat key's GPU fields, from the keeper's driver (compat.driver_api_fields)."""
     fields = call(address, {"op": "device", "index": index})["fields"]

@@ -22,6 +22,10 @@ connection whose peer runs as neither its user nor root (SO_PEERCRED) is answere
     file          {dev, ino, size, mtime_ns}   → a pinned copy's fd (`request`)
     device        {index}                      → {"fields"}: the compat key's GPU fields
     cuda_restore  {pid}                        → {"restore_s", "unlock_s"}
+    verified      {files: {path: {stamp, entry}}} → {"verified": [path, …]}: the process
+                                                 image files it hashed and holds unchanged
+                                                 (verified_images.py), which a restore need
+                                                 not hash again
     prefetch      {doc}                        → {"ok"} once a RegionPrefetch of `doc` (the
                                                  helper's argument, region_fill.main) listens at
                                                  doc["address"]; the connection stays open as the
@@ -53,6 +57,7 @@ from snapfn.snapshot.keeper.pinned_cache import (
     default_socket,
     files_to_pin,
 )
+from snapfn.snapshot.keeper.verified_images import VerifiedImages
 from snapfn.snapshot.unix_socket import ensure_private_dir, peer_problem
 
 if TYPE_CHECKING:
@@ -64,14 +69,22 @@ log = logging.getLogger(__name__)
 class Keeper:
     """The keeper's side: answers ops on a unix socket (`serve`) until stopped."""
 
-    def __init__(self, cache: PinnedCache, cuda: bool = True, device: int = 0) -> None:
+    def __init__(
+        self,
+        cache: PinnedCache,
+        cuda: bool = True,
+        device: int = 0,
+        images: VerifiedImages | None = None,
+    ) -> None:
         self.cache, self.cuda, self.device = cache, cuda, device
+        self.images = images
         self._ops: dict[str, Callable[[socket.socket, dict[str, Any]], dict[str, Any] | None]]
         self._ops = {
             "file": self._file,
             "device": self._device_fields,
             "cuda_restore": self._cuda_restore,
             "prefetch": self._prefetch,
+            "verified": self._verified,
         }
 
     def warm(self) -> None:
@@ -163,6 +176,12 @@ class Keeper:
         restore_s = cuda_checkpoint.restore(pid)
         return {"ok": True, "restore_s": restore_s, "unlock_s": cuda_checkpoint.unlock(pid)}
 
+    def _verified(self, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+        files = request.get("files")
+        if not isinstance(files, dict):
+            raise ValueError("files is not an object of paths")
+        return {"ok": True, "verified": self.images.verified(files) if self.images else []}
+
     def _prefetch(self, conn: socket.socket, request: dict[str, Any]) -> None:
         self._need_cuda()
         prefetch = self._make_prefetch(request["doc"])
@@ -215,7 +234,8 @@ def _add_arguments(parser, snapshot_required: bool, hold: str) -> None:
         type=Path,
         required=snapshot_required,
         default=None,
-        help="a process snapshot (tier 1) whose weight files to keep pinned in host memory"
+        help="a process snapshot (tier 1) whose weight files to keep pinned in host memory, and"
+        " whose image files to hash once and hold unchanged (restores then need not hash them)"
         + ("" if snapshot_required else " (default: none; the keeper still serves restores)"),
     )
     parser.add_argument(
@@ -249,8 +269,8 @@ def _add_arguments(parser, snapshot_required: bool, hold: str) -> None:
 
 
 def run(args) -> int:
-    """Warm the driver, pin the snapshot's weight files (if given), then serve until SIGTERM
-    or Ctrl-C."""
+    """Warm the driver, pin the snapshot's weight files and hold its image files (if given),
+    then serve until SIGTERM or Ctrl-C."""
     import signal
     import sys
     import time
@@ -260,7 +280,8 @@ def run(args) -> int:
     cuda = args.backend == "cuda"
     backend = {"copy": "cuda", "page-cache": "page-cache"}[args.hold] if cuda else args.backend
     cache = PinnedCache(backend, args.device)
-    keeper = Keeper(cache, cuda=cuda, device=args.device)
+    images = VerifiedImages.install()
+    keeper = Keeper(cache, cuda=cuda, device=args.device, images=images)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -271,6 +292,8 @@ def run(args) -> int:
             cache.add(path)
             gb = path.stat().st_size / 1e9
             print(f"snapfn keeper: {path} pinned ({gb:.2f} GB)", file=sys.stderr)
+        if args.snapshot is not None:
+            _hold_images(images, Path(args.snapshot))
         seconds = time.perf_counter() - start
         print(
             f"snapfn keeper: {len(files)} files, {cache.pinned_bytes / 1e9:.2f} GB pinned in"
@@ -282,3 +305,25 @@ def run(args) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _hold_images(images: VerifiedImages, snapshot_dir: Path) -> None:
+    """Hash and hold the snapshot's process image files, saying so, or why not (restores then
+    hash them themselves)."""
+    import sys
+    import time
+
+    from snapfn.snapshot.errors import SnapfnError
+
+    start = time.perf_counter()
+    try:
+        count, size = images.hold(snapshot_dir)
+    except (SnapfnError, OSError) as exc:
+        print(f"snapfn keeper: process images not held, restores hash them: {exc}", file=sys.stderr)
+        return
+    seconds = time.perf_counter() - start
+    print(
+        f"snapfn keeper: {count} process image files ({size / 1e9:.2f} GB) hashed and held"
+        f" unchanged in {seconds:.2f} s",
+        file=sys.stderr,
+    )

@@ -47,6 +47,7 @@ from snapfn.snapshot.errors import IncompatibleSnapshot, RestoreFailed, SnapfnEr
 from snapfn.snapshot.portable.compat import check_compat, compat_key
 from snapfn.snapshot.portable.format import (
     PROCESS_IMAGES,
+    STREAM_VERIFIED,
     load_json,
     parse_manifest,
     read_manifest_bytes,
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
 Log = Callable[[str], None]
 IMAGES = "process"
 CHUNK_BYTES = 64 << 20
+# image files a keeper is asked whether it holds (the rest, criu's small ones, are hashed here)
+ASK_KEEPER_BYTES = 1 << 20
 _PIPE = re.compile(r"pipe:\[[0-9]{1,20}\]")  # what /proc/PID/fd/N reads for a pipe
 
 
@@ -261,7 +264,11 @@ def restore_process_snapshot(
     # only if it matches.
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="snapfn-restore-side")
     current = pool.submit(_current_compat, device, world_size, config)
-    validated = pool.submit(runner.run, "validate", lambda f: _validate(snapshot_dir, accept, rank))
+    validated = pool.submit(
+        runner.run,
+        "validate",
+        lambda f: _validate(snapshot_dir, accept, rank, config.keeper_address, f),
+    )
     # what the prefetch helper starts on, unvalidated (it checks what it fills by its sums)
     unchecked = rank_view(_read_manifest(snapshot_dir), rank)
     prefetching = None
@@ -483,16 +490,26 @@ def rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def _validate(
-    snapshot_dir: Path, accept: Callable[[dict[str, Any]], None] | None, rank: int = 0
+    snapshot_dir: Path,
+    accept: Callable[[dict[str, Any]], None] | None,
+    rank: int = 0,
+    keeper_address: str = "",
+    figures: dict | None = None,
 ) -> dict:
     # NOTE: every image file this rank's restore reads is hashed here, before criu starts
-    # (restore_process_snapshot): a tampered image is refused before any of it runs
+    # (restore_process_snapshot): a tampered image is refused before any of it runs. Those a
+    # keeper hashed and holds unchanged (snapshot/keeper/verified_images.py) are not hashed again.
     mine = f"{rank_images(rank)}/"
+    raw = read_manifest_bytes(snapshot_dir)
+    held = _held_by_keeper(snapshot_dir, raw, mine, keeper_address)
+    if figures is not None and keeper_address:
+        figures["images_held_by_keeper"] = len(held)
 
-    def unread(path: str) -> bool:  # the other ranks' images
-        return path.startswith(PROCESS_IMAGES) and not path.startswith(mine)
+    def not_hashed(path: str) -> bool:  # the other ranks' images, and those the keeper holds
+        return (path.startswith(PROCESS_IMAGES) and not path.startswith(mine)) or path in held
 
-    manifest = rank_view(validate_snapshot(snapshot_dir, None, "sizes", unread=unread), rank)
+    checked = validate_snapshot(snapshot_dir, None, "sizes", unread=not_hashed, manifest_bytes=raw)
+    manifest = rank_view(checked, rank)
     problem = process_section_problem(manifest)
     if problem is not None:
         raise bad_snapshot(snapshot_dir, problem)
@@ -501,6 +518,33 @@ def _validate(
     if accept is not None:
         accept(manifest)
     return manifest
+
+
+def _held_by_keeper(snapshot_dir: Path, raw: bytes, mine: str, keeper_address: str) -> set[str]:
+    """The image files under `mine` of at least ASK_KEEPER_BYTES that the keeper at
+    `keeper_address` hashed and holds unchanged (none without a keeper, or when the manifest
+    does not parse: validation then says why)."""
+    if not keeper_address:
+        return set()
+    from snapfn.snapshot.keeper import client as keeper
+    from snapfn.snapshot.keeper.verified_images import ask
+
+    try:
+        files = parse_manifest(snapshot_dir, raw)["files"]
+    except SnapfnError:
+        return set()
+    costly = [
+        p
+        for p, entry in files.items()
+        if p.startswith(mine)
+        and entry["size"] >= ASK_KEEPER_BYTES
+        and not STREAM_VERIFIED.fullmatch(p)
+    ]
+    if not costly:
+        return set()
+    root = Path(snapshot_dir).absolute()
+    found = keeper.verified_images(keeper_address, ask(root, files, costly))
+    return {str(Path(p).relative_to(root)) for p in found}
 
 
 def _merge_worker_stages(manifest: StartupManifest, restored: dict[str, Any]) -> None:

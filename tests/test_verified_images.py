@@ -1,0 +1,162 @@
+"""The keeper's held process image files (snapshot/keeper/verified_images.py): hashed once under
+read leases, answered as verified only while nothing could have changed them — a writer's
+open breaks the lease and every file is forgotten before it can write a byte; a replaced file,
+another manifest entry or a file open for writing at the start is never answered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from test_keeper import serving
+
+from snapfn.snapshot.errors import BadSnapshot, SnapfnError
+from snapfn.snapshot.keeper import client as keeper
+from snapfn.snapshot.keeper.daemon import Keeper
+from snapfn.snapshot.keeper.pinned_cache import PinnedCache
+from snapfn.snapshot.keeper.verified_images import VerifiedImages, ask
+from snapfn.snapshot.portable.format import read_manifest
+from snapfn.snapshot.portable.publish import SnapshotWriter
+
+from snapshot_samples import COMPAT
+
+IMAGES = {"process/memory.bin": 3 << 20, "process/pages-1.img": 2 << 20, "process/core-1.img": 64}
+
+
+@pytest.fixture
+def images():
+    """A VerifiedImages whose SIGIO handler is this process's for the test (pytest's main
+    thread), closed and the handler put back after."""
+    before = signal.getsignal(signal.SIGIO)
+    made = VerifiedImages.install()
+    yield made
+    made.drop()
+    signal.signal(signal.SIGIO, before)
+
+
+@pytest.fixture
+def snap(tmp_path) -> Path:
+    with SnapshotWriter(tmp_path / "snap") as w:
+        (w.root / "process").mkdir()
+        for relpath, size in IMAGES.items():
+            (w.root / relpath).write_bytes(os.urandom(size))
+        (w.root / "tokenizer.json").write_text("{}")
+        return w.publish({"compat": COMPAT})
+
+
+def asked(snap: Path, relpaths=IMAGES) -> dict:
+    return ask(snap, read_manifest(snap)["files"], relpaths)
+
+
+def _write_elsewhere(path: Path) -> None:
+    """Open `path` for writing in another process and change one byte (its open waits while
+    a lease is broken)."""
+    code = (
+        "import sys\nwith open(sys.argv[1], 'r+b') as f:\n"
+        "    b = f.read(1)[0]\n    f.seek(0)\n    f.write(bytes([b ^ 0x55]))"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+
+
+def test_held_files_are_verified_until_a_writer_opens_one(images, snap):
+    assert images.hold(snap) == (3, sum(IMAGES.values()))
+    assert sorted(images.verified(asked(snap))) == sorted(str(snap / p) for p in IMAGES)
+    _write_elsewhere(snap / "process" / "pages-1.img")  # waits for the keeper's SIGIO handler
+    assert images.verified(asked(snap)) == [] and len(images) == 0  # every file forgotten
+
+
+def test_a_replaced_file_or_another_manifest_entry_is_not_verified(images, snap):
+    images.hold(snap)
+    question = asked(snap)
+    other = dict(question)
+    other[str(snap / "process/core-1.img")] = {**question[str(snap / "process/core-1.img")]}
+    other[str(snap / "process/core-1.img")]["entry"] = "0" * 64  # another manifest's entry
+    assert str(snap / "process/core-1.img") not in images.verified(other)
+    replacement = snap / "process" / "replacement"
+    replacement.write_bytes((snap / "process/memory.bin").read_bytes())
+    os.replace(replacement, snap / "process/memory.bin")  # the same bytes, another inode
+    assert sorted(images.verified(asked(snap))) == sorted(
+        str(snap / p) for p in IMAGES if p != "process/memory.bin"
+    )
+
+
+def test_a_tampered_file_or_one_open_for_writing_is_not_held(images, snap):
+    memory = snap / "process/memory.bin"
+    with open(memory, "r+b") as writer:
+        with pytest.raises(SnapfnError, match="open for writing elsewhere"):
+            images.hold(snap)
+        writer.write(b"\xff\xfe")
+    with pytest.raises(BadSnapshot, match="process/memory.bin.*sha256 mismatch"):
+        images.hold(snap)
+    assert len(images) == 0
+    held_fds = [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, snap)]
+    assert held_fds == []  # the leased files were closed again
+
+
+def _points_into(fd: str, snap: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(snap))
+    except OSError:
+        return False
+
+
+def test_a_break_while_the_lock_is_taken_drops_the_files_when_it_is_let_go(images, snap):
+    images.hold(snap)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with images._lock:
+            taken.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold_the_lock)
+    thread.start()
+    taken.wait(10)
+    images._on_break()  # what SIGIO does: the lock is another thread's
+    release.set()
+    thread.join(10)
+    assert images.verified(asked(snap)) == []  # untrusted at once, closed now
+    assert len(images) == 0 and not [
+        fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, snap)
+    ]
+
+
+def test_the_keeper_answers_only_what_it_holds(images, snap, tmp_path):
+    images.hold(snap)
+    address = str(tmp_path / "k" / "keeper.sock")
+    stop, thread = serving(Keeper(PinnedCache("memfd"), cuda=False, images=images), address)
+    try:
+        question = asked(snap)
+        question["/elsewhere/memory.bin"] = {"stamp": [1, 2, 3, 4, 5], "entry": "0" * 64}
+        assert keeper.verified_images(address, question) == {str(snap / p) for p in IMAGES}
+        bare = str(tmp_path / "b" / "keeper.sock")
+        stop_bare, thread_bare = serving(Keeper(PinnedCache("memfd"), cuda=False), bare)
+        try:
+            assert keeper.verified_images(bare, question) == set()  # holds none
+        finally:
+            stop_bare.set()
+            thread_bare.join(5)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert keeper.verified_images(address, question) == set()  # no keeper: none, no error
+
+
+def test_install_needs_the_main_thread():
+    failed = []
+    thread = threading.Thread(target=lambda: _catch(failed))
+    thread.start()
+    thread.join(10)
+    assert failed and "main thread" in failed[0]
+
+
+def _catch(failed: list) -> None:
+    try:
+        VerifiedImages.install()
+    except ValueError as exc:
+        failed.append(str(exc))
