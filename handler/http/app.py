@@ -71,6 +71,8 @@ log = logging.getLogger("snapfn.http")
 REQUEST_ID_HEADER = "X-Request-Id"
 FUNCTION_ERROR_HEADER = "X-Snapfn-Function-Error"
 LAMBDA_FUNCTION_ERROR_HEADER = "X-Amz-Function-Error"
+# the methods counted by name; any other is "other", so a client cannot grow the metrics
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,9 @@ def _install_hooks(app: Flask, state: AppState) -> None:
     @app.after_request
     def count(response: Response) -> Response:
         endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        method = request.method if request.method in HTTP_METHODS else "other"
         m = state.metrics
-        m.requests.labels(endpoint, request.method, str(response.status_code)).inc()
+        m.requests.labels(endpoint, method, str(response.status_code)).inc()
         m.request_seconds.labels(endpoint).observe(time.perf_counter() - g.arrived_at)
         return response
 

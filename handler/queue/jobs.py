@@ -120,7 +120,7 @@ def parse_job(body: str) -> Job:
     """Parse and validate a message body; raises BadRequest saying what to fix."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also: an integer too long, nesting too deep
         raise BadRequest(f"message body is not JSON ({exc})") from exc
     _check(isinstance(data, dict), "a job is a JSON object")
     job_id = data.get("id")
@@ -154,9 +154,16 @@ def _parse_prompts(field: str, value: Any) -> tuple[Prompt, ...]:
         return (value,)
     if field == "messages":
         _check(
-            isinstance(value, list) and value and all(isinstance(m, dict) for m in value),
+            isinstance(value, list) and value != [],
             "'messages' must be a non-empty list of {role, content} objects",
         )
+        for i, m in enumerate(value):
+            _check(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str),
+                f"messages[{i}] must be an object with string role and content",
+            )
         return (tuple(value),)
     if field == "prompt_ids" and isinstance(value, list) and value and _is_ids(value):
         return (tuple(value),)
@@ -197,17 +204,25 @@ def _parse_params(raw: dict[str, Any]) -> SamplingParams:
     defaults = SamplingParams()
     return SamplingParams(
         max_new_tokens=raw.get("max_tokens", raw.get("max_new_tokens", defaults.max_new_tokens)),
-        temperature=float(raw.get("temperature", defaults.temperature)),
+        temperature=_float(raw, "temperature", defaults.temperature),
         top_k=raw.get("top_k", defaults.top_k),
-        top_p=float(raw.get("top_p", defaults.top_p)),
+        top_p=_float(raw, "top_p", defaults.top_p),
         seed=raw.get("seed"),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=raw.get("ignore_eos", defaults.ignore_eos),
-        presence_penalty=float(raw.get("presence_penalty", defaults.presence_penalty)),
-        frequency_penalty=float(raw.get("frequency_penalty", defaults.frequency_penalty)),
-        repetition_penalty=float(raw.get("repetition_penalty", defaults.repetition_penalty)),
+        presence_penalty=_float(raw, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=_float(raw, "frequency_penalty", defaults.frequency_penalty),
+        repetition_penalty=_float(raw, "repetition_penalty", defaults.repetition_penalty),
     ).validate()
+
+
+def _float(raw: dict[str, Any], name: str, default: float) -> float:
+    """`raw[name]` as a float; an integer too large for one is a BadRequest, not an overflow."""
+    try:
+        return float(raw.get(name, default))
+    except OverflowError:
+        raise BadRequest(f"params.{name} is out of range (an integer too large)") from None
 
 
 def _parse_result(value: Any, job_id: str) -> S3Result | ReplyQueue:

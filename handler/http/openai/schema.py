@@ -312,6 +312,7 @@ CODES = {
     "too_short": "invalid_value",
     "too_long": "invalid_value",
     "string_too_short": "invalid_value",
+    "string_too_long": "invalid_value",
     "greater_than": "out_of_range",
     "greater_than_equal": "out_of_range",
     "less_than": "out_of_range",

@@ -37,7 +37,7 @@ def tokenize_body(body: Any, limits: Limits, tokenizer: Any, max_input_len: int)
         validate_body,
     )
 
-    chat = isinstance(body, dict) and "messages" in body
+    chat = isinstance(body, dict) and body.get("messages") is not None  # null: left out
     model = TokenizeChatRequest if chat else TokenizeCompletionRequest
     fields, unknown = validate_body(model, body)
     warn_unknown("/tokenize", unknown)
