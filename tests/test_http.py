@@ -603,11 +603,19 @@ def test_unknown_fields_are_ignored_with_a_warning(client, caplog):
     body = dict(prompt="hello", max_tokens=3, temperature=0, return_token_ids=True)
     plain = completion(client, **body).json["choices"]
     with caplog.at_level("WARNING", logger="snapfn.http"):
-        r = completion(client, **body, bogus=1, chat_template_kwargs={}, stream_options={"x": 1})
-    assert r.status_code == 200 and r.json["choices"] == plain
-    (record,) = [rec for rec in caplog.records if "unknown request fields" in rec.message]
-    assert all(name in record.message for name in ("'bogus'", "'chat_template_kwargs'"))
-    assert "'stream_options.x'" in record.message
+        r = completion(client, **body, bogus=1, chat_template_kwargs={}, logit_bias=None)
+        streamed = completion(client, **body, stream=True, stream_options={"x": 1})
+    assert r.status_code == 200 and r.json["choices"] == plain and streamed.status_code == 200
+    unknown = [rec.message for rec in caplog.records if "unknown request fields" in rec.message]
+    assert all(name in unknown[0] for name in ("'bogus'", "'chat_template_kwargs'"))
+    assert "'stream_options.x'" in unknown[1] and len(unknown) == 2
+
+
+def test_stream_options_need_stream(client):
+    r = completion(client, prompt="hi", max_tokens=1, stream_options={"include_usage": True})
+    assert r.status_code == 400 and r.json["error"]["param"] == "stream_options"
+    r = chat(client, messages=USER, max_tokens=1, stream=False, stream_options={})
+    assert r.status_code == 400 and "'stream': true" in r.json["error"]["message"]
 
 
 def test_penalties_and_biases_are_those_of_the_engine(client, engine, tokenizer):

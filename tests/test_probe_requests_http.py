@@ -42,3 +42,14 @@ def test_tokenize_takes_null_messages_as_left_out(client):
     r = client.post("/tokenize", json={"prompt": "hello", "messages": None})
     assert r.status_code == 200, r.json
     assert r.json["tokens"] == client.post("/tokenize", json={"prompt": "hello"}).json["tokens"]
+
+
+def test_invoke_takes_a_null_prompt_field_as_left_out(client):
+    both_given = client.post("/invoke", json={"prompt": "hi", "prompt_ids": [1, 2]})
+    assert both_given.status_code == 400 and "exactly one" in both_given.json["error"]["message"]
+    for body in ({"prompt": "hi", "prompt_ids": None}, {"prompt_ids": [1, 2], "messages": None}):
+        r = client.post("/invoke", json={**body, "max_tokens": 2})
+        assert r.status_code == 200, r.json
+        assert len(r.json["token_ids"]) == 2
+    r = client.post("/invoke", json={"prompt": None})
+    assert r.status_code == 400 and "got none" in r.json["error"]["message"]

@@ -103,8 +103,9 @@ def test_a_request_whose_grammar_fails_fails_alone(fields):
         guided = SamplingParams(max_new_tokens=12, guide=spec_from_fields(fields))
         beside = svc.submit(prompt, plain)
         failing = svc.submit(prompt, guided)
-        with pytest.raises(BadRequest, match="structured output failed"):
+        with pytest.raises(BadRequest, match="structured output failed") as failed:
             failing.result(timeout_s=120)
+        assert "\n" not in str(failed.value) and len(str(failed.value)) < 400  # no state dump
         assert beside.result(timeout_s=120).token_ids == alone
         assert (svc.stats.failed, svc.stats.finished) == (1, 2)
         assert svc.kv_usage() == 0.0

@@ -109,11 +109,11 @@ def _check_text_length(event: Mapping[str, Any], tokenizer: Any, max_input_len: 
 
 
 def prompt_ids(event: Mapping[str, Any], tokenizer: Any) -> list[int]:
-    given = [k for k in PROMPT_FIELDS if k in event]
+    given = [k for k in PROMPT_FIELDS if event.get(k) is not None]  # null: left out
     if len(given) != 1:
         raise BadRequest(f"give exactly one of {', '.join(PROMPT_FIELDS)}; got {given or 'none'}")
     chat = _typed(event, "chat", bool, False)
-    if "prompt_ids" in event:
+    if given == ["prompt_ids"]:
         if chat:
             raise BadRequest("chat applies to prompt or messages; prompt_ids are used as given")
         ids = event["prompt_ids"]
@@ -122,7 +122,7 @@ def prompt_ids(event: Mapping[str, Any], tokenizer: Any) -> list[int]:
         return list(ids)
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer.json: send prompt_ids instead of text")
-    if "messages" in event:
+    if given == ["messages"]:
         return _encode_chat(tokenizer, _messages(event["messages"]))
     text = event["prompt"]
     if not isinstance(text, str):

@@ -37,6 +37,12 @@ MIN_TEMPERATURE = 1e-5  # below this, greedy (vLLM's rule)
 def common_fields(body: SharedFields, limits: Limits, max_tokens: int) -> dict[str, Any]:
     """The `GenerationRequest` keyword arguments both endpoints read the same way."""
     options = body.stream_options
+    if options is not None and not body.stream:  # OpenAI's rule, and vLLM's
+        raise ApiError(
+            "'stream_options' is only allowed with 'stream': true",
+            param="stream_options",
+            code="invalid_value",
+        )
     return dict(
         model=check_model(body.model, limits),
         params=_sampling(body, max_tokens),

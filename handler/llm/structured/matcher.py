@@ -59,7 +59,7 @@ class GrammarMatcher:
         try:
             if self._matcher.consume_token(token):
                 return
-            why = self._matcher.get_error()
+            why = _first_line(self._matcher.get_error())
         except Exception as exc:
             why = _reason(exc)
         self.failure = f"the grammar refused token {token}: {why}"
@@ -87,5 +87,11 @@ class GrammarMatcher:
 
 def _reason(exc: Exception) -> str:
     """The library's message, its first line, at most 200 characters."""
-    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return lines[0][:200]
+    return _first_line(str(exc)) or type(exc).__name__
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    """`text`'s first line, at most `limit` characters (the library's errors go on to dump its
+    state and the grammar, which a client's error message need not carry)."""
+    lines = str(text).strip().splitlines()
+    return lines[0][:limit] if lines else ""
