@@ -3,6 +3,7 @@
 serve.py          `snapfn serve`: gunicorn (gthread workers), each worker inits or restores
 serve_config.py   how it listens and what the app accepts (`ServeConfig`)
 gunicorn.conf.py  gunicorn's settings and hooks
+workers.py        gunicorn's workers, answering the requests gunicorn itself refuses in JSON
 app.py            the Flask app (`create_app`): /invoke, OpenAI routes, /tokenize, health, metrics
 openai/           OpenAI-compatible requests (models, validation) and responses, vLLM's tokenize
 generation.py     one OpenAI request's engine streams, read out whole or as SSE

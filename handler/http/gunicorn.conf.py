@@ -2,7 +2,8 @@
 
 The CLI (`ServeConfig`) overrides `bind`, `workers`, `threads`, `timeout` and
 `graceful_timeout`; everything else is set here. Settings this gunicorn does not know are
-skipped, so the file works across gunicorn versions.
+skipped, so the file works across gunicorn versions. `worker_class` names gunicorn's class;
+`snapfn serve` runs its subclass from `workers.py`, which answers gunicorn's own refusals in JSON.
 
 Hooks, each run with `server` = the arbiter, whose `.app` is the `SnapfnServer`:
 - `post_fork`: in the new worker, build its `WorkerRuntime` and start it on a background thread,

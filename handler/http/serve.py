@@ -12,6 +12,9 @@ gunicorn's own settings: `gunicorn.conf.py`, then those `ServeConfig` sets (bind
 threads, timeouts, `--access-log`), then `GUNICORN_CMD_ARGS` (gunicorn's command-line syntax),
 then the snapfn flags given on the command line (as gunicorn ranks its command line above
 `GUNICORN_CMD_ARGS`). `--preload` cannot work (workers build their runtimes after fork): refused.
+The worker class chosen runs as its subclass in `workers.py` (sync, gthread), so that the
+requests gunicorn itself refuses (a malformed or over-long request line, too many or too large
+header fields …) are answered in JSON, as every error of the app is.
 The master prints `snapfn serve: listening on http://HOST:PORT` once it is bound.
 
 A worker whose start fails (`runtime.fatal` set: no trustworthy source left to start from;
@@ -55,6 +58,7 @@ from snapfn.handler.function.target_flags import (
     serve_target,
 )
 from snapfn.handler.http.serve_config import FUNCTION_ERRORS, ServeConfig
+from snapfn.handler.http.workers import json_error_worker
 from snapfn.snapshot.errors import BadRequest
 
 CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
@@ -304,6 +308,8 @@ class SnapfnServer(BaseApplication):
         for name, value in self._env_settings().items():
             if name not in self.given:
                 self.cfg.set(name, value)
+        # NOTE: last: the worker class (and threads, which turn sync into gthread) is settled
+        self.cfg.set("worker_class", json_error_worker(self.cfg))
 
     def _env_settings(self) -> dict[str, Any]:
         """The gunicorn settings `GUNICORN_CMD_ARGS` gives, parsed by gunicorn's own parser."""
