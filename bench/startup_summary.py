@@ -16,6 +16,7 @@ KEEP = (
     "skipped",
     "captured",
     "compiler_warm",
+    "images_held_by_keeper",
 )
 
 for path in sys.argv[1:]:

@@ -53,11 +53,12 @@ if [ "$keeper" = on ] && [ -d "$bench/snapshot_process" ]; then
     2> "$res/keeper.log" > /dev/null &
   pid=$!
   for _ in $(seq 300); do grep -q "serving on" "$res/keeper.log" && break; sleep 0.2; done
+  grep -E "process image|serving on" "$res/keeper.log"
   bench_modes keeper 90 --model "$dir" --device cuda --workdir "$bench" \
     --modes restore_process,restore_process_zygote \
     --decode-batches 1 --decode-tokens 16
   kill "$pid"; wait "$pid"
 fi
 python3 -c "import json,sys; [print(f, json.load(open(f))['ratios']) for f in sys.argv[1:]]" "$res"/*.json
-python3 bench/startup_summary.py "$res"/bench.json
+python3 bench/startup_summary.py "$res"/bench.json $(ls "$res"/keeper.json 2>/dev/null)
 echo "[$((SECONDS - t0)) s] done"
