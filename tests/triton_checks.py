@@ -213,6 +213,10 @@ ABSORB_SHAPES = {
 # against float32 products of the float32-dequantized kv_b: bf16 rounds the outputs only
 ABSORB_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
 
+# sum64's one-pass kernel (snapshot/layout/sum64_triton.py): (chunks, words a chunk); a word
+# count off the kernel's block and span grids, one word, several spans
+SUM64_SHAPES = {"chunks": (5, 70_001), "one": (1, 1), "wide": (2, 3 * 65536 + 17)}
+
 CASES = (
     [f"rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
     + [f"add_rms_norm-{s}-{d}" for s in RMS_SHAPES for d in DTYPES]
@@ -241,6 +245,7 @@ CASES = (
     + [f"indexer-{s}-{d}" for s in INDEXER_SHAPES for d in DTYPES]
     + [f"indexer_prefill-{s}-{d}" for s in INDEXER_PREFILL_SHAPES for d in DTYPES]
     + [f"backend_indexer_prefill-{d}" for d in DTYPES]
+    + [f"sum64-{s}-int64" for s in SUM64_SHAPES]
     + [
         "engine_greedy-tiny-fp32",
         "engine_greedy-glm-tiny-fp32",
@@ -1336,6 +1341,26 @@ def _run_glm_kernels(device: str, tokens: int = 4) -> None:
                              _randn(8, 16, 128, device=device), slots)  # fmt: skip
 
 
+def _check_sum64(shape: str, device: str) -> dict:
+    """The kernel's chunk sums equal torch's (`checksum.sum64`) bit for bit, extreme words
+    included; on CUDA `chunk_sums` and `sum64_bytes` take the kernel and agree too."""
+    from snapfn.snapshot.layout import sum64_triton
+    from snapfn.snapshot.layout.checksum import chunk_sums, sum64, sum64_bytes
+
+    chunks, words = SUM64_SHAPES[shape]
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(-(2**63), 2**63 - 1, (chunks, words), dtype=torch.int64, generator=g)
+    data.view(-1)[:4] = torch.tensor([-1, 2**63 - 1, -(2**63), 0])[: data.numel()]
+    want = torch.stack([sum64(row) for row in data])
+    on_device = data.to(device)
+    got = sum64_triton.partial_sums(on_device).sum(1).cpu()
+    assert torch.equal(got, want), (got, want)
+    raw = on_device.view(-1).view(torch.uint8)
+    assert torch.equal(chunk_sums(raw, words * 8).cpu(), want)
+    assert int(sum64_bytes(raw[: words * 8])) == int(want[0])
+    return {"chunks": chunks, "words": words}
+
+
 def run_case(case: str, device: str) -> dict:
     """Run one case of `CASES`; raises AssertionError on a mismatch, else returns its error."""
     if case == "autotuned":
@@ -1345,6 +1370,8 @@ def run_case(case: str, device: str) -> dict:
         return _check_fill_kv(rest[0], device)
     if kind == "store_refusals":
         return _check_store_refusals(device)
+    if kind == "sum64":
+        return _check_sum64(rest[0], device)
     dtype = DTYPES[rest[-1]]
     if kind in ("rms_norm", "add_rms_norm"):
         return _check_rms_norm(RMS_SHAPES[rest[0]], dtype, device, fused=kind == "add_rms_norm")

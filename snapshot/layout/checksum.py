@@ -19,14 +19,23 @@ corrupted copies, not a cryptographic one. The chunk sha256 digests stay in the 
 verification at rest and in transfer.
 
 `sum64` and `sum64_bytes` compute it over a tensor on its own device with no host sync (the
-streamer's "device" check runs them on its copy stream); `Sum64Chunk` computes it on the host
+streamer's "device" check runs them on its copy stream; on CUDA with triton, `sum64_bytes` and
+`chunk_sums` run `sum64_triton`'s one-pass kernel, `SNAPFN_SUM64_KERNEL=torch` turns it off); `Sum64Chunk` computes it on the host
 over a chunk fed in pieces of any length and alignment (the writer, and "device" verification
 on CPU).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
+
+# "torch": the chunk sums by torch's multiply and sum on CUDA too; "auto": by sum64_triton's
+# kernel on CUDA where triton is installed (one pass over the data instead of three)
+SUM64_KERNEL_ENV = "SNAPFN_SUM64_KERNEL"
 
 
 def odd_weights(num_words: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -64,7 +73,12 @@ def sum64_bytes(
     if data.data_ptr() % 8 or data.storage_offset() % 8:
         data = data.clone()  # NOTE: viewing bytes as int64 needs an 8-byte-aligned start
     body = data.numel() // 8 * 8
-    total = sum64(data[:body].view(torch.int64), weights, scratch=scratch, out=out)
+    kernel = _kernel(data.device)
+    if kernel is not None and body:
+        partials = kernel.partial_sums(data[:body].view(torch.int64).view(1, body // 8))
+        total = partials.sum() if out is None else torch.sum(partials.view(-1), 0, out=out)
+    else:
+        total = sum64(data[:body].view(torch.int64), weights, scratch=scratch, out=out)
     if body < data.numel():
         last = torch.zeros(8, dtype=torch.uint8, device=data.device)  # the zero-padded word
         last[: data.numel() - body] = data[body:]
@@ -124,23 +138,31 @@ def chunk_sums(
     """[num_chunks] int64: the sum64 of each `chunk_bytes` chunk of [n] uint8 `data`, on its
     device, no host sync. Whole chunks are summed as rows of a [k, words] view, k chunks per
     multiply and row sum (two kernels per `batch_bytes`, not per chunk); a short last chunk, or
-    data not aligned to 8 bytes, takes `sum64_bytes`."""
+    data not aligned to 8 bytes, takes `sum64_bytes`. On CUDA with triton, sum64_triton's
+    kernel sums every whole chunk in one pass instead (`SNAPFN_SUM64_KERNEL=torch`: not)."""
     num_chunks = -(-data.numel() // chunk_bytes)
     words = -(-chunk_bytes // 8)
-    weights = odd_weights(words, data.device)
     sums = torch.empty(num_chunks, dtype=torch.int64, device=data.device)
     whole = data.numel() // chunk_bytes if chunk_bytes % 8 == 0 else 0
     if data.data_ptr() % 8 or data.storage_offset() % 8:
         whole = 0  # NOTE: viewing bytes as int64 needs an 8-byte-aligned start
     per_batch = max(1, min(whole, batch_bytes // chunk_bytes))
-    if whole:
+    kernel = _kernel(data.device)
+    # NOTE: the weights (as many int64 as a chunk has words) only where torch multiplies
+    weights = odd_weights(words, data.device) if kernel is None or whole < num_chunks else None
+    if whole and kernel is not None:  # every whole chunk in one kernel and one row sum
+        rows = data[: whole * chunk_bytes].view(torch.int64).view(whole, words)
+        torch.sum(kernel.partial_sums(rows), 1, out=sums[:whole])
+    elif whole:
         rows = data[: whole * chunk_bytes].view(torch.int64).view(whole, words)
         scratch = torch.empty(per_batch, words, dtype=torch.int64, device=data.device)
         for lo in range(0, whole, per_batch):
             block = rows[lo : lo + per_batch]
             products = torch.mul(block, weights, out=scratch[: block.shape[0]])
             torch.sum(products, 1, out=sums[lo : lo + block.shape[0]])
-    scratch = torch.empty(words, dtype=torch.int64, device=data.device)
+    scratch = (
+        torch.empty(words, dtype=torch.int64, device=data.device) if weights is not None else None
+    )
     for i in range(whole, num_chunks):
         chunk = data[i * chunk_bytes : (i + 1) * chunk_bytes]
         sum64_bytes(chunk, weights, scratch=scratch, out=sums[i])
@@ -157,3 +179,21 @@ def first_bad_chunk(data: torch.Tensor, chunk_bytes: int, expected: list[int]) -
     sums = chunk_sums(data, chunk_bytes)
     mismatch = (sums.cpu() != torch.tensor(expected, dtype=torch.int64)).tolist()
     return mismatch.index(True) if True in mismatch else None
+
+
+@functools.cache
+def _kernels_on() -> bool:
+    choice = os.environ.get(SUM64_KERNEL_ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{SUM64_KERNEL_ENV} must be auto or torch, not {choice!r}")
+    return choice == "auto" and importlib.util.find_spec("triton") is not None
+
+
+def _kernel(device: torch.device):
+    """sum64_triton where it runs for `device` (CUDA, triton installed, not turned off), else
+    None: the torch path, which is also the reference it is checked against."""
+    if device.type != "cuda" or not _kernels_on():
+        return None
+    from snapfn.snapshot.layout import sum64_triton
+
+    return sum64_triton
