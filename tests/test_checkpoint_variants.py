@@ -109,6 +109,8 @@ CASES = {
         "mistral",
         {"sliding_window": None, "edit": lambda raw: raw.update(attention_bias=True)},
     ),
+    "llama mlp_bias": ("llama", {"mlp_bias": True}),
+    "qwen2 mlp_bias true (its MLP is never biased)": ("qwen2", {"mlp_bias": True}),
     "qwen3 window on, but no layer slides": (
         "qwen3",
         {
@@ -186,3 +188,52 @@ def test_an_eos_id_that_is_not_a_token_id_is_refused(tiny_llama_dir, tmp_path):
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": ["2"]}))
     with pytest.raises(CheckpointError, match="eos_token_id"):
         our_engine(model_dir)
+
+
+def _save_base_model(path, family, **config):
+    """`_save` of the family's base model (`LlamaModel`…): no head, and no `model.` before its
+    tensors' names."""
+    import transformers as T
+
+    config_cls, model_cls = _families()[family]
+    base_cls = getattr(T, model_cls.__name__.replace("ForCausalLM", "Model"))
+    torch.manual_seed(0)
+    model = base_cls(config_cls(**(TINY | {"intermediate_size": 96} | config))).eval()
+    _randomize(model, 0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_base_model_checkpoint_loads_with_its_head_tied(family, tmp_path):
+    # transformers' AutoModelForCausalLM reads it under `model.` (base_model_prefix), the head
+    # tied to the embedding
+    model_dir = _save_base_model(tmp_path / "m", family, tie_word_embeddings=True)
+    (ids,) = random_prompts(256, [23], seed=7)
+    ours = our_prefill_logits(our_engine(model_dir), ids, 64)
+    ref = hf_logits(hf_model(model_dir), ids)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_a_base_model_checkpoint_without_a_head_to_tie_is_refused_naming_it(tmp_path):
+    from snapfn.snapshot.errors import CheckpointError
+
+    # transformers would initialise the head at random
+    model_dir = _save_base_model(tmp_path / "m", "llama", tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match=r"not filled by the checkpoint: lm_head\.weight$"):
+        our_engine(model_dir)
+
+
+@pytest.mark.parametrize(
+    "family, config, window",
+    [
+        # Mistral's modeling slides wherever sliding_window is set: use_sliding_window is Qwen's
+        ("mistral", {"sliding_window": 8, "use_sliding_window": False}, 8),
+        # Llama's has no window, whatever config.json holds
+        ("llama", {"sliding_window": 8}, None),
+    ],
+)
+def test_the_window_is_the_one_transformers_modeling_applies(family, config, window, tmp_path):
+    engine = our_engine(_save(tmp_path / "m", family, **config))
+    assert engine.model.config.sliding_window == window
+    assert engine.max_model_len == (window or 512)

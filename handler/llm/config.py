@@ -103,6 +103,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections' biases
     o_proj_bias: bool = False  # the attention output's (Llama's and Qwen3's attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama's mlp_bias: no other modeling reads it)
     sliding_window: int | None = None  # the context the engine serves is capped at it
     qk_norm: bool = False
     torch_dtype: str = "bfloat16"
@@ -154,8 +155,10 @@ def _get(raw: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window some or all layers use, or None (full attention everywhere). Qwen
-    turns it on with `use_sliding_window`; Mistral's `sliding_window` is on unless null."""
+    """The attention window some or all layers use, or None (full attention everywhere), as
+    transformers' modeling reads it: Qwen turns it on with `use_sliding_window`; Mistral's
+    `sliding_window` is on unless null (its modeling reads no `use_sliding_window`); Llama's
+    and GLM's modeling has no window, whatever config.json holds."""
     window = raw.get("sliding_window")
     if raw.get("model_type") in ("qwen2", "qwen3"):
         # transformers: no window without a size, and one only where a layer slides
@@ -165,7 +168,7 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
             and "sliding_attention" in _qwen_layer_types(raw)
         )
     else:
-        on = window is not None and raw.get("use_sliding_window", True) is not False
+        on = raw.get("model_type") == "mistral" and window is not None
     if not on:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -193,8 +196,6 @@ def _refuse_unsupported_options(raw: dict[str, Any]) -> None:
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
-    if raw.get("mlp_bias"):
-        raise UnsupportedModel("mlp_bias=true is not supported")
 
 
 def _attention_biases(raw: dict[str, Any]) -> dict[str, bool]:
@@ -229,6 +230,7 @@ def _common_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         max_position_embeddings=int(_get(raw, "max_position_embeddings", 4096)),
         tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
         **_attention_biases(raw),
+        mlp_bias=raw.get("model_type") == "llama" and bool(_get(raw, "mlp_bias", False)),
         sliding_window=_sliding_window(raw),
         qk_norm=raw.get("model_type") == "qwen3",
         torch_dtype=_parse_dtype(raw),

@@ -13,14 +13,15 @@ class SwiGLUMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))`: llama's MLP, GLM-5's dense layers' and its shared experts.
     `gate_proj` and `up_proj` fill one fused `gate_up_proj` (`CausalLM.fused_linear`): one GEMM,
     and after a norm (`norm_forward`) on a decode step one GEMV with the norm before it and
-    SwiGLU after it."""
+    SwiGLU after it. Biased where the config says so (Llama's `mlp_bias`)."""
 
     def __init__(self, model: CausalLM, prefix: str, intermediate_size: int) -> None:
         super().__init__()
         hidden, inter = model.config.hidden_size, intermediate_size // model.parallel.tp_size
         parts = [("gate_proj", inter), ("up_proj", inter)]
-        self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, hidden)
-        self.down_proj = model.row_linear(f"{prefix}.down_proj", inter, hidden)
+        bias = model.config.mlp_bias
+        self.gate_up_proj = model.fused_linear(prefix, "gate_up_proj", parts, hidden, bias)
+        self.down_proj = model.row_linear(f"{prefix}.down_proj", inter, hidden, bias)
         self.backend = model.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,15 @@
 
 `Checkpoint.open(dir)` reads `model.safetensors.index.json` (or the single `model.safetensors`),
 checks that every indexed tensor really is in its shard and that no shard is missing, and
-records each tensor's dtype and shape from the shard headers (no tensor data is read).
+records each tensor's dtype and shape from the shard headers (no tensor data is read). A base
+model's folder (`LlamaModel.save_pretrained`: no tensor under `model.`) is read under `model.`
+names, as transformers' AutoModelForCausalLM loads it (its `base_model_prefix`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from snapfn.snapshot.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+BASE_MODEL_PREFIX = "model."  # transformers' base_model_prefix, every served family's
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class TensorInfo:
     file: Path
     dtype: str  # safetensors dtype string: "BF16", "F32", "F8_E4M3", …
     shape: tuple[int, ...]
+    stored_name: str = ""  # its name in the shard, where that is not `name`
 
 
 class Checkpoint:
@@ -52,7 +56,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"tensors listed in the index but absent from their shard: {_names(missing)}"
             )
-        return cls(model_dir, tensors)
+        return cls(model_dir, _under_base_model_prefix(tensors))
 
     @property
     def files(self) -> list[Path]:
@@ -75,7 +79,8 @@ class Checkpoint:
             with safe_open(path, framework="pt", device=device) as f:
                 for name in file_names:
                     part = (bounds or {}).get(name)
-                    out[name] = f.get_tensor(name) if part is None else f.get_slice(name)[part]
+                    stored = self.tensors[name].stored_name or name
+                    out[name] = f.get_tensor(stored) if part is None else f.get_slice(stored)[part]
         return out
 
 
@@ -94,6 +99,18 @@ def _read_weight_map(model_dir: Path) -> dict[str, str]:
         with safe_open(single, framework="pt") as f:
             return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     raise CheckpointError(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}")
+
+
+def _under_base_model_prefix(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """A base model's tensors (none under `model.`) under a causal LM's names, as
+    AutoModelForCausalLM reads them; its head is then the tied embedding, or missing (which the
+    loader's coverage check names)."""
+    if any(name.startswith(BASE_MODEL_PREFIX) for name in tensors):
+        return tensors
+    return {
+        BASE_MODEL_PREFIX + name: replace(info, name=BASE_MODEL_PREFIX + name, stored_name=name)
+        for name, info in tensors.items()
+    }
 
 
 def _read_header(path: Path, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
