@@ -47,7 +47,8 @@ def test_each_cold_start_restores_the_process_image_and_idle_stops_it(activator)
     first = complete(activator.url)
     assert first.status_code == 200, first.text
     cold = activator.startup()["last_cold_start"]
-    assert (cold["kind"], cold["tier"], cold["ok"]) == ("restore", "process", True), cold["fallbacks"]
+    outcome = (cold["kind"], cold["tier"], cold["ok"])
+    assert outcome == ("restore", "process", True), cold["fallbacks"]
     assert "criu_restore" in [s["name"] for s in cold["stages"]]
     assert len(workers()) == 1  # the restored worker serving the instance
 

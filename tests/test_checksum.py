@@ -102,3 +102,12 @@ def test_chunk_sums_in_batches_equal_each_chunk_summed_alone(device, start):
     ):  # 1 chunk a batch, a short last batch, one batch
         got = chunk_sums(data.to(device), chunk, batch_bytes=batch_bytes).cpu().tolist()
         assert got == alone, batch_bytes
+
+
+def test_a_chunk_fed_past_its_weights_is_refused_not_summed_short():
+    from snapfn.snapshot.layout.checksum import Sum64Chunk, odd_weights
+
+    chunk = Sum64Chunk(odd_weights(2))
+    chunk.update(memoryview(bytes(range(16))))
+    with pytest.raises(ValueError, match="past its 2 weights"):
+        chunk.update(memoryview(bytes(8)))

@@ -394,3 +394,54 @@ def test_image_files_a_keeper_holds_are_not_hashed_again_until_one_is_written(
         thread.join(5)
         images.drop()
         signal.signal(signal.SIGIO, before)
+
+
+def _edited_copy(tier1, tmp_path, edit) -> Path:
+    """A copy of the tier-1 snapshot whose manifest `edit(doc, snap)` rewrote (unsigned)."""
+    import shutil
+
+    snap = shutil.copytree(tier1 / "snap", tmp_path / "snap")
+    doc = json.loads((snap / "manifest.json").read_text())
+    edit(doc, snap)
+    (snap / "manifest.json").write_text(json.dumps(doc))
+    return snap
+
+
+def _move_image_file(doc: dict, snap: Path, old: str, new: str) -> None:
+    (snap / new).parent.mkdir(exist_ok=True)
+    os.rename(snap / old, snap / new)
+    doc["files"][new] = doc["files"].pop(old)
+
+
+@pytest.mark.parametrize("trick", ["another_ranks_folder", "memory_named_as_device_memory"])
+def test_an_image_file_a_manifest_routes_past_hashing_is_refused(
+    tier1, tmp_path, cold_outputs, trick
+):
+    """An unsigned manifest cannot send a changed image file to criu unhashed: not as rank 0's
+    image in another rank's folder (which rank 0's validation skips), nor as the worker's
+    memory file under a device memory file's name (which the streamed check covers on CUDA)."""
+    from snapfn.handler.llm.recipes.process_restore import restore_llm
+
+    def edit(doc: dict, snap: Path) -> None:
+        if trick == "another_ranks_folder":
+            for relpath in [p for p in doc["files"] if p.startswith("process/")]:
+                _move_image_file(doc, snap, relpath, relpath.replace("process/", "process-rank1/"))
+            doc["process"]["images"] = "process-rank1"
+            changed = snap / "process-rank1" / "pages-1.img"
+        else:
+            memory = doc["process"]["memory"]
+            _move_image_file(doc, snap, f"process/{memory['file']}", "process/cuda0.bin")
+            memory["file"] = "cuda0.bin"
+            changed = snap / "process" / "cuda0.bin"
+        _flip(changed)  # its digest in the manifest no longer matches
+
+    snap = _edited_copy(tier1, tmp_path, edit)
+    if trick == "memory_named_as_device_memory" and not (snap / "process/cuda0.bin").exists():
+        pytest.skip("this image keeps its memory in criu's pages (SNAPFN_PROCESS_MEMORY)")
+    service, startup, _ = restore_llm(snap, config(tmp_path), None, log=None)
+    try:
+        (fallback,) = startup.fallbacks
+        assert fallback["step"] == "validate" and "\n" not in fallback["reason"]
+        assert service.generate(PROMPTS[0], GREEDY).token_ids == cold_outputs[0].token_ids
+    finally:
+        service.close()

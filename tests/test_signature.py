@@ -94,3 +94,8 @@ def test_a_signature_file_that_is_not_one_is_refused_before_it_is_read(tmp_path)
     (tmp_path / SIGNATURE).write_bytes(b"[1, 2]")
     with pytest.raises(BadSnapshot, match="not a snapfn signature"):
         check_signature(tmp_path, key, MANIFEST)
+    nested = b'{"format": "snapfn-signature", "key_id": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    (tmp_path / SIGNATURE).write_bytes(nested)  # under the size bound, past the parser's depth
+    with pytest.raises(BadSnapshot, match="nested more than") as refused:
+        check_signature(tmp_path, key, MANIFEST)
+    assert "\n" not in str(refused.value)

@@ -160,3 +160,87 @@ def _catch(failed: list) -> None:
         VerifiedImages.install()
     except ValueError as exc:
         failed.append(str(exc))
+
+
+def test_the_bytes_hashed_are_the_leased_files_even_when_their_folder_is_swapped(
+    images, snap, monkeypatch
+):
+    """A folder swapped in while the keeper hashes (and back before it re-stats) cannot make it
+    vouch for a tampered file: it hashes through the fds it leased, not by path again."""
+    from snapfn.snapshot.keeper import verified_images
+
+    tampered = snap / "process/pages-1.img"
+    good = snap.parent / "good"
+    good.mkdir()
+    for relpath in IMAGES:
+        os.link(snap / relpath, good / Path(relpath).name)
+    (good / "pages-1.img").unlink()
+    (good / "pages-1.img").write_bytes(tampered.read_bytes())
+    data = bytearray(tampered.read_bytes())
+    data[7] ^= 0xFF
+    tampered.write_bytes(bytes(data))  # in place: the manifest's entry no longer matches it
+    aside = snap.parent / "aside"
+    lease, verify = verified_images._lease, verified_images._verify_held
+    leased: list[str] = []
+
+    def lease_then_swap(path, entry, generation):
+        held = lease(path, entry, generation)
+        leased.append(str(path))
+        if len(leased) == len(IMAGES):  # the good copies in the tampered folder's place
+            os.rename(snap / "process", aside)
+            os.rename(good, snap / "process")
+        return held
+
+    def verify_then_swap_back(*args, **kwargs):
+        try:
+            return verify(*args, **kwargs)
+        finally:
+            os.rename(snap / "process", good)
+            os.rename(aside, snap / "process")
+
+    monkeypatch.setattr(verified_images, "_lease", lease_then_swap)
+    monkeypatch.setattr(verified_images, "_verify_held", verify_then_swap_back)
+    with pytest.raises(BadSnapshot, match="process/pages-1.img.*sha256 mismatch"):
+        images.hold(snap)
+    assert len(images) == 0
+
+
+def test_a_fifo_in_place_of_an_image_file_is_refused_at_once(images, snap):
+    core = snap / "process/core-1.img"
+    core.unlink()
+    os.mkfifo(core)
+    failed: list[Exception] = []
+    thread = threading.Thread(target=lambda: _hold_into(images, snap, failed), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "hold waited on a FIFO"
+    assert failed and "not a regular file" in str(failed[0])
+
+
+def _hold_into(images: VerifiedImages, snap: Path, failed: list) -> None:
+    try:
+        images.hold(snap)
+    except SnapfnError as exc:
+        failed.append(exc)
+
+
+def test_the_keeper_answers_malformed_requests_in_one_line(tmp_path):
+    import json
+    import socket
+
+    address = str(tmp_path / "k" / "keeper.sock")
+    stop, thread = serving(Keeper(PinnedCache("memfd"), cuda=False), address)
+    try:
+        deep = b'{"op": "verified", "files": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        for request in (deep, b'{"op": ["verified"]}', b'{"op": "verified", "files": [1]}'):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                sock.settimeout(5)
+                sock.connect(address)
+                sock.send(request)
+                reply = json.loads(sock.recv(1 << 16))
+            reason = reply["reason"]
+            assert reply["ok"] is False and ("bad request" in reason or "files is not" in reason)
+            assert "\n" not in reason and len(reason) < 300, reason
+    finally:
+        stop.set()
+        thread.join(5)

@@ -58,6 +58,7 @@ from snapfn.snapshot.keeper.pinned_cache import (
     files_to_pin,
 )
 from snapfn.snapshot.keeper.verified_images import VerifiedImages
+from snapfn.snapshot.portable.format import load_json
 from snapfn.snapshot.unix_socket import ensure_private_dir, peer_problem
 
 if TYPE_CHECKING:
@@ -132,12 +133,12 @@ class Keeper:
                 return
             conn.settimeout(CALL_TIMEOUT_S)
             try:
-                request = json.loads(conn.recv(MAX_MESSAGE))
+                request = load_json(conn.recv(MAX_MESSAGE))  # nesting bounded: no RecursionError
                 if not isinstance(request, dict):
                     raise ValueError("not a JSON object")
                 op = request.pop("op", "file")
-                if op not in self._ops:
-                    raise ValueError(f"unknown op {op!r} (one of {', '.join(self._ops)})")
+                if not isinstance(op, str) or op not in self._ops:
+                    raise ValueError(f"unknown op {op!r:.64} (one of {', '.join(self._ops)})")
             except (OSError, ValueError) as exc:
                 _send(conn, {"ok": False, "reason": f"bad request: {exc}"})
                 return

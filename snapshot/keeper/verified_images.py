@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -105,7 +106,6 @@ class VerifiedImages:
             STREAM_VERIFIED,
             parse_manifest,
             read_manifest_bytes,
-            verify_files,
         )
         from snapfn.snapshot.portable.signature import check_signature, configured
 
@@ -124,7 +124,9 @@ class VerifiedImages:
             for relpath in images:  # NOTE: leased first, so nothing changes them once hashed
                 entry = entry_digest(files[relpath])
                 leased[str(root / relpath)] = _lease(root / relpath, entry, generation)
-            verify_files(root, {"files": files}, images, num_threads)
+            # NOTE: hashed through the leased fds, never by path: a path may name another file
+            # by the time it is opened again (a folder swapped in and back)
+            _verify_held(root, files, {r: leased[str(root / r)] for r in images}, num_threads)
             for path, held in leased.items():  # the paths still name the leased files
                 if Stamp.of(os.stat(path)) != held.stamp:
                     raise SnapfnError(f"{path} changed while it was hashed")
@@ -193,14 +195,63 @@ class VerifiedImages:
 
 
 def _lease(path: Path, entry: str, generation: int) -> _Held:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    # NOTE: O_NONBLOCK: a FIFO in its place, or a lease someone else holds, is refused at once
+    # instead of waited on
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        why = "leased by another process" if exc.errno == errno.EWOULDBLOCK else exc.strerror
+        raise SnapfnError(one_line(f"cannot hold {path}: {why}")) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SnapfnError(f"cannot hold {path}: not a regular file")
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
         return _Held(fd, Stamp.of(os.fstat(fd)), entry, generation)
     except OSError as exc:
         os.close(fd)
         why = "open for writing elsewhere" if exc.errno == errno.EAGAIN else exc.strerror
         raise SnapfnError(one_line(f"no read lease on {path}: {why}")) from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _verify_held(
+    root: Path, files: Mapping[str, Any], held: Mapping[str, _Held], num_threads: int | None
+) -> None:
+    """Hash each held file's recorded ranges through its fd; BadSnapshot at the first
+    mismatch (in path, chunk order), or where its size is not the recorded one."""
+    from snapfn.snapshot.portable.digests import digest_ranges, run_parallel
+
+    for relpath, h in held.items():
+        if h.stamp.size != files[relpath]["size"]:
+            raise bad_snapshot(
+                root, f"{relpath!r} is {h.stamp.size} bytes, not {files[relpath]['size']}"
+            )
+    ranges = sorted(r for relpath in held for r in digest_ranges(relpath, files[relpath]))
+    got = run_parallel(
+        lambda r: _sha256_fd(held[r.relpath].fd, r.offset, r.length), ranges, num_threads
+    )
+    for expected, digest in zip(ranges, got, strict=True):
+        if digest != expected.sha256:
+            raise bad_snapshot(
+                root,
+                f"{expected.describe()} sha256 mismatch (expected {expected.sha256[:16]}.., "
+                f"got {digest[:16]}..)",
+            )
+
+
+def _sha256_fd(fd: int, offset: int, length: int | None, block: int = 8 << 20) -> str:
+    """sha256 of `length` bytes (None: to the end) of `fd` from `offset`, by pread."""
+    end = os.fstat(fd).st_size if length is None else offset + length
+    digest = hashlib.sha256()
+    while offset < end:
+        data = os.pread(fd, min(block, end - offset), offset)
+        if not data:
+            break  # shorter than recorded: the digest cannot match
+        digest.update(data)
+        offset += len(data)
+    return digest.hexdigest()
 
 
 def ask(root: Path, files: Mapping[str, Any], relpaths: Iterable[str]) -> dict[str, Any]:

@@ -107,6 +107,8 @@ class Sum64Chunk:
                 return
             self._add_word(self._partial)
         body = len(data) // 8 * 8
+        if self._num_words + body // 8 > self._weights.numel():
+            raise ValueError(f"a chunk past its {self._weights.numel()} weights' words")
         if body:
             if data.readonly:
                 data = memoryview(bytearray(data))  # torch.frombuffer wants writable memory

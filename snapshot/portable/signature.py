@@ -191,10 +191,12 @@ def read_signature(snapshot_dir: Path) -> Any:
 def parse_signature(raw: bytes, where: str) -> Any:
     if len(raw) > MAX_SIGNATURE_BYTES:
         raise BadSnapshot(f"snapshot {where}: {SIGNATURE} is {len(raw)} bytes")
+    from snapfn.snapshot.portable.format import load_json  # format imports this module
+
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadSnapshot(f"snapshot {where}: {SIGNATURE} is not JSON") from None
+        return load_json(raw, max_depth=4)  # bounded: a nested document is refused, not recursed
+    except ValueError as exc:
+        raise BadSnapshot(f"snapshot {where}: {SIGNATURE} is {exc}") from None
 
 
 def _read_key_file(path: Path) -> bytes:

@@ -381,6 +381,8 @@ def _memory_problem(memory: Any, images: str, files: dict[str, Any]) -> str | No
     name, entry = memory.get("file"), files.get(f"{images}/{memory.get('file')}")
     if not isinstance(name, str) or "/" in name or relpath_problem(name) or entry is None:
         return f"its process image's memory file {name!r:.64} is not a listed image file"
+    if STREAM_VERIFIED.fullmatch(f"{images}/{name}"):  # a name validation does not hash
+        return f"its process image's memory file {name!r:.64} has a device memory file's name"
     if memory.get("key") != MEMORY_KEY:
         return f"its process image's memory key is {memory.get('key')!r:.64}, not {MEMORY_KEY!r}"
     if memory.get("file_bytes") != entry["size"]:
@@ -511,6 +513,9 @@ def _validate(
     checked = validate_snapshot(snapshot_dir, None, "sizes", unread=not_hashed, manifest_bytes=raw)
     manifest = rank_view(checked, rank)
     problem = process_section_problem(manifest)
+    if problem is None and manifest["process"]["images"] != mine.rstrip("/"):
+        # NOTE: the folder hashed above is the one criu is given: no other rank's, unhashed
+        problem = f"its process image folder is {manifest['process']['images']!r:.64}, not {mine}"
     if problem is not None:
         raise bad_snapshot(snapshot_dir, problem)
     if f"{manifest['process']['images']}/inventory.img" not in manifest["files"]:
