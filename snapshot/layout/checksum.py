@@ -183,6 +183,20 @@ def first_bad_chunk(data: torch.Tensor, chunk_bytes: int, expected: list[int]) -
     return mismatch.index(True) if True in mismatch else None
 
 
+def warm_kernel(device: str | torch.device) -> bool:
+    """Compile (or load from Triton's cache) `sum64_triton`'s kernel now where it runs for
+    `device`: an init calls it, so that the kernel is in the compile caches its snapshot carries
+    and loaded in a process image's context, and no restore compiles it (the first tier-1
+    restore's weight check took 1.1 s compiling it on the H200, 2026-12-07). Whether it ran."""
+    device = torch.device(device)
+    if _kernel(device) is None:
+        return False
+    data = torch.zeros(4096, dtype=torch.uint8, device=device)
+    chunk_sums(data, 1024)
+    sum64_bytes(data[:1000])
+    return True
+
+
 @functools.cache
 def _kernels_on() -> bool:
     choice = os.environ.get(SUM64_KERNEL_ENV, "auto")

@@ -21,7 +21,10 @@ BLOCK = 1024  # words a step of one program (8 KiB)
 SPAN_BLOCKS = 64  # steps a program takes: 512 KiB of a chunk each
 
 
-@triton.jit
+# NOTE: the sizes are not specialised on (Triton would compile a variant per divisibility of
+# each): one compiled kernel serves every chunk size, so the one an init warms
+# (checksum.warm_kernel) is the one every restore runs, and none compiles there
+@triton.jit(do_not_specialize=["words", "parts"])
 def _partial_sum64(rows, out, words, parts, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)

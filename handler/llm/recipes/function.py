@@ -357,6 +357,12 @@ class LLMFunction:
             figures["collectives"] = warm_collectives(self.model, max(self.buckets()))
         with compile_caches.compiles_counted(self.config.cache_dir, figures):
             figures.update(warmup(self.model, self.engine.kv, decode, chunks))
+            if self.device.startswith(
+                "cuda"
+            ):  # a restore's weight checks run it: not compiled there
+                from snapfn.snapshot.layout.checksum import warm_kernel
+
+                figures["sum64_kernel"] = warm_kernel(self.device)
 
     def stage_capture_graphs(self, figures: Figures, restoring: bool = False) -> None:
         if self.config.speculative_tokens > 0:
