@@ -343,7 +343,7 @@ def call_handler(handler: Handler, event: Any, context: Context) -> Any:
 def _check_json(result: Any) -> None:
     try:
         json.dumps(result)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise FunctionError(
             {
                 "errorType": "Runtime.MarshalError",

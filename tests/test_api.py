@@ -337,6 +337,15 @@ def test_a_result_that_is_not_json_is_a_marshal_error():
     assert "not JSON serializable" in info.value.error["errorMessage"]
 
 
+def test_a_result_nested_too_deep_to_encode_is_a_marshal_error():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(FunctionError) as info:
+        call_handler(lambda e, c: {"deep": deep}, {}, Context.new("fn", 1.0))
+    assert info.value.error["errorType"] == "Runtime.MarshalError"
+
+
 # ---- device memory marks and the health event ----------------------------------------------------
 MARKED = """
 import torch

@@ -53,3 +53,20 @@ def test_invoke_takes_a_null_prompt_field_as_left_out(client):
         assert len(r.json["token_ids"]) == 2
     r = client.post("/invoke", json={"prompt": None})
     assert r.status_code == 400 and "got none" in r.json["error"]["message"]
+
+
+def test_a_stream_whose_grammar_fails_ends_with_its_error_then_done(client):
+    """A request's own failure mid-stream (a grammar past the library's limits, which compiles
+    and then fails at its first token) is an invalid_request_error event, then `[DONE]`."""
+    from test_http import sse
+
+    r = completion(client, prompt="hi", max_tokens=4, stream=True, guided_regex="(a{1000}){1000}")
+    assert r.status_code == 200, r.data[:300]
+    events = sse(r.data)
+    assert events[-1] == "[DONE]", events[-3:]
+    error = events[-2]["error"]
+    assert (
+        error["type"] == "invalid_request_error" and "structured output failed" in error["message"]
+    )
+    followed = completion(client, prompt="hi", max_tokens=2)
+    assert followed.status_code == 200

@@ -6,7 +6,8 @@ Contract:
   queue time, TTFT, inter-token latency, end-to-end time and token counts in `HttpMetrics`.
 - `Generation.body()` runs every choice to the end and returns the full response object;
   `Generation.events()` yields server-sent events, one chunk per engine output, `[DONE]` last.
-  A failure after the headers went out is sent as a last `error` event, never a dropped stream.
+  A failure after the headers went out is sent as an `error` event (the request's own, e.g. a
+  grammar it failed, as `invalid_request_error`), then `[DONE]`: never a dropped stream.
 - Completions' `echo`: each choice's prompt (its text as sent, or its token ids decoded) is
   attached to the choice with its first output, which carries the prompt's logprobs.
 - `close()` cancels every unfinished choice, which frees its KV pages; it is idempotent.
@@ -28,6 +29,7 @@ from snapfn.handler.http.openai import shapes
 from snapfn.handler.http.openai.parse import choice_params
 from snapfn.handler.http.openai.request import GenerationRequest
 from snapfn.handler.http.openai.shapes import TokenText
+from snapfn.snapshot.errors import BadRequest
 
 log = logging.getLogger("snapfn.http")
 
@@ -147,6 +149,10 @@ class Generation:
             if req.include_usage:
                 yield _sse(shapes.usage_chunk(req, self.meta, self.usage()))
             yield "data: [DONE]\n\n"
+        except BadRequest as exc:  # the request's own (a grammar it failed): as a 400 says it
+            param = getattr(exc, "param", None)
+            yield _sse(shapes.error_body(str(exc), "invalid_request_error", param, code=exc.code))
+            yield "data: [DONE]\n\n"  # vLLM's stream ends so too: clients wait for it
         except Exception as exc:  # headers are sent: the error goes out as an event
             log.exception("generation %s failed mid-stream", self.meta.id)
             yield _sse(
@@ -154,6 +160,7 @@ class Generation:
                     f"generation failed: {exc}", "server_error", code="internal_error"
                 )
             )
+            yield "data: [DONE]\n\n"
         finally:
             self.close()
 
