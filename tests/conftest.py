@@ -133,7 +133,8 @@ def tiny_mistral_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama_bias_dir(tmp_path_factory):
-    """Llama with `attention_bias` (q, k, v and o_proj biased), one KV head, tied embeddings."""
+    """Llama with `attention_bias` (q, k, v and o_proj biased) and `mlp_bias` (gate, up and
+    down biased), one KV head, tied embeddings."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return save_tiny(
@@ -145,6 +146,7 @@ def tiny_llama_bias_dir(tmp_path_factory):
         intermediate_size=96,
         num_key_value_heads=1,
         attention_bias=True,
+        mlp_bias=True,
         tie_word_embeddings=True,
     )
 

@@ -321,9 +321,16 @@ class Engine:
         if not prompt_ids:
             raise BadRequest("the prompt is empty: give at least one token")
         if len(prompt_ids) > self.max_req_input_len:
+            window = self.model.config.sliding_window
+            why = (
+                f"the model's sliding attention window of {window} tokens, which this engine"
+                " serves no context beyond"
+                if window == self.max_model_len <= self.kv.capacity_tokens
+                else "max_req_input_len"
+            )
             raise BadRequest(
-                f"prompt has {len(prompt_ids)} tokens, more than the {self.max_req_input_len} this engine "
-                "accepts (max_req_input_len); shorten the prompt"
+                f"prompt has {len(prompt_ids)} tokens, more than the {self.max_req_input_len} this "
+                f"engine accepts ({why}); shorten the prompt"
             )
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
