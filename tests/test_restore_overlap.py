@@ -63,6 +63,39 @@ def test_the_overlapped_restore_answers_as_the_restore_in_turn(made, tmp_path):
     plain.release()
 
 
+def test_a_switch_interval_holds_while_the_stream_runs_and_is_set_back(made, tmp_path, monkeypatch):
+    """`restore_switch_interval_us`: Python's thread switch interval while the weights stream
+    beside the warmup, Python's own again once the stream is joined, or the restore fails."""
+    import sys
+
+    from snapfn.handler.llm.recipes import function
+
+    seen: list[float] = []
+    stream = function.LLMFunction._stream_weights
+
+    def recorded(self):
+        seen.append(sys.getswitchinterval())
+        return stream(self)
+
+    monkeypatch.setattr(function.LLMFunction, "_stream_weights", recorded)
+    before = sys.getswitchinterval()
+    model_dir, snap = made
+    fast = InitConfig(**{**vars(config(tmp_path, True)), "restore_switch_interval_us": 250})
+    fn, startup = restore(lambda: LLMFunction(fast, model_dir), snap, log=None)
+    assert startup.tier == "portable" and not startup.fallbacks
+    assert seen == [pytest.approx(250e-6)] and sys.getswitchinterval() == before
+    assert startup.stage("start_stream").figures["switch_interval_us"] == 250
+    fn.release()
+
+    def failing(self, figures):
+        raise RuntimeError("warmup failed")
+
+    monkeypatch.setattr(function.LLMFunction, "stage_warmup", failing)
+    with pytest.raises(Exception):  # noqa: B017 - how the restore reports it is not the point
+        restore(lambda: LLMFunction(fast, model_dir), snap, log=None)
+    assert sys.getswitchinterval() == before
+
+
 def test_stray_bits_in_the_parameters_before_the_stream_leave_no_trace(made, tmp_path, monkeypatch):
     """The parameters' memory holds whatever was there before the stream fills it (here NaN, as
     reused memory can): the warmup beside the stream computes from it, and the KV pages it

@@ -55,6 +55,9 @@ class InitConfig:
     prefix_caching: bool = True  # share full prompt pages across requests (prefix_cache.py)
     preemption: bool = True  # KV pages as tokens need them, preempting (engine/scheduler.py)
     restore_overlap: bool = True  # tier 0: the KV pool and warmup while weights stream
+    # tier 0, overlapped: Python's thread switch interval (µs) while the stream runs beside the
+    # warmup, whose Python holds the GIL the stream's thread needs for each chunk; 0: Python's
+    restore_switch_interval_us: int = 0
     restore_read_ahead: bool = True  # tier 0: the weights file into the page cache from the start
     # the read-ahead's I/O class: "normal" (the process's) or "idle" (the disk serves the
     # process's other reads first: its imports' page faults; snapshot/portable/ioprio.py)

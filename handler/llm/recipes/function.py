@@ -43,6 +43,7 @@ back together.
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -149,6 +150,7 @@ class LLMFunction:
         self._load_report = None
         self._streamer = None
         self._stream_job = None  # an overlapped restore's stream (stage_start_stream)
+        self._switch_interval: float | None = None  # Python's, while that stream runs
         self._ring_wait_s = 0.0  # how long the stream waited for its host ring's pinning
         self.warm_prompts: list[str] = []  # prefilled into the prefix cache (prefix_warm.py)
         self._tokenizer = None  # [the tokenizer or None], loaded ahead by restore_caches
@@ -726,6 +728,10 @@ class LLMFunction:
                 param.zero_()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)  # the zeros land before any streamed byte
+        if self.config.restore_switch_interval_us > 0:
+            self._switch_interval = sys.getswitchinterval()  # set back when the stream is joined
+            sys.setswitchinterval(self.config.restore_switch_interval_us / 1e6)
+            figures["switch_interval_us"] = self.config.restore_switch_interval_us
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapfn-stream")
         self._stream_job = pool.submit(self._stream_weights)
         pool.shutdown(wait=False)
@@ -734,7 +740,12 @@ class LLMFunction:
     def stage_join_stream(self, figures: Figures) -> None:
         """The stream started by `stage_start_stream`, waited for (this stage's seconds are
         the wait; `elapsed_s` the stream's own)."""
-        self._stream_figures(figures, self._stream_job.result())
+        try:
+            self._stream_figures(figures, self._stream_job.result())
+        finally:
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
 
     def _stream_weights(self):
         import time
@@ -787,6 +798,9 @@ class LLMFunction:
     def release(self) -> None:
         if self._stream_job is not None:  # NOTE: its copies end before their memory is let go
             wait([self._stream_job])
+        if self._switch_interval is not None:  # a restore that failed before the stream's join
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         pending = getattr(self, "_streamer", None)
         if pending is not None and pending.done() and pending.exception() is None:
             pending.result().close()
