@@ -24,6 +24,9 @@
 #   --variant SNAPFN_RESTORE_READ_AHEAD=1 --variant SNAPFN_RESTORE_READ_AHEAD=1,SNAPFN_RESTORE_OVERLAP=1
 # A fresh process's imports with the collector running or paused: --modes restore --rounds 5
 #   --variant SNAPFN_STARTUP_GC=on --variant SNAPFN_STARTUP_GC=paused
+# The stream beside the warmup, and the GIL: --modes restore_zygote --rounds 2
+#   --variant SNAPFN_RESTORE_OVERLAP=0 --variant SNAPFN_RESTORE_OVERLAP=1
+#   --variant SNAPFN_RESTORE_SWITCH_INTERVAL_US=200
 set -uo pipefail
 . bench/device-env.sh
 name=llama8b modes=restore,restore_zygote rounds=1 tag= profile= base=
