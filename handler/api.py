@@ -317,10 +317,14 @@ class FunctionError(SnapfnError):
     @classmethod
     def from_exception(cls, exc: BaseException) -> FunctionError:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001 - an exception whose str() fails still gets its shape
+            message = f"({type(exc).__name__} whose message could not be read)"
         return cls(
             {
                 "errorType": type(exc).__name__,
-                "errorMessage": str(exc),
+                "errorMessage": message,
                 "stackTrace": traceback.format_list(frames),
             }
         )
@@ -334,7 +338,9 @@ def call_handler(handler: Handler, event: Any, context: Context) -> Any:
         result = handler(event, context)
     except (BadRequest, FunctionError):  # FunctionError: a remote handler's, already shaped
         raise
-    except (Exception, SystemExit) as exc:  # SystemExit: a handler calling sys.exit()
+    except BaseException as exc:  # NOTE: SystemExit (sys.exit()), KeyboardInterrupt, … too:
+        # left to propagate from a request thread, one ends the worker's main loop (a gunicorn
+        # worker, and the serve process with it; a restored worker's, with no answer sent)
         raise FunctionError.from_exception(exc) from exc
     _check_json(result)
     return result

@@ -337,6 +337,20 @@ def test_a_result_that_is_not_json_is_a_marshal_error():
     assert "not JSON serializable" in info.value.error["errorMessage"]
 
 
+def test_an_exception_whose_message_cannot_be_read_keeps_the_error_shape():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    def handler(event, context):
+        raise Unprintable()
+
+    with pytest.raises(FunctionError) as info:
+        call_handler(handler, {}, Context.new("fn", 1.0))
+    assert info.value.error["errorType"] == "Unprintable"
+    assert "could not be read" in info.value.error["errorMessage"]
+
+
 def test_a_result_nested_too_deep_to_encode_is_a_marshal_error():
     deep: list = []
     for _ in range(100_000):
