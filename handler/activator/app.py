@@ -51,6 +51,7 @@ from snapfn.handler.http.serve_config import ServeConfig
 
 log = logging.getLogger("snapfn.activator")
 NOT_SENT_BY_DEFAULT = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+OWN_PATHS = ("/health", "/startup", "/metrics")  # answered by the activator, any method
 
 
 def run_activator(args: Namespace, config: ServeConfig, environ: Mapping[str, str]) -> int:
@@ -75,7 +76,7 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
             pool = InstancePool(plan, config, metrics, launcher)
             metrics.watch(pool)
             app = create_activator_app(pool, plan, config, metrics, session, keepers)
-            runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            runner = activator_runner(app)
             await runner.setup()
             await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
             pool.start()
@@ -97,6 +98,14 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
             log.warning("keeper for GPU %s had exited (%s) before the stop", gpu, code)
         keepers.stop()  # NOTE: after the instances: none is restoring through them any more
     return 0
+
+
+def activator_runner(app: web.Application) -> web.AppRunner:
+    """The app's runner. NOTE: a handler is cancelled when its client goes away, so a held
+    request leaves the hold queue at once (it would take a place there, and count as demand,
+    until an instance came up or its wait ran out) and a relayed one closes its instance
+    connection."""
+    return web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
 
 
 def _ready(zygote: asyncio.Task) -> Any:
@@ -176,6 +185,8 @@ def create_activator_app(
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def relayed(request: web.Request) -> web.StreamResponse:
+        if request.path in OWN_PATHS:  # another method: answered here, never starts an instance
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         return await relay(request, pool, session, metrics)
 
     app.router.add_get("/health", health)

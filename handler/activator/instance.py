@@ -14,6 +14,7 @@ Contract (`Instance`, driven by `pool.InstancePool` on the event loop's thread):
 - `run_until_exit()` returns the master's exit code once the master is gone and no process of
   the group runs (`process_group.clear_group`): its memory is released.
 - `kill()`: SIGKILL the group now and clear it (a failed start, a crash's leftovers).
+- `failure()`: why an UP instance's `/health` says it failed since, else None.
 - `routable`: UP and the master still running. `outstanding` (requests routed here, not
   finished) and `last_active_s` are the pool's.
 The instance's stderr is the activator's; its stdout lines are logged.
@@ -40,7 +41,9 @@ from snapfn.snapshot.errors import SnapfnError
 log = logging.getLogger("snapfn.activator")
 HEALTH_POLL_S = 0.02
 EXIT_POLL_S = 0.02
+HEALTH_CHECK_TIMEOUT_S = 2.0
 LISTENING = "listening on "
+OVERLONG_LINE = "(a line too long to log, dropped)\n"
 
 
 class InstanceState(enum.Enum):
@@ -137,7 +140,7 @@ class Instance:
 
     async def _read_url(self) -> str:
         assert self._proc is not None and self._proc.stdout is not None
-        while line := (await self._proc.stdout.readline()).decode(errors="replace"):
+        while line := await self._next_line():
             if LISTENING in line:
                 self._stdout_task = asyncio.create_task(self._log_stdout())
                 return line.split(LISTENING, 1)[1].split()[0]
@@ -147,8 +150,16 @@ class Instance:
 
     async def _log_stdout(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        while line := await self._proc.stdout.readline():
-            log.info("instance %d: %s", self.id, line.decode(errors="replace").rstrip())
+        while line := await self._next_line():
+            log.info("instance %d: %s", self.id, line.rstrip())
+
+    async def _next_line(self) -> str:
+        """The instance's next stdout line, "" once it closed. NOTE: a line longer than the
+        reader's limit is dropped, never left unread: the instance would block on a full pipe."""
+        try:
+            return (await self._proc.stdout.readline()).decode(errors="replace")
+        except ValueError:  # the reader dropped what it buffered of the line; read on
+            return OVERLONG_LINE
 
     async def _wait_until_healthy(self) -> None:
         while True:
@@ -165,6 +176,20 @@ class Instance:
             except (aiohttp.ClientError, ValueError, AttributeError):
                 pass  # not answering yet (or not JSON): poll again
             await asyncio.sleep(HEALTH_POLL_S)
+
+    async def failure(self) -> str | None:
+        """Why this UP instance can no longer serve, as its `/health` says (503 "failed": its
+        runtime failed after it came up, e.g. a restored function worker died), else None (an
+        answer that is not that, or none within `HEALTH_CHECK_TIMEOUT_S`: busy, not failed)."""
+        try:
+            async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
+                async with self._session.get(f"{self.url}/health") as r:
+                    body = await r.json(content_type=None)
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            return None
+        if r.status != 503 or not isinstance(body, dict) or body.get("status") != "failed":
+            return None
+        return str(body.get("reason") or "no reason given")
 
     async def _get_json(self, path: str) -> dict[str, Any]:
         try:

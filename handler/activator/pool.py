@@ -11,6 +11,9 @@ routing decision and the count it changes):
   ceil(demand / target_concurrency) instances starting or up, at most `max_instances` alive
   (stopping ones included: they still hold memory), each on a free GPU when there are GPUs.
 - Scaling down: an UP instance with nothing outstanding for `idle_timeout_s` is stopped.
+- An UP instance whose `/health` reports it failed since (checked on every idle check: e.g. a
+  restored function worker died, and it would answer 503 `failed` from then on) is stopped as
+  a crash; demand starts a replacement.
 - An instance that exits while UP crashed: its group is killed (its in-flight requests fail
   at the proxy, 502) and demand starts a replacement. One that fails to start is replaced
   while requests wait for it; after `MAX_START_FAILURES` failures in a row the held requests
@@ -72,6 +75,7 @@ class InstancePool:
         self._no_start_until_s = 0.0
         self._closing = False
         self._ticker: asyncio.Task | None = None
+        self._checking: set[int] = set()  # instances whose /health is being asked
         self._last_manifest: dict[str, Any] | None = None
         self.cold_starts = 0
         self.last_cold_start: dict[str, Any] | None = None
@@ -240,6 +244,7 @@ class InstancePool:
             await asyncio.sleep(min(1.0, max(0.05, idle_s / 4)))
             try:
                 self.stop_idle(idle_s)
+                self.check_up()
                 self._scale_up()  # a start deferred after repeated failures
             except Exception:  # the ticker must outlive any one bad tick
                 log.exception("the activator's idle check failed; checking again")
@@ -250,6 +255,22 @@ class InstancePool:
             idle = instance.outstanding == 0 and now - instance.last_active_s >= idle_s
             if instance.state is InstanceState.UP and idle:
                 instance.stop("idle", drain=False)
+
+    def check_up(self) -> None:
+        """Ask every UP instance's /health (one question at a time each) whether it failed."""
+        for instance in list(self._instances.values()):
+            if instance.state is InstanceState.UP and instance.id not in self._checking:
+                self._checking.add(instance.id)
+                self._spawn(self._stop_if_failed(instance))
+
+    async def _stop_if_failed(self, instance: Instance) -> None:
+        try:
+            reason = await instance.failure()
+        finally:
+            self._checking.discard(instance.id)
+        if reason is not None and instance.state is InstanceState.UP:
+            log.warning("instance %d failed after it came up: %s", instance.id, reason)
+            instance.stop("crash", drain=False)
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)

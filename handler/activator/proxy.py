@@ -22,6 +22,7 @@ import logging
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from snapfn.handler.activator.instance import Instance
 from snapfn.handler.activator.metrics import ActivatorMetrics
@@ -66,8 +67,9 @@ async def _relay_to(
     session: aiohttp.ClientSession,
     metrics: ActivatorMetrics,
 ) -> web.StreamResponse:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-    forwarded = request.headers.get("X-Forwarded-For")
+    # NOTE: a multidict: a header the client repeats goes on with every value, in order
+    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP)
+    forwarded = ", ".join(request.headers.getall("X-Forwarded-For", []))
     peer = request.remote or "unknown"
     headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
     url = f"{instance.url}{request.rel_url}"
