@@ -221,37 +221,15 @@ def _verify_held(
 ) -> None:
     """Hash each held file's recorded ranges through its fd; BadSnapshot at the first
     mismatch (in path, chunk order), or where its size is not the recorded one."""
-    from snapfn.snapshot.portable.digests import digest_ranges, run_parallel
+    from snapfn.snapshot.portable.digests import digest_ranges, sha256_fd
+    from snapfn.snapshot.portable.format import verify_ranges
 
     for relpath, h in held.items():
         if h.stamp.size != files[relpath]["size"]:
-            raise bad_snapshot(
-                root, f"{relpath!r} is {h.stamp.size} bytes, not {files[relpath]['size']}"
-            )
+            size = files[relpath]["size"]
+            raise bad_snapshot(root, f"{relpath!r} is {h.stamp.size} bytes, not {size}")
     ranges = sorted(r for relpath in held for r in digest_ranges(relpath, files[relpath]))
-    got = run_parallel(
-        lambda r: _sha256_fd(held[r.relpath].fd, r.offset, r.length), ranges, num_threads
-    )
-    for expected, digest in zip(ranges, got, strict=True):
-        if digest != expected.sha256:
-            raise bad_snapshot(
-                root,
-                f"{expected.describe()} sha256 mismatch (expected {expected.sha256[:16]}.., "
-                f"got {digest[:16]}..)",
-            )
-
-
-def _sha256_fd(fd: int, offset: int, length: int | None, block: int = 8 << 20) -> str:
-    """sha256 of `length` bytes (None: to the end) of `fd` from `offset`, by pread."""
-    end = os.fstat(fd).st_size if length is None else offset + length
-    digest = hashlib.sha256()
-    while offset < end:
-        data = os.pread(fd, min(block, end - offset), offset)
-        if not data:
-            break  # shorter than recorded: the digest cannot match
-        digest.update(data)
-        offset += len(data)
-    return digest.hexdigest()
+    verify_ranges(root, ranges, num_threads, hash_range=lambda r: sha256_fd(held[r.relpath].fd, r))
 
 
 def ask(root: Path, files: Mapping[str, Any], relpaths: Iterable[str]) -> dict[str, Any]:

@@ -290,11 +290,14 @@ def verify_ranges(
     ranges: list[DigestRange],
     num_threads: int | None = None,
     where: Any = None,
+    hash_range: Callable[[DigestRange], str] | None = None,
 ) -> None:
-    """Hash `ranges` of the files under `snapshot_dir` in parallel; BadSnapshot (naming `where`,
-    else the directory) at the first mismatch, in the given order."""
+    """Hash `ranges` of the files under `snapshot_dir` in parallel (`hash_range`, by default
+    each file opened by its path); BadSnapshot (naming `where`, else the directory) at the first
+    mismatch, in the given order."""
     root = Path(snapshot_dir)
-    digests = run_parallel(lambda r: sha256_range(root, r), ranges, num_threads)
+    hash_range = hash_range or (lambda r: sha256_range(root, r))
+    digests = run_parallel(hash_range, ranges, num_threads)
     for expected, got in zip(ranges, digests, strict=True):
         if got != expected.sha256:
             raise bad_snapshot(
