@@ -340,10 +340,13 @@ def restore(
             run_stage("gate", gate)
         message = resume() if callable(resume) else resume  # e.g. naming a prefetch helper
         worker.channel.send({"op": "resume", **message})
-        once = _once(beside)
-        if meta["uses_cuda"]:
-            run_stage("cuda_restore", lambda f: _cuda_restore(pid, f, config.keeper_address, once))
-        once()
+        if meta["uses_cuda"]:  # _cuda_restore calls `beside` once, as the restore starts
+            started = beside or (lambda: None)
+            run_stage(
+                "cuda_restore", lambda f: _cuda_restore(pid, f, config.keeper_address, started)
+            )
+        elif beside is not None:
+            beside()
         restored = run_stage(
             "resume", lambda f: worker.wait_event("restored", config.restore_timeout_s)
         )
