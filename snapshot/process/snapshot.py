@@ -38,6 +38,7 @@ import functools
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -503,14 +504,19 @@ def _validate(
     # keeper hashed and holds unchanged (snapshot/keeper/verified_images.py) are not hashed again.
     mine = f"{rank_images(rank)}/"
     raw = read_manifest_bytes(snapshot_dir)
+    asked_at = time.perf_counter()
     held = _held_by_keeper(snapshot_dir, raw, mine, keeper_address)
+    checked_at = time.perf_counter()
     if figures is not None and keeper_address:
         figures["images_held_by_keeper"] = len(held)
+        figures["keeper_s"] = round(checked_at - asked_at, 4)
 
     def not_hashed(path: str) -> bool:  # the other ranks' images, and those the keeper holds
         return (path.startswith(PROCESS_IMAGES) and not path.startswith(mine)) or path in held
 
     checked = validate_snapshot(snapshot_dir, None, "sizes", unread=not_hashed, manifest_bytes=raw)
+    if figures is not None:  # the signature, listing and the hashing of what is not held
+        figures["check_s"] = round(time.perf_counter() - checked_at, 4)
     manifest = rank_view(checked, rank)
     problem = process_section_problem(manifest)
     if problem is None and manifest["process"]["images"] != mine.rstrip("/"):
