@@ -17,6 +17,8 @@ instead), and on CUDA the pool's image written and its memory released. After ea
 and filled, verified, then the after-restore hooks in registration order. It then answers
 {"op": "invoke", "event", "timeout_s", "request_id"} with the handler's JSON result, or the
 Lambda-shaped error of FunctionError, and {"op": "health"} with a call on the health event.
+A call whose worker exits before it answers (the function ended its process) raises a
+FunctionError `Runtime.ExitError`, as Lambda reports a runtime that exited.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from snapfn.handler.api import Context, FunctionError, call_handler
 from snapfn.handler.function.user_function import USER_FUNCTION, UserFunction
 from snapfn.snapshot.cuda.stack_limit import StackLimit
 from snapfn.snapshot.errors import BadRequest, RestoreFailed, SnapfnError
+from snapfn.snapshot.process.client import WORKER_EXITED
 from snapfn.snapshot.stages import StageRunner, StartupManifest
 
 HOST = "snapfn.handler.function.host:make"
@@ -295,6 +298,14 @@ class RemoteHandler:
             return message["value"]
         if "error" in message:
             raise FunctionError(message["error"])
+        if message.get("code") == WORKER_EXITED:  # as Lambda reports a runtime that exited
+            raise FunctionError(
+                {
+                    "errorType": "Runtime.ExitError",
+                    "errorMessage": f"the function's process exited: {message['message']}",
+                    "stackTrace": [],
+                }
+            )
         if message.get("code") == BadRequest.code:
             raise BadRequest(message["message"])
         raise SnapfnError(message["message"])

@@ -27,6 +27,9 @@ Bring-up by kind:
 
 Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
 then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
+A runtime that was up and can no longer serve (its restored worker process or a rank died, or
+it was closed) is FAILED too, with `stopped` set: `invoke` then raises `RuntimeStopped` (an
+InitFailed), and the front doors say "stopped", not "failed to start".
 
 Fallback sources (snapshot/runtime.py): an LLM's cold fallback reads the model the target
 names (`model_dir`), else the source the snapshot records once its content hash matches
@@ -66,6 +69,13 @@ if TYPE_CHECKING:
 Log = Callable[[str], None]
 
 
+class RuntimeStopped(InitFailed):
+    """The runtime was up, then stopped: it serves nothing more (HTTP 503, like a failed
+    start)."""
+
+    code = "runtime_stopped"
+
+
 class WorkerRuntime:
     """One served function: start (init or restore), readiness, invoke, health, close."""
 
@@ -75,6 +85,7 @@ class WorkerRuntime:
         self.readiness = ReadinessState()
         self.startup: StartupManifest | None = None
         self.fatal: NoTrustedSource | None = None  # see the module docstring
+        self.stopped = False  # FAILED after it was up (see the module docstring)
         self.function_name = target.function if target.kind == "function" else "llm"
         self.llm: LLMService | None = None
         self._log = log
@@ -197,15 +208,21 @@ class WorkerRuntime:
 
     def _ranks_down(self, reason: str) -> None:
         """A rank of this tensor-parallel runtime died (the others are stopped)."""
-        if self._log is not None:
-            self._log(f"the {self.function_name} ranks are down: {reason}")
-        self.readiness.set(Readiness.FAILED, reason)
+        self._lose(reason, f"the {self.function_name} ranks are down: {reason}")
 
     def _worker_exited(self, reason: str) -> None:
         """A restored process-snapshot worker died: this runtime can no longer serve."""
+        self._lose(
+            f"worker process exited: {reason}",
+            f"the {self.function_name} worker process is gone ({reason})",
+        )
+
+    def _lose(self, reason: str, line: str) -> None:
+        """FAILED with `reason`; `stopped` when it had been up (else the start fails too)."""
+        self.stopped = self.readiness.state is Readiness.UP
         if self._log is not None:
-            self._log(f"the {self.function_name} worker process is gone ({reason})")
-        self.readiness.set(Readiness.FAILED, f"worker process exited: {reason}")
+            self._log(f"{self.function_name} stopped: {line}" if self.stopped else line)
+        self.readiness.set(Readiness.FAILED, reason)
 
     # ---- kind="function" -----------------------------------------------------------------------
     def _start_function(self, log: Log) -> None:
@@ -374,6 +391,8 @@ class WorkerRuntime:
             state = "was closed" if self._closed else "was never started"
             raise NotReady(f"{self.function_name} {state}")
         state = self.readiness.wait_until_settled(wait_s) if wait_s > 0 else self.readiness.state
+        if state is Readiness.FAILED and self.stopped:
+            raise RuntimeStopped(f"{self.function_name} stopped: {self.readiness.reason}")
         if state is Readiness.FAILED:
             raise InitFailed(f"{self.function_name} failed to start: {self.readiness.reason}")
         if state is not Readiness.UP:
@@ -387,6 +406,7 @@ class WorkerRuntime:
             # NOTE: a start in flight settles readiness itself when it ends; a failed start
             # keeps its reason.
             if self.readiness.state is Readiness.UP or not self._started:
+                self.stopped = self.readiness.state is Readiness.UP
                 self.readiness.set(Readiness.FAILED, "closed")
 
     def _release(self) -> None:

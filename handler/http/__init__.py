@@ -4,6 +4,8 @@ serve.py          `snapfn serve`: gunicorn (gthread workers), each worker inits 
 serve_config.py   how it listens and what the app accepts (`ServeConfig`)
 gunicorn.conf.py  gunicorn's settings and hooks
 workers.py        gunicorn's workers, answering the requests gunicorn itself refuses in JSON
+arbiter.py        gunicorn's arbiter, replacing a worker that was up whatever its exit code
+receive_deadline.py  a deadline on each request's headers and body arriving (then a 408)
 app.py            the Flask app (`create_app`): /invoke, OpenAI routes, /tokenize, health, metrics
 openai/           OpenAI-compatible requests (models, validation) and responses, vLLM's tokenize
 generation.py     one OpenAI request's engine streams, read out whole or as SSE

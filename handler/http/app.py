@@ -98,7 +98,7 @@ def create_app(runtime: Any, config: ServeConfig, metrics_dir: str | None = None
         runtime=runtime,
         config=config,
         metrics=metrics,
-        gate=StartupGate(runtime.readiness, config, metrics),
+        gate=StartupGate(runtime, config, metrics),
         limits=Limits(config.model_name or "snapfn", config.max_choices),
         started_at=int(time.time()),
     )

@@ -5,10 +5,14 @@ The CLI (`ServeConfig`) overrides `bind`, `workers`, `threads`, `timeout` and
 skipped, so the file works across gunicorn versions. `worker_class` names gunicorn's class;
 `snapfn serve` runs its subclass from `workers.py`, which answers gunicorn's own refusals in JSON.
 
-Hooks, each run with `server` = the arbiter, whose `.app` is the `SnapfnServer`:
+Hooks, each run with `server` = the arbiter (`arbiter.SnapfnArbiter`) or `worker`, whose
+`.app` is the `SnapfnServer`:
 - `post_fork`: in the new worker, build its `WorkerRuntime` and start it on a background thread,
   so the worker answers `/health` (503 "starting") at once and serves once the init or restore
   is done. NOTE: CUDA is first touched here, after fork, never in the master.
+- `post_worker_init`: in the worker, its app loaded: watch the runtime's start, then mark the
+  worker up (the arbiter then replaces it if it exits) or, the start failed, exit with the
+  boot-error code (the server stops).
 - `worker_exit`: close the runtime (stop the engine loop, release the model).
 - `child_exit`: in the master, mark the worker's live metrics dead (multiprocess mode).
 - `when_ready`: print the listening URL (the real port when `--port 0`).
@@ -31,6 +35,10 @@ control_socket_disable = True  # no management socket at a host-wide path
 
 def post_fork(server, worker):
     server.app.start_runtime(worker)
+
+
+def post_worker_init(worker):
+    worker.app.watch_start(worker)
 
 
 def worker_exit(server, worker):

@@ -10,13 +10,15 @@ Contract:
   that a client still sending it reads the answer instead of a reset; a body longer still has
   its connection closed after the 413. A chunked body the server cannot read (a malformed chunk
   size, a chunk without its terminator, a connection that ends mid-body) is a 400
-  (`invalid_body`).
+  (`invalid_body`). A body that has not all arrived within the receive deadline
+  (`receive_deadline.py`) is a 408 (`request_timeout`), its connection closed after it.
 - `json_response(body, status, headers)` sends a JSON response; `json_safe(value)` turns the
   non-finite floats of a value (a manifest, a function's result) into null first.
 - `install_error_handlers(app, retry_after_s)` makes every error a JSON response in OpenAI's
   shape (`openai/shapes.error_body`): `ApiError` → its status, other `BadRequest` → 400
   (with its `param` where it names a field),
-  not ready or starting → 503 with `Retry-After`, failed start → 503, HTTP errors → their code
+  not ready or starting → 503 with `Retry-After`, failed start or stopped runtime → 503,
+  a body past the receive deadline → 408, HTTP errors → their code
   (a 405 keeps its `Allow`), anything else → a logged 500, never a dead worker.
 """
 
@@ -36,6 +38,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from snapfn.handler.function.target import NotReady
 from snapfn.handler.http.openai.request import ApiError
 from snapfn.handler.http.openai.shapes import error_body
+from snapfn.handler.http.receive_deadline import ReceiveTimeout
 from snapfn.handler.http.startup_gate import ServiceUnavailable
 from snapfn.snapshot.errors import BadRequest, InitFailed
 
@@ -75,6 +78,12 @@ def install_error_handlers(app: Flask, retry_after_s: int) -> None:
     @app.errorhandler(InitFailed)
     def init_failed(exc: InitFailed) -> Response:
         return json_response(error_body(str(exc), "service_unavailable", code=exc.code), 503)
+
+    @app.errorhandler(ReceiveTimeout)
+    def receive_timeout(exc: ReceiveTimeout) -> Response:
+        log.warning("%s %s from %s: %s", request.method, request.path, request.remote_addr, exc)
+        body = error_body(str(exc), "invalid_request_error", code=exc.code)
+        return json_response(body, 408, {"Connection": "close"})
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
@@ -171,7 +180,7 @@ def _drop_the_rest() -> bool:
     while budget > 0:
         try:
             chunk = stream.read(min(READ_CHUNK_BYTES, budget))
-        except BODY_READ_ERRORS:
+        except (*BODY_READ_ERRORS, ReceiveTimeout):
             return False  # where its rest ends is unknown
         if not chunk:
             return True

@@ -13,7 +13,8 @@
     snapfn_prompt_tokens_total / snapfn_generation_tokens_total{endpoint}
     snapfn_generations_in_flight                            generation requests being served
     snapfn_startup_waiters                                  requests waiting for start-up now
-    snapfn_startup_rejections_total{reason}                 503s: queue_full, timeout, failed
+    snapfn_startup_rejections_total{reason}                 503s: queue_full, timeout, failed,
+                                                            stopped
 - what the runtime knows, copied in from it (`RuntimeMetrics.refresh`) when `/metrics` is read
   and, in a gunicorn worker, every `REFRESH_INTERVAL_S` (`refresh_until`, started by `serve.py`),
   so that a worker no scrape reaches still reports:

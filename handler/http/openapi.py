@@ -48,8 +48,9 @@ ERRORS = {
     "400": _error("Bad input: the message says what to fix, `param` names the field"),
     "401": _error("Missing or wrong API key (when the server has one)"),
     "404": _error("Unknown model, or not a language model worker"),
+    "408": _error("The request's headers and body did not arrive within the receive deadline"),
     "413": _error("Body larger than the server's limit"),
-    "503": _error("Starting (with Retry-After) or failed to start"),
+    "503": _error("Starting (with Retry-After), failed to start, or stopped after it was up"),
 }
 
 ERROR_SCHEMA = {

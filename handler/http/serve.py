@@ -21,7 +21,10 @@ A worker whose start fails (`runtime.fatal` set: no trustworthy source left to s
 or any other failure, which a worker never retries either) answers `/health` with 503 and the
 reason for `failed_start_exit_s`, logs the reason in one line, then exits with gunicorn's
 boot-error code: the arbiter stops every worker and `snapfn serve` exits with that code (3), for
-an orchestrator to restart it, rather than serving 503 for good.
+an orchestrator to restart it, rather than serving 503 for good. A worker that was up (booted,
+its runtime up) and then exits, whatever its code, is replaced by another, as gunicorn replaces
+any dead worker: the arbiter is `arbiter.SnapfnArbiter`, which tells the two apart.
+A request's headers and body must arrive within `receive_timeout_s` (`receive_deadline.py`).
 
 Metrics: the master makes a folder for prometheus_client's multiprocess mode (or takes
 `PROMETHEUS_MULTIPROC_DIR`), before anything imports prometheus_client, so that `/metrics`
@@ -57,6 +60,7 @@ from snapfn.handler.function.target_flags import (
     add_target_arguments,
     serve_target,
 )
+from snapfn.handler.http.arbiter import SnapfnArbiter
 from snapfn.handler.http.serve_config import FUNCTION_ERRORS, ServeConfig
 from snapfn.handler.http.workers import json_error_worker
 from snapfn.snapshot.errors import BadRequest
@@ -64,7 +68,7 @@ from snapfn.snapshot.errors import BadRequest
 CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
 EMBEDDED_MODEL_NAME = "snapfn-embedded"
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts on it
+WORKER_BOOT_ERROR = 3  # gunicorn's: the arbiter halts on it from a worker never up
 # ServeConfig field → the gunicorn setting it sets (`SnapfnServer.load_config`)
 FLAG_SETTINGS = {
     "host": "bind",
@@ -88,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-body-bytes", type=int, help=f"default {d.max_body_bytes}")
     net.add_argument("--startup-queue-size", type=int, help=f"default {d.startup_queue_size}")
     net.add_argument("--startup-wait-s", type=float, help=f"default {d.startup_wait_s}")
+    net.add_argument(
+        "--receive-timeout-s",
+        type=float,
+        help="a request's headers and body must arrive within this, else a 408 (default "
+        f"{d.receive_timeout_s})",
+    )
     net.add_argument(
         "--failed-start-exit-s",
         type=float,
@@ -248,7 +258,7 @@ def serve_config(args: argparse.Namespace, environ) -> ServeConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("host", "port", "workers", "threads", "api_key", "model_name")
-        + ("max_body_bytes", "startup_queue_size", "startup_wait_s")
+        + ("max_body_bytes", "startup_queue_size", "startup_wait_s", "receive_timeout_s")
         + ("max_instances", "target_concurrency", "keeper")
         + ("function_errors", "access_log", "failed_start_exit_s")
     }
@@ -291,6 +301,14 @@ class SnapfnServer(BaseApplication):
         self.runtime = None
         self._closing = threading.Event()  # set in a worker as it stops (`close_runtime`)
         super().__init__(prog="snapfn serve")
+
+    def run(self) -> None:
+        """gunicorn's `BaseApplication.run`, under `SnapfnArbiter`."""
+        try:
+            SnapfnArbiter(self).run()
+        except RuntimeError as exc:
+            print(f"\nError: {exc}\n", file=sys.stderr, flush=True)
+            sys.exit(1)
 
     def load_config(self) -> None:
         settings = runpy.run_path(str(CONF_FILE))
@@ -356,21 +374,31 @@ class SnapfnServer(BaseApplication):
             self.target, log=lambda line: logger.info("[%d] %s", pid, line)
         )
         self.runtime.start(background=True)
+
+    def watch_start(self, worker: Any) -> None:
+        """In a worker gunicorn has booted (its app loaded): wait for the runtime's start on
+        a thread, which marks the worker up (`arbiter.UpMark`) or exits (`_exit_start_failed`)."""
         watch = threading.Thread(
-            target=self._exit_if_start_fails,
-            args=(logger,),
-            name="snapfn-failed-start",
+            target=self._settle_start,
+            args=(worker, logging.getLogger("snapfn")),
+            name="snapfn-start-watch",
             daemon=True,
         )
         watch.start()
 
-    def _exit_if_start_fails(self, logger: logging.Logger) -> None:
-        """In a worker: once its start failed, answer /health with the reason a while, then
-        exit with gunicorn's boot-error code, which stops the server (see the module doc)."""
+    def _settle_start(self, worker: Any, logger: logging.Logger) -> None:
         from snapfn.snapshot.stages import Readiness
 
-        if self.runtime.wait_ready() is not Readiness.FAILED or self._closing.is_set():
-            return  # up, or closed as the worker stops: not a failed start
+        if self.runtime.wait_ready() is Readiness.UP:
+            mark = getattr(worker, "up_mark", None)  # None: a worker class without one
+            if mark is not None:
+                mark.set()
+        elif not self._closing.is_set():  # closed as the worker stops: not a failed start
+            self._exit_start_failed(logger)
+
+    def _exit_start_failed(self, logger: logging.Logger) -> None:
+        """In a worker whose start failed: answer /health with the reason a while, then exit
+        with gunicorn's boot-error code, which stops the server (see the module doc)."""
         delay = self.config.failed_start_exit_s
         fatal = getattr(self.runtime, "fatal", None)  # nothing trustworthy to start from
         logger.error(

@@ -31,6 +31,9 @@ class ServeConfig:
     api_key: str | None = None
     model_name: str | None = None  # the name clients send as "model"; None = from the target
     max_body_bytes: int = 4 << 20
+    # a request's headers and body must arrive within this, else a 408 and the connection
+    # closes (`receive_deadline.py`); streaming the answer back is not timed
+    receive_timeout_s: float = 30.0
     max_choices: int = 64  # prompts × n per generation request
     startup_queue_size: int = 64  # requests allowed to wait for start-up (0: refuse at once)
     startup_wait_s: float = 300.0
@@ -66,6 +69,8 @@ class ServeConfig:
                 f"function_errors must be one of {', '.join(FUNCTION_ERRORS)}, "
                 f"got {self.function_errors!r}"
             )
+        if not self.receive_timeout_s > 0:
+            raise BadRequest(f"receive_timeout_s must be > 0, got {self.receive_timeout_s}")
         if not self.failed_start_exit_s >= 0:
             raise BadRequest(f"failed_start_exit_s must be >= 0, got {self.failed_start_exit_s}")
         self._check_activator_fields()

@@ -4,8 +4,9 @@ Contract: `StartupGate.admit()` returns at once while the runtime is UP. While i
 at most `startup_queue_size` requests wait, each at most `startup_wait_s`; a request beyond
 the queue, or one whose wait ran out, raises `ServiceUnavailable` with `retry_after_s` (the
 `Retry-After` header). Once the runtime FAILED, every request raises `ServiceUnavailable`
-without a retry hint, naming the failure. Waiters and refusals (by reason: `queue_full`,
-`timeout`, `failed`) are counted in the `HttpMetrics`.
+without a retry hint, naming the failure: "the worker failed to start: …", or, for a runtime
+that was up (`runtime.stopped`), "the worker stopped: …". Waiters and refusals (by reason:
+`queue_full`, `timeout`, `failed`, `stopped`) are counted in the `HttpMetrics`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class StartupGate:
     """Holds requests until the runtime is up: at most `startup_queue_size` of them wait, each
     at most `startup_wait_s`; the rest get a 503 with Retry-After."""
 
-    def __init__(self, readiness: Any, config: ServeConfig, metrics: HttpMetrics) -> None:
-        self._readiness = readiness
+    def __init__(self, runtime: Any, config: ServeConfig, metrics: HttpMetrics) -> None:
+        """`runtime`: a `WorkerRuntime` (its `readiness` and `stopped` are read)."""
+        self._runtime = runtime
+        self._readiness = runtime.readiness
         self._config = config
         self._metrics = metrics
         self._waiters = 0
@@ -62,11 +65,13 @@ class StartupGate:
         self._check_failed()
 
     def _check_failed(self) -> None:
-        if self._readiness.state is Readiness.FAILED:
-            self._metrics.startup_rejections.labels("failed").inc()
-            raise ServiceUnavailable(
-                f"the worker failed to start: {self._readiness.reason}", "failed", None
-            )
+        if self._readiness.state is not Readiness.FAILED:
+            return
+        reason, what = (
+            ("stopped", "stopped") if self._runtime.stopped else ("failed", "failed to start")
+        )
+        self._metrics.startup_rejections.labels(reason).inc()
+        raise ServiceUnavailable(f"the worker {what}: {self._readiness.reason}", reason, None)
 
     def _refuse(self, reason: str, message: str) -> ServiceUnavailable:
         self._metrics.startup_rejections.labels(reason).inc()

@@ -9,9 +9,15 @@ answers those with an HTML page (`gunicorn.util.write_error`). The workers here 
 message saying what to fix followed by gunicorn's own words, `Content-Type: application/json`
 and `Connection: close`. They log the refusal and write its access-log line as gunicorn does.
 
+The same two workers also bound how long a request takes to arrive (`receive_deadline.py`:
+a JSON 408 once its headers and body took longer than `ServeConfig.receive_timeout_s`), and
+carry an `UpMark` (`arbiter.py`), so that one that exits after it was up is replaced rather
+than taken for a failed boot.
+
 `json_error_worker(cfg)` is the class `snapfn serve` runs (`SnapfnServer.load_config`): the
 JSON-answering subclass of the worker class the settings choose where gunicorn's sync or
-gthread worker is chosen, else that class itself, whose refusals stay HTML.
+gthread worker is chosen, else that class itself, whose refusals stay HTML (and which has
+neither the receive deadline nor the mark).
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from gunicorn.http.wsgi import Response, default_environ
 from gunicorn.workers.gthread import ThreadWorker
 from gunicorn.workers.sync import SyncWorker
 
+from snapfn.handler.http import receive_deadline
+from snapfn.handler.http.arbiter import UpMark
 from snapfn.handler.http.openai.shapes import error_body
+from snapfn.handler.http.receive_deadline import DeadlineListener, ReceiveTimeout
 
 MAX_DETAIL_CHARS = 200  # gunicorn's words may quote the request: a request line runs to 8 KB
 CLIENT_ERROR = "invalid_request_error"
@@ -130,6 +139,13 @@ REFUSALS = (
         "malformed PROXY-protocol line or HTTP/2 preface",
     ),
     Refusal(
+        (ReceiveTimeout,),
+        408,
+        CLIENT_ERROR,
+        ReceiveTimeout.code,
+        "",  # the error's own words (`refusal_message`)
+    ),
+    Refusal(
         _errors("ConfigurationProblem"),
         500,
         SERVER_ERROR,
@@ -147,7 +163,10 @@ def refusal_for(exc: BaseException) -> Refusal:
 
 def refusal_message(refusal: Refusal, exc: BaseException, cfg: Any) -> str:
     """What to fix, then gunicorn's own words ("gunicorn: Invalid HTTP request line: 'GET'");
-    for the server's own fault, the error's type only (its words are the server's business)."""
+    for the server's own fault, the error's type only (its words are the server's business);
+    snapfn's own receive deadline, its words alone."""
+    if isinstance(exc, ReceiveTimeout):
+        return str(exc)
     detail = "" if refusal.error_type == SERVER_ERROR else str(exc)
     detail = detail or type(exc).__name__
     if len(detail) > MAX_DETAIL_CHARS:
@@ -218,12 +237,55 @@ class JsonErrors:
         self.log.access(resp, req, environ, datetime.now() - started)
 
 
-class JsonErrorSyncWorker(JsonErrors, SyncWorker):
-    """gunicorn's sync worker, its refusals in JSON."""
+class ServeWorker:
+    """Mixed in before a gunicorn worker class: an `UpMark`, made where gunicorn builds the
+    worker (in the arbiter, before the fork), and connections accepted as
+    `receive_deadline.DeadlineSocket`s. The app is `serve.SnapfnServer`."""
+
+    app: Any
+    cfg: Any
+    sockets: list[Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.up_mark = UpMark()
+
+    def init_process(self) -> None:
+        self.sockets = [DeadlineListener(s) for s in self.sockets]
+        super().init_process()
+
+    def arm_receive_deadline(self, sock: Any, at_first_read: bool = False) -> None:
+        """Arm `sock`'s receive deadline for the request about to be read. NOTE: not on a
+        server that may speak HTTP/2 in cleartext: one such connection serves many requests."""
+        if getattr(self.cfg, "http2_cleartext", "off") == "off":
+            receive_deadline.arm(sock, self.app.config.receive_timeout_s, at_first_read)
 
 
-class JsonErrorThreadWorker(JsonErrors, ThreadWorker):
-    """gunicorn's gthread worker, its refusals in JSON."""
+class JsonErrorSyncWorker(JsonErrors, ServeWorker, SyncWorker):
+    """gunicorn's sync worker, its refusals in JSON, a deadline on each request's arrival."""
+
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        self.arm_receive_deadline(client)  # one request per connection, closed after it
+        super().handle(listener, client, addr)
+
+
+class JsonErrorThreadWorker(JsonErrors, ServeWorker, ThreadWorker):
+    """gunicorn's gthread worker, its refusals in JSON, a deadline on each request's arrival."""
+
+    def handle(self, conn: Any) -> Any:
+        # NOTE: from the first read: gunicorn waits (up to 5 s) for a new connection's first
+        # byte before it reads, and parks one that sends nothing
+        self.arm_receive_deadline(conn.sock, at_first_read=True)
+        return super().handle(conn)
+
+    def handle_request(self, req: Any, conn: Any) -> bool:
+        """gunicorn's, but a request whose deadline passed never keeps its connection: the
+        rest of its body is unread."""
+        try:
+            keepalive = super().handle_request(req, conn)
+        finally:
+            expired = receive_deadline.disarm(conn.sock)
+        return keepalive and not expired
 
 
 # gunicorn's worker class → the one answering its refusals in JSON
