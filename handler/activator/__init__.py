@@ -4,6 +4,7 @@
     app.py            `snapfn serve --idle-timeout …`: the activator's routes and its lifecycle
     pool.py           the instances: routing, the hold queue, scaling up, idling out to zero
     proxy.py          one request relayed to an instance, its response streamed back
+    connection.py     the client connections: malformed requests in JSON, a receive deadline
     instance.py       one instance: `snapfn serve` as a subprocess on a loopback port
     plan.py           each instance's command line, environment and GPU
     keepers.py        one `snapfn keeper` per GPU beside the instances (`--keeper on`)

@@ -9,13 +9,18 @@ default, each pinned with `CUDA_VISIBLE_DEVICES`); an instance idle for `--idle-
 is stopped with its whole process group, down to zero. `docs/activator.md` has the details.
 
 Endpoints answered here (all others are relayed to an instance, see `proxy.py`):
-    GET /health    200 {"status": "up", "instances": {state: count}} (zero instances is up)
-    GET /startup   the activator's settings, every instance (state, pid, GPU, URL, outstanding,
-                   tier), cold starts so far, the last cold start's tier and stage timings
-    GET /metrics   Prometheus text (`metrics.py`)
-Errors are JSON in OpenAI's shape (`http/openai/shapes.error_body`); with an API key set, every
-path but `/health` and `/openapi.json` needs `Authorization: Bearer <key>` (checked here,
-before anything starts, and again by the instance, which gets the key through its environment).
+    GET /health        200 {"status": "up", "instances": {state: count}} (zero instances is up)
+    GET /startup       the activator's settings, every instance (state, pid, GPU, URL,
+                       outstanding, tier), cold starts so far, the last cold start's tier and
+                       stage timings
+    GET /metrics       Prometheus text (`metrics.py`)
+    GET /openapi.json  the instances' OpenAPI document, made here from the model name they serve
+                       (`plan.model_name`; relayed where only an instance knows that name)
+Errors are JSON in OpenAI's shape (`http/openai/shapes.error_body`), those of aiohttp's parser
+and of a request that does not arrive in time included (`connection.py`). With an API key set,
+every path but `/health` and `/openapi.json` needs `Authorization: Bearer <key>`, checked here
+as the instance checks it (the same `http/api_key.refusal`, a repeated header joined with ","
+as gunicorn joins it), so that a request an instance would refuse never starts one.
 
 Why aiohttp: the activator mostly *holds* connections (requests waiting for a restore, streams
 being relayed). On one event loop a held request costs a coroutine, not a thread, so the hold
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
@@ -38,6 +44,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from snapfn.handler.activator.connection import ActivatorRunner
 from snapfn.handler.activator.instance import Instance
 from snapfn.handler.activator.instance_zygote import fork_instance, start_zygote
 from snapfn.handler.activator.keepers import Keepers
@@ -47,11 +54,13 @@ from snapfn.handler.activator.pool import InstancePool, Unavailable
 from snapfn.handler.activator.proxy import relay
 from snapfn.handler.http.api_key import UNAUTHORIZED_HEADERS, api_key_bytes, refusal
 from snapfn.handler.http.openai.shapes import error_body
+from snapfn.handler.http.receive_deadline import ReceiveTimeout
 from snapfn.handler.http.serve_config import ServeConfig
 
 log = logging.getLogger("snapfn.activator")
 NOT_SENT_BY_DEFAULT = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 OWN_PATHS = ("/health", "/startup", "/metrics")  # answered by the activator, any method
+OPENAPI_PATH = "/openapi.json"  # answered by the activator where it knows the model name
 
 
 def run_activator(args: Namespace, config: ServeConfig, environ: Mapping[str, str]) -> int:
@@ -76,7 +85,7 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
             pool = InstancePool(plan, config, metrics, launcher)
             metrics.watch(pool)
             app = create_activator_app(pool, plan, config, metrics, session, keepers)
-            runner = activator_runner(app)
+            runner = activator_runner(app, config.receive_timeout_s)
             await runner.setup()
             await web.TCPSite(runner, config.host, config.port, backlog=2048).start()
             pool.start()
@@ -100,12 +109,12 @@ async def serve_activator(plan: ActivatorPlan, config: ServeConfig) -> int:
     return 0
 
 
-def activator_runner(app: web.Application) -> web.AppRunner:
-    """The app's runner. NOTE: a handler is cancelled when its client goes away, so a held
-    request leaves the hold queue at once (it would take a place there, and count as demand,
-    until an instance came up or its wait ran out) and a relayed one closes its instance
-    connection."""
-    return web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+def activator_runner(
+    app: web.Application, receive_timeout_s: float = ServeConfig.receive_timeout_s
+) -> web.AppRunner:
+    """The app's runner (`connection.ActivatorRunner`: handlers cancelled when their client goes
+    away, malformed requests answered in JSON, a deadline on receiving each request)."""
+    return ActivatorRunner(app, receive_timeout_s)
 
 
 def _ready(zygote: asyncio.Task) -> Any:
@@ -184,8 +193,13 @@ def create_activator_app(
         body, content_type = metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    own_paths = OWN_PATHS
+    if plan.model_name is not None:
+        own_paths += (OPENAPI_PATH,)
+        app.router.add_get(OPENAPI_PATH, OpenApiDocument(plan.model_name).answer)
+
     async def relayed(request: web.Request) -> web.StreamResponse:
-        if request.path in OWN_PATHS:  # another method: answered here, never starts an instance
+        if request.path in own_paths:  # another method: answered here, never starts an instance
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         return await relay(request, pool, session, metrics)
 
@@ -194,6 +208,29 @@ def create_activator_app(
     app.router.add_get("/metrics", metrics_text)
     app.router.add_route("*", "/{path:.*}", relayed)
     return app
+
+
+class OpenApiDocument:
+    """The instances' `/openapi.json`, made here: it depends only on the model name, and a
+    client reading it must start no instance (it is open without the API key). Made at the
+    first request, in a thread: it imports pydantic and the request models (about 0.15 s and
+    10 MB), which the activator otherwise never needs."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._body: bytes | None = None
+
+    async def answer(self, request: web.Request) -> web.Response:
+        if self._body is None:
+            self._body = await asyncio.to_thread(openapi_json, self.model_name)
+        return web.Response(body=self._body, content_type="application/json")
+
+
+def openapi_json(model_name: str) -> bytes:
+    # NOTE: imported here: pydantic and the request models stay out of the activator until asked
+    from snapfn.handler.http.openapi import openapi_document
+
+    return json.dumps(openapi_document(model_name)).encode()
 
 
 def _settings(plan: ActivatorPlan, config: ServeConfig) -> dict[str, Any]:
@@ -205,6 +242,7 @@ def _settings(plan: ActivatorPlan, config: ServeConfig) -> dict[str, Any]:
         "gpus": list(plan.gpu_ids),
         "hold_queue_size": config.startup_queue_size,
         "hold_wait_s": config.startup_wait_s,
+        "receive_timeout_s": config.receive_timeout_s,
     }
 
 
@@ -213,7 +251,9 @@ def _auth(config: ServeConfig):
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        body = refusal(key, request.path, request.headers.get("Authorization", ""))
+        # NOTE: a repeated header joined as gunicorn joins it for the instance's app
+        authorization = ",".join(request.headers.getall("Authorization", []))
+        body = refusal(key, request.path, authorization)
         if body is None:
             return await handler(request)
         return web.json_response(body, status=401, headers=UNAUTHORIZED_HEADERS)
@@ -230,6 +270,11 @@ async def _json_errors(request: web.Request, handler):
         kind = "timeout" if exc.status == 504 else "service_unavailable"
         body = error_body(str(exc), kind, code=exc.reason)
         return web.json_response(body, status=exc.status, headers=headers)
+    except ReceiveTimeout as exc:  # the body is late (`connection.py`): the rest is not read
+        body = error_body(str(exc), "invalid_request_error", code=exc.code)
+        response = web.json_response(body, status=408)
+        response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

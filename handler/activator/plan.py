@@ -12,7 +12,11 @@ imports nothing heavy (no torch, no CUDA: the activator must stay light):
   (`FORWARDED_FLAGS`), on a private loopback port (`--host 127.0.0.1 --port 0`);
 - `instance_env(gpu)` is the activator's environment without its own settings (an instance
   must never become an activator), plus the API key (kept out of `ps`), the GPU, and
-  `SNAPFN_PARENT_PID` (the instance exits if the activator dies: `parent_watch.py`).
+  `SNAPFN_PARENT_PID` (the instance exits if the activator dies: `parent_watch.py`);
+- `model_name` is the name every instance serves as "model", found from the flags as
+  `snapfn serve` finds it (`serve.default_model_name`), so that the activator can answer
+  `/openapi.json` itself; None where only an instance can tell (an s3:// snapshot without
+  `--model-name`: the instance names it after its cache folder).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from snapfn.handler.activator.parent_watch import PARENT_PID_VARIABLE
 from snapfn.handler.function.target_flags import check_target_flags
+from snapfn.handler.http.serve import default_model_name
 from snapfn.handler.http.serve_config import ServeConfig
 from snapfn.snapshot.errors import BadRequest
 from snapfn.snapshot.unix_socket import default_dir
@@ -37,7 +43,7 @@ FORWARDED_FLAGS = (
     + ("device", "dtype", "max_model_len", "max_running_requests", "kv_cache_mb")  # engine
     + ("tp_size", "ep_size")  # each instance's ranks
     + ("workers", "threads", "model_name", "max_body_bytes")  # each instance's server
-    + ("startup_queue_size", "startup_wait_s", "failed_start_exit_s")
+    + ("startup_queue_size", "startup_wait_s", "failed_start_exit_s", "receive_timeout_s")
     + ("function_errors", "access_log")  # how each instance answers and logs
 )
 ACTIVATOR_FLAGS = ("host", "port", "api_key", "idle_timeout", "max_instances", "target_concurrency")
@@ -72,6 +78,7 @@ class ActivatorPlan:
     # snapshot it holds (a local process snapshot, else None: it only keeps CUDA warm)
     keeper_dir: str = ""
     keeper_snapshot: str | None = None
+    model_name: str | None = None  # what every instance serves as "model"; None: ask one
 
     @classmethod
     def build(
@@ -117,6 +124,7 @@ class ActivatorPlan:
             api_key=config.api_key,
             keeper_dir=keeper_dir,
             keeper_snapshot=keeper_snapshot,
+            model_name=served_model_name(args, config),
         )
 
     def keeper_socket(self, gpu: str) -> str:
@@ -141,6 +149,25 @@ class ActivatorPlan:
             if self.keeper_dir:
                 env["SNAPFN_PINNED_SOCKET"] = self.keeper_socket(gpu)
         return env
+
+
+def served_model_name(args: argparse.Namespace, config: ServeConfig) -> str | None:
+    """The name each instance serves as "model": `--model-name`, else `serve.default_model_name`
+    of the target `serve_target` would build (read from the flags alone: nothing is loaded), or
+    None for an s3:// snapshot without `--model`, named after the cache folder it is pulled to."""
+    if config.model_name:
+        return config.model_name
+    function, model, snapshot = args.function, args.model, args.snapshot
+    if function is None and model is None and snapshot is not None and "://" in str(snapshot):
+        return None
+    # the fields default_model_name reads, as serve_target sets them for a local snapshot
+    target = SimpleNamespace(
+        kind="function" if function is not None else "llm",
+        function=function,
+        model_dir=model,
+        snapshot_dir=snapshot,
+    )
+    return default_model_name(target)
 
 
 def _local_process_snapshot(snapshot: str | None) -> str | None:

@@ -1,11 +1,15 @@
 """Relay one request through the activator to an instance, streaming the response back.
 
 Contract (`relay(request, pool, session, metrics)`):
-- The body is read first (at most `max_body_bytes`: 413 beyond), then the pool picks an
-  instance, holding the request while none is up (`pool`: 503 / 504 as JSON).
+- The body is read first (at most `max_body_bytes`: 413 beyond; one still arriving at the
+  receive deadline: 408, `connection.py`), then the pool picks an instance, holding the request
+  while none is up (`pool`: 503 / 504 as JSON).
 - Method, path, query, body and end-to-end headers go to the instance (`X-Forwarded-For`
-  added); its status, headers (plus `X-Snapfn-Instance: <id>`) and body come back as they
-  arrive, chunk by chunk, so server-sent events stream through unbuffered.
+  added). A header whose name holds `_` is dropped, as the instance's gunicorn drops it from a
+  client: from the activator, a forwarder it trusts on loopback, it would take `SCRIPT_NAME` as
+  a prefix to cut off the path, and judge (the API key, the route) another path than the
+  activator did. The instance's status, headers (plus `X-Snapfn-Instance: <id>`) and body come
+  back as they arrive, chunk by chunk, so server-sent events stream through unbuffered.
 - The instance failing before its response headers (it crashed or was killed) is a 502 JSON
   error `instance_failed`. Once headers are out the status cannot change: an event stream gets
   a final `data: {"error": …}` event, any other body is cut (the connection is closed), and
@@ -68,7 +72,7 @@ async def _relay_to(
     metrics: ActivatorMetrics,
 ) -> web.StreamResponse:
     # NOTE: a multidict: a header the client repeats goes on with every value, in order
-    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP)
+    headers = CIMultiDict((k, v) for k, v in request.headers.items() if _relayed_header(k))
     forwarded = ", ".join(request.headers.getall("X-Forwarded-For", []))
     peer = request.remote or "unknown"
     headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
@@ -95,6 +99,10 @@ async def _relay_to(
         return response
     metrics.proxied.labels(str(response.status)).inc()
     return response
+
+
+def _relayed_header(name: str) -> bool:
+    return name.lower() not in HOP_BY_HOP and "_" not in name
 
 
 def _response_for(upstream: aiohttp.ClientResponse, instance: Instance) -> web.StreamResponse:
