@@ -13,7 +13,12 @@ from snapfn.handler.llm.build import EngineOptions, build_model
 from snapfn.handler.llm.config import ModelConfig
 from snapfn.handler.llm.engine.batch import ForwardBatch
 from snapfn.handler.llm.kernels import get_backend
-from snapfn.handler.llm.kernels.torch_ref import causal_attention, topk_mask
+from snapfn.handler.llm.kernels.torch_ref import (
+    causal_attention,
+    pick_causal_topk,
+    select_topk,
+    topk_mask,
+)
 from snapfn.handler.llm.models.base import ConcatLinear
 from snapfn.handler.llm.parallel import ParallelConfig
 from snapfn.handler.llm.weights.checkpoint import Checkpoint
@@ -118,22 +123,57 @@ def _as_sets(picked: torch.Tensor) -> list[set[int]]:
     return [{i for i in row if i >= 0} | ({-1} if -1 in row else set()) for row in picked.tolist()]
 
 
-def test_dsa_topk_pads_short_rows_and_keeps_earliest_ties():
-    backend = get_backend("torch")
+def _tied_keys_cache():
     cache = torch.zeros(2, 4, 2)  # [pages, page_size, index_head_dim]
     keys = torch.tensor([[0.0, 1]] * 5 + [[1.0, 0]] + [[0.0, 1]] * 2)  # scores 0 0 0 0 0 1 0 0
-    prefill = ForwardBatch.build([[0] * 8], [0], [[1, 0]], 4, "cpu")
-    backend.store_kv(cache, keys, prefill)
+    prefill = ForwardBatch.build([[0] * 8], [0], [[1, 0]], 4, "cpu", prompt_lens=[8])
+    get_backend("torch").store_kv(cache, keys, prefill)
     q, w = torch.tensor([[[1.0, 0]]]).expand(8, 1, 2), torch.ones(8, 1)
-    picked = backend.dsa_topk(q, w, cache, prefill, topk=3, scale=1.0)
+    return cache, prefill, q, w
+
+
+def test_the_stable_pick_pads_short_rows_and_keeps_earliest_ties():
+    """The GPU's rule (`torch.topk` on CUDA; the Triton kernels' oracle): earlier keys first."""
+    scores = torch.tensor([0.0] * 5 + [1.0] + [0.0] * 2)
+    causal = torch.arange(8)[None, :] <= torch.arange(8)[:, None]
+    picked = pick_causal_topk(scores.expand(8, 8).masked_fill(~causal, -torch.inf), 0, 3)
     short, ties, one = [{0, -1}, {0, 1, -1}], [{0, 1, 2}] * 3, [{5, 0, 1}] * 3
     assert _as_sets(picked) == short + ties + one
-    tail = ForwardBatch.build([[0] * 3], [5], [[1, 0]], 4, "cpu")  # the last 3 as a chunk
+    decode = select_topk(scores.expand(2, 8).clone(), torch.tensor([8, 2]), 3)
+    assert _as_sets(decode) == [one[0], short[1]]
+
+
+def test_dsa_topk_on_a_cpu_breaks_ties_as_transformers_and_not_by_chunk():
+    """On a CPU the torch backend picks what `torch.topk` picks over the row transformers'
+    forward scores: a prompt position's row padded to the prompt's length, a generated one's
+    keys so far; a prompt's tail chunk picks what the whole prompt picks."""
+    backend = get_backend("torch")
+    cache, prefill, q, w = _tied_keys_cache()
+    picked = backend.dsa_topk(q, w, cache, prefill, topk=3, scale=1.0)
+    scores = torch.tensor([0.0] * 5 + [1.0] + [0.0] * 2)
+    for i, row in enumerate(picked.tolist()):
+        hf_row = scores.masked_fill(torch.arange(8) > i, -torch.inf)  # [P], -inf after i
+        want = {k for k in hf_row.topk(3).indices.tolist() if k <= i}
+        assert {k for k in row if k >= 0} == want and row.count(-1) == 3 - len(want)
+    tail = ForwardBatch.build([[0] * 3], [5], [[1, 0]], 4, "cpu", prompt_lens=[8])
     assert torch.equal(backend.dsa_topk(q[5:], w[5:], cache, tail, topk=3, scale=1.0), picked[5:])
-    # the vectorised decode path: one query per request, the pages read in place
-    decode = ForwardBatch.build([[0], [0]], [7, 1], [[1, 0], [1]], 4, "cpu")
+    # generated positions (a prompt of 4): each a decode step's row, the keys so far
+    decode = ForwardBatch.build([[0], [0]], [7, 4], [[1, 0], [1, 0]], 4, "cpu", prompt_lens=[4, 4])
     got = backend.dsa_topk(q[:2], w[:2], cache, decode, topk=3, scale=1.0)
-    assert _as_sets(got) == [one[0], short[1]]
+    for row, n in zip(got.tolist(), (8, 5), strict=True):
+        assert set(row) == set(scores[:n].topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize(("heads", "topk"), [(1, 2), (2, 3), (4, 4)])
+def test_greedy_with_tied_index_scores_matches_transformers(tmp_path, heads, topk):
+    """Few indexer heads: relu ties many keys at 0 at the cut, which `torch.topk` on a CPU
+    breaks by its row's length; generations longer than `index_topk` then depend on it."""
+    model_dir = save_tiny_glm(tmp_path, seed=5, index_n_heads=heads, index_topk=topk)
+    prompts = random_prompts(VOCAB, [5, 17], seed=heads)
+    results = our_engine(model_dir, page_size=4, max_tokens=8).generate(prompts, greedy(16))
+    hf = hf_model(model_dir)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert list(result.token_ids) == hf_greedy(hf, prompt, 16)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -31,6 +31,8 @@ class ForwardBatch:
     # host copies for the reference path, which loops over requests
     seq_lens_cpu: tuple[int, ...] = ()
     q_lens_cpu: tuple[int, ...] = ()
+    # each request's prompt length, where the builder gave them (the DSA indexer's CPU tie rule)
+    prompt_lens_cpu: tuple[int, ...] = ()
     # the page table on the host (planning reads it there without waiting for the GPU)
     page_table_cpu: torch.Tensor | None = None
     # the int64 and int32 fields above, each group one tensor that they are views of: one copy
@@ -55,9 +57,11 @@ class ForwardBatch:
         device: torch.device | str,
         all_logits: bool = False,
         logits_per_seq: list[int] | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> ForwardBatch:
         """Build from per-request new tokens, the position of their first one, and page lists;
-        `logits_per_seq`: how many of each request's last tokens get logits (default 1)."""
+        `logits_per_seq`: how many of each request's last tokens get logits (default 1);
+        `prompt_lens`: each request's prompt length (default: not known)."""
         q_lens = [len(t) for t in token_ids]
         seq_lens = [s + q for s, q in zip(start_positions, q_lens, strict=True)]
         positions = [
@@ -86,6 +90,7 @@ class ForwardBatch:
             packed, len(ids), len(q_lens), max_pages, page_size, all_logits, len(rows)
         )
         host.seq_lens_cpu, host.q_lens_cpu = tuple(seq_lens), tuple(q_lens)
+        host.prompt_lens_cpu = tuple(prompt_lens or ())
         host.page_table_cpu = host.page_table
         return host.to(device)
 
@@ -106,6 +111,7 @@ class ForwardBatch:
             self.logits_indices.shape[0],
         )
         moved.seq_lens_cpu, moved.q_lens_cpu = self.seq_lens_cpu, self.q_lens_cpu
+        moved.prompt_lens_cpu = self.prompt_lens_cpu
         moved.page_table_cpu = self.page_table_cpu
         return moved
 

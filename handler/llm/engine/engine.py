@@ -398,6 +398,7 @@ class Engine:
                 self.kv.page_size,
                 "cpu",
                 all_logits=any(_scores_prompt(r) for r in scheduled.requests),
+                prompt_lens=[len(r.prompt_ids) for r in scheduled.requests],
             )
             bucket = self._overlap_bucket(scheduled.requests, batch)
             if bucket is not None:
@@ -491,6 +492,7 @@ class Engine:
                 "cpu",
                 all_logits=any(_scores_prompt(r) for r in reqs),
                 logits_per_seq=[1 + d for d in num_drafts],
+                prompt_lens=[len(r.prompt_ids) for r in reqs],
             )
             logits, hidden = self.model.forward_hidden(batch.to(self.model.device), self.kv)
             rows = _logit_rows(batch, starts, num_drafts)

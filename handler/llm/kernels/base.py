@@ -235,7 +235,10 @@ class Backend:
         `sum_h weights[h] * relu(scale * q[h] . k)`, highest first; a query with at most
         `topk` causal keys gets them all, in position order, padded with -1 (the FlashMLA
         sparse-index layout; attention reads a selection as a set). Among equal scores the
-        earlier key wins, so a query's selection never depends on how its prompt was chunked."""
+        earlier key wins, as `torch.topk` on a GPU picks them, so a query's selection never
+        depends on how its prompt was chunked. On a CPU the torch backend breaks exact ties as
+        transformers does there (`torch_ref.pick_as_cpu_topk`), a function of the position and
+        the prompt's length (`batch.prompt_lens_cpu`), so still not of the chunking."""
         raise NotImplementedError
 
     def mla_attention(

@@ -84,7 +84,8 @@ class TorchBackend(Backend):
         return out.to(x.dtype)
 
     def dsa_topk(self, q, weights, k_cache, batch, topk, scale):
-        if batch.is_decode:
+        on_cpu = q.device.type == "cpu"
+        if batch.is_decode and not on_cpu:
             return _topk_decode(q, weights, k_cache, batch.page_table, batch.seq_lens, topk, scale)
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
         start = 0
@@ -94,7 +95,11 @@ class TorchBackend(Backend):
             k = self.gather_seq(k_cache, batch, b)  # [L, Di]
             rows, q_offset = slice(start, start + q_len), seq_len - q_len
             scores = self._prefill_index_scores(q[rows], weights[rows], k, q_offset, scale)
-            out[rows] = pick_causal_topk(scores, q_offset, topk)
+            if on_cpu:
+                prompt_len = batch.prompt_lens_cpu[b] if batch.prompt_lens_cpu else 0
+                out[rows] = pick_as_cpu_topk(scores, q_offset, topk, prompt_len)
+            else:
+                out[rows] = pick_causal_topk(scores, q_offset, topk)
             start += q_len
         return out
 
@@ -261,6 +266,36 @@ def pick_causal_topk(index_scores: torch.Tensor, q_offset: int, topk: int) -> to
     # rows with fewer causal keys than topk pick masked keys too: drop them
     picked = picked.masked_fill(~causal.gather(1, picked), -1)
     return F.pad(picked, (0, topk - picked.shape[1]), value=-1).to(torch.int32)  # [q, topk]
+
+
+def pick_as_cpu_topk(
+    index_scores: torch.Tensor, q_offset: int, topk: int, prompt_len: int
+) -> torch.Tensor:
+    """`[q, L]` scores of one request's chunk (-inf after each query) → `[q, topk]` int32 key
+    positions (-1 past them), picked as transformers' GlmMoeDsaIndexer picks them on a CPU:
+    `torch.topk` over the row its forward scores. A prompt position's row spans the whole
+    prompt (`prompt_len` keys, -inf after the position: the prompt's one forward), a generated
+    position's its keys so far (a decode step's). NOTE: on a CPU `torch.topk` breaks exact ties
+    (common: relu zeroes every head's score of many keys) by its selection algorithm, which
+    depends on the row's length; the row here is a function of the position and the prompt's
+    length, so chunking, a verify step or a recompute pick what one prompt forward and then
+    one decode step a token pick. On a GPU `torch.topk`, and `pick_causal_topk`, keep the
+    earlier key."""
+    num_q, num_k = index_scores.shape
+    positions = list(range(q_offset, q_offset + num_q))
+    out = torch.full((num_q, topk), -1, dtype=torch.int32, device=index_scores.device)
+    in_prompt = sum(p < prompt_len for p in positions)  # NOTE: the chunk's first rows
+    if in_prompt:
+        rows = index_scores[:in_prompt, :prompt_len]  # [n, <= P], -inf after each position
+        rows = F.pad(rows, (0, prompt_len - rows.shape[1]), value=-torch.inf)  # [n, P]
+        picked = rows.topk(min(topk, prompt_len), dim=-1).indices
+        out[:in_prompt, : picked.shape[1]] = picked.to(torch.int32)
+    for r in range(in_prompt, num_q):
+        row = index_scores[r, : positions[r] + 1]  # a decode step's: the keys so far
+        picked = row.topk(min(topk, row.shape[0])).indices
+        out[r, : picked.shape[0]] = picked.to(torch.int32)
+    after = out.long() > torch.tensor(positions, device=out.device)[:, None]  # -inf ones
+    return out.masked_fill(after, -1)
 
 
 def _causal_mask(num_q: int, num_k: int, q_offset: int, device: torch.device) -> torch.Tensor:
