@@ -9,11 +9,15 @@ Contract:
   made by `snapfn init --function`); with none of the three, the embedded model must be built
   here. `--snapshot s3://bucket/prefix` is pulled into the local snapshot cache
   (snapshot/store/cache.py) by `snapshot_path(args)`, in the master, before any fork — except a
-  cache miss of a one-rank LLM's portable snapshot with overlap on (SNAPFN_SNAPSHOT_CACHE_OVERLAP,
-  default on): the target then names the URI (`snapshot_uri`) and the cache entry's folder, and
-  the worker that restores pulls it, restoring as it arrives (llm/recipes/s3_restore.py). A
-  one-process command that restores in the same process opens it with `opened_snapshot(args)`.
-  Engine settings
+  cache miss of a one-rank LLM with overlap on (SNAPFN_SNAPSHOT_CACHE_OVERLAP, default on): the
+  target then names the URI (`snapshot_uri`) and the cache entry's folder, and the worker that
+  restores pulls it (llm/recipes/s3_restore.py: a portable snapshot restored as it arrives; a
+  process snapshot pulled whole, or on a refused pull its portable tier restored as that
+  arrives). A pull refused in the master leaves a folder holding only the snapshot's manifest,
+  which the restore refuses and falls back from (a cold init from `--model`, else from the
+  source the manifest records, verified). A refused manifest fails the command, or with
+  `--model` gives no snapshot: a cold init from the model. A one-process command that restores
+  in the same process opens it with `opened_snapshot(args)`. Engine settings
   are `InitConfig.from_env(os.environ)` overridden by the flags given. `check_target_flags(args)`
   is the part of that validation that imports nothing heavy (the activator runs it without torch).
 
@@ -61,14 +65,15 @@ def add_snapshot_arguments(group: Any, help_text: str) -> None:
 
 
 def snapshot_path(args: argparse.Namespace) -> Path | None:
-    """`--snapshot` as a local folder: an s3:// URI is pulled into the snapshot cache first."""
+    """`--snapshot` as a local folder: an s3:// URI is pulled into the snapshot cache first (a
+    refused pull: a folder holding only its manifest, for the restore to refuse)."""
     from snapfn.snapshot.store.s3 import is_s3_uri
 
     if args.snapshot is None or not is_s3_uri(args.snapshot):
         return None if args.snapshot is None else Path(args.snapshot)
-    from snapfn.snapshot.store.cache import cached_snapshot
+    from snapfn.snapshot.store.cache import open_snapshot
 
-    return cached_snapshot(args.snapshot, snapshot_cache_config(args))
+    return open_snapshot(args.snapshot, snapshot_cache_config(args)).path
 
 
 def opened_snapshot(args: argparse.Namespace, streamed: tuple[str, ...]) -> Any:
@@ -82,13 +87,17 @@ def opened_snapshot(args: argparse.Namespace, streamed: tuple[str, ...]) -> Any:
     try:
         return open_snapshot(args.snapshot, snapshot_cache_config(args), streamed=streamed)
     except (BadSnapshot, IncompatibleSnapshot) as exc:
-        # NOTE: refused before anything was pulled (its manifest): the model the user named
-        # is the fallback's source, as for a refusal after the pull; none named: the error
-        model = getattr(args, "model", None)
-        if model is None:
-            raise
-        print(f"[snapfn] {one_line(str(exc))}; a cold init from {model} instead", file=sys.stderr)
+        _cold_init_instead(args, exc)
         return None
+
+
+def _cold_init_instead(args: argparse.Namespace, exc: Exception) -> None:
+    """A snapshot refused before anything was pulled (its manifest, which is then trusted for
+    nothing): the model the user named is the cold init's source; none named: `exc` raised."""
+    model = getattr(args, "model", None)
+    if model is None:
+        raise exc
+    print(f"[snapfn] {one_line(str(exc))}; a cold init from {model} instead", file=sys.stderr)
 
 
 def snapshot_cache_config(args: argparse.Namespace) -> Any:
@@ -98,19 +107,25 @@ def snapshot_cache_config(args: argparse.Namespace) -> Any:
 
 
 def _llm_snapshot(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
-    """The LLM target's snapshot fields: `snapshot_dir`, and for an overlapped cache miss the
-    URI and cache its worker pulls with (nothing is pulled here, before the fork)."""
+    """The LLM target's snapshot fields: `snapshot_dir`, and for a cache miss its worker pulls
+    the URI and cache it pulls with (nothing is pulled here, before the fork). A refused
+    manifest with `--model` named: no snapshot (a cold init from the model)."""
     from snapfn.snapshot.store.s3 import is_s3_uri
 
-    if world_size == 1 and is_s3_uri(args.snapshot):
-        from snapfn.handler.llm.recipes.s3_restore import STREAMED
-        from snapfn.snapshot.store.cache import overlapped_miss
+    if not is_s3_uri(args.snapshot):
+        return {"snapshot_dir": snapshot_path(args)}
+    from snapfn.handler.llm.recipes.s3_restore import STREAMED
+    from snapfn.snapshot.store.cache import deferred_miss
 
-        cache = snapshot_cache_config(args)
-        folder = overlapped_miss(args.snapshot, cache, streamed=STREAMED)
+    cache = snapshot_cache_config(args)
+    try:
+        folder = deferred_miss(args.snapshot, cache, streamed=STREAMED) if world_size == 1 else None
         if folder is not None:
             return {"snapshot_dir": folder, "snapshot_uri": args.snapshot, "snapshot_cache": cache}
-    return {"snapshot_dir": snapshot_path(args)}
+        return {"snapshot_dir": snapshot_path(args)}
+    except (BadSnapshot, IncompatibleSnapshot) as exc:
+        _cold_init_instead(args, exc)
+        return {"snapshot_dir": None}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,25 @@ pull; the entry's last use is marked when it ends. An overlapped restore that fa
 not rewrite the entry: the pull publishes what S3 holds, verified, or leaves its resumable
 staging dir and no snapshot.
 
+A refused pull (`open_snapshot`; a bad object: missing, truncated, corrupt) is not raised:
+`opened.refused` says why (one line, logged) and the restore falls back from what is left,
+publishing nothing. A process snapshot of a one-rank restore (overlap on, a streamed file
+listed) is then restored from its portable tier while that is pulled, on a thread as above:
+`opened.pull` fetches every file but the process images into the same staging dir, through the
+same journal, and publishes nothing (a restore of it that is refused too falls back to a cold
+init). Any other (several ranks, overlap off, a user function): `opened.path` is a folder named
+as the snapshot that holds only its manifest.json (and manifest.sig),
+`ROOT/<key>/.refused-<16 hex>/<name>/`; the restore refuses it, and its cold init reads the model
+the user named, else the source that manifest records, verified by its content hash. That
+folder is never the entry's (the next resolution is a miss, which pulls again); it is flock'ed
+while the process that made it lives, and a later refusal of the entry removes those no process
+holds.
+
+With a snapshot key configured (portable/signature.py), every resolution checks the remote
+manifest's signature beside the manifest (one more small GET): an unsigned manifest, or one the
+key did not sign, is refused before anything is pulled, so no fallback ever reads a source it
+records.
+
 Layout: `ROOT/<key>/<name>/` is one snapshot, `key` the first 32 hex digits of
 sha256(uri + "\\n" + sha256(manifest.json)) and `name` the URI's last part (a served model keeps
 its name). Every resolution fetches the remote manifest (one small GET), so a new push under the
@@ -42,6 +61,7 @@ import fcntl
 import hashlib
 import os
 import re
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -49,13 +69,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapfn.snapshot.errors import BadRequest
-from snapfn.snapshot.portable.format import MANIFEST, parse_manifest
-from snapfn.snapshot.portable.signature import configured
-from snapfn.snapshot.portable.staging import remove_tree
+from snapfn.snapshot.errors import BadRequest, BadSnapshot, IncompatibleSnapshot, one_line
+from snapfn.snapshot.portable.format import MANIFEST, PROCESS_IMAGES, parse_manifest
+from snapfn.snapshot.portable.publish import write_durably
+from snapfn.snapshot.portable.signature import SIGNATURE, configured
+from snapfn.snapshot.portable.staging import remove_if_unlocked, remove_tree
 from snapfn.snapshot.stages import Log, stderr_log
 from snapfn.snapshot.store.s3 import S3Location, format_bytes, make_s3_client
-from snapfn.snapshot.store.transfer import DEFAULT_NUM_THREADS, fetch_manifest, pull
+from snapfn.snapshot.store.transfer import (
+    DEFAULT_NUM_THREADS,
+    fetch_manifest,
+    fetch_signature,
+    pull,
+)
 
 if TYPE_CHECKING:
     from snapfn.snapshot.store.overlap import OverlappedPull
@@ -65,12 +91,14 @@ __all__ = [
     "OpenedSnapshot",
     "SnapshotCacheConfig",
     "cached_snapshot",
+    "deferred_miss",
     "open_snapshot",
     "parse_byte_count",
 ]
 
 DEFAULT_MAX_BYTES = 100 << 30
 _LOCK = ".lock"
+_REFUSED = ".refused-"  # ROOT/<key>/.refused-<16 hex>/<name>/: a refused snapshot's manifest
 _BYTE_COUNT = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
 
 
@@ -123,16 +151,20 @@ def parse_byte_count(value: str | int) -> int:
 @dataclass(frozen=True)
 class OpenedSnapshot:
     """Where to restore an s3:// snapshot from: its cache entry's folder, published; or, on an
-    overlapped miss, the folder `pull` is filling (pass `pull` as the restore's `arriving`)."""
+    overlapped miss, the folder `pull` is filling (pass `pull` as the restore's `arriving`).
+    After a refused pull (`refused`: why, one line): the folder its portable tier's `pull` is
+    filling, else a folder holding only its manifest (module docstring)."""
 
     path: Path
     pull: OverlappedPull | None = None
+    refused: str | None = None
 
 
 @dataclass(frozen=True)
 class _Entry:
     where: S3Location
     raw: bytes  # the remote manifest.json
+    signature: bytes | None  # its manifest.sig, checked (fetched only with a key configured)
     manifest: dict[str, Any]
     entry: Path  # ROOT/<key>
     dest: Path  # ROOT/<key>/<name>: the snapshot once published
@@ -169,42 +201,80 @@ def open_snapshot(
     log: Log | None = stderr_log,
 ) -> OpenedSnapshot:
     """`cached_snapshot`, except that a miss is pulled on a thread while the caller restores
-    from `OpenedSnapshot.path` (module docstring: when it is, and what it keeps true)."""
-    from snapfn.snapshot.store.overlap import OverlappedPull
-
+    from `OpenedSnapshot.path`, and that a refused pull is restored from what is left instead
+    of raised (module docstring: when, and what it keeps true). A refused manifest raises."""
     client = client or make_s3_client(endpoint_url, DEFAULT_NUM_THREADS)
     found = _find_entry(uri, config, client)
     fd = _lock(config.root / _LOCK)
+    opened = None
     try:
-        if not _overlaps(found, config, streamed):
-            _pull_or_hit(found, config, client, log)
-            _mark_used(config.root, found.entry)
-            return OpenedSnapshot(found.dest)
-        _make_room(found, config, log)
-
-        def on_exit() -> None:
-            _mark_used(config.root, found.entry)
+        opened = _open_locked(found, config, client, streamed, fd, log)
+    finally:
+        if opened is None or opened.pull is None:  # NOTE: else the pull's thread closes it
             os.close(fd)
+    return opened
 
-        pull = OverlappedPull(
-            str(found.where),
-            found.dest,
-            found.raw,
-            streamed=streamed,
-            client=client,
-            num_threads=DEFAULT_NUM_THREADS,
-            log=log,
-            on_exit=on_exit,
-        )
-    except BaseException:
+
+def _open_locked(
+    found: _Entry,
+    config: SnapshotCacheConfig,
+    client: Any,
+    streamed: tuple[str, ...],
+    fd: int,
+    log: Log | None,
+) -> OpenedSnapshot:
+    """`open_snapshot` once the cache's lock (`fd`) is held."""
+    if _overlaps(found, config, streamed):
+        _make_room(found, config, log)
+        miss = f"snapshot cache miss: restoring {found.where} while it is pulled into {found.dest}"
+        _say(log, miss)
+        return _follow(found, config, client, streamed, fd, log)
+    refused = _pull_whole(found, config, client, log)
+    if refused is not None and _restorer_pulls(found, config, streamed):
+        _say(log, f"{refused}; restoring its portable tier while that is pulled")
+        return _follow(found, config, client, streamed, fd, log, refused)
+    _mark_used(config.root, found.entry)
+    if refused is None:
+        return OpenedSnapshot(found.dest)
+    _say(log, f"{refused}; restoring from its manifest alone, which falls back to a cold init")
+    return OpenedSnapshot(_refused_copy(found), refused=refused)
+
+
+def _follow(
+    found: _Entry,
+    config: SnapshotCacheConfig,
+    client: Any,
+    streamed: tuple[str, ...],
+    fd: int,
+    log: Log | None,
+    refused: str | None = None,
+) -> OpenedSnapshot:
+    """An OpenedSnapshot whose pull runs on a thread, which closes `fd` when it ends: the whole
+    snapshot, or after a refusal (`refused`) every file but the process images."""
+    from snapfn.snapshot.store.overlap import OverlappedPull
+
+    def on_exit() -> None:
+        _mark_used(config.root, found.entry)
         os.close(fd)
-        raise
-    if log is not None:
-        log(f"snapshot cache miss: restoring {found.where} while it is pulled into {found.dest}")
-    return OpenedSnapshot(pull.files, pull.start())
+
+    files = sorted(found.manifest["files"])
+    part = None if refused is None else tuple(p for p in files if not p.startswith(PROCESS_IMAGES))
+    pull = OverlappedPull(
+        str(found.where),
+        found.dest,
+        found.raw,
+        streamed=streamed,
+        client=client,
+        num_threads=DEFAULT_NUM_THREADS,
+        log=log,
+        on_exit=on_exit,
+        part=part,
+        refused=refused,
+    )
+    return OpenedSnapshot(pull.files, pull.start(), refused)
 
 
-def overlapped_miss(
+def deferred_miss(
     uri: str,
     config: SnapshotCacheConfig,
     *,
@@ -212,33 +282,80 @@ def overlapped_miss(
     endpoint_url: str | None = None,
     client: Any = None,
 ) -> Path | None:
-    """The folder `open_snapshot(uri, …)` would publish into if it would overlap its pull with
-    the restore now (a miss, and the rest: module docstring), else None; fetches, pulls and
-    locks nothing else. A front door that forks its workers asks this before the fork, so that
-    the worker that restores is the process that pulls."""
+    """The folder `open_snapshot(uri, …)` would publish into if the process that restores
+    pulls it: a miss with overlap on whose streamed file is listed (a portable snapshot
+    restored as it is pulled; a process snapshot pulled whole, or on a refusal its portable
+    tier restored as that is pulled), else None; fetches, pulls and locks nothing else. A front
+    door that forks its workers asks this before the fork, so that the worker that restores is
+    the process that pulls."""
     client = client or make_s3_client(endpoint_url, DEFAULT_NUM_THREADS)
     found = _find_entry(uri, config, client)
-    return found.dest if _overlaps(found, config, streamed) else None
+    return found.dest if _restorer_pulls(found, config, streamed) else None
 
 
 def _find_entry(uri: str, config: SnapshotCacheConfig, client: Any) -> _Entry:
-    """The cache entry of `uri`'s current manifest (one GET)."""
+    """The cache entry of `uri`'s current manifest (one GET; with a snapshot key, two: its
+    signature is checked before anything in it is trusted)."""
     where = S3Location.parse(uri)
     raw = fetch_manifest(client, where)
+    key = configured()
+    signature = None if key is None else fetch_signature(client, where, raw, key)
     manifest = parse_manifest(where, raw)
-    key = hashlib.sha256(f"{where}\n{hashlib.sha256(raw).hexdigest()}".encode()).hexdigest()
-    entry = config.root / key[:32]
+    digest = hashlib.sha256(f"{where}\n{hashlib.sha256(raw).hexdigest()}".encode()).hexdigest()
+    entry = config.root / digest[:32]
     config.root.mkdir(parents=True, exist_ok=True)
-    return _Entry(where, raw, manifest, entry, entry / where.name)
+    return _Entry(where, raw, signature, manifest, entry, entry / where.name)
+
+
+def _restorer_pulls(found: _Entry, config: SnapshotCacheConfig, streamed: tuple[str, ...]) -> bool:
+    """Whether the process that restores pulls a miss itself (`deferred_miss`): overlap on, a
+    miss, a streamed file listed."""
+    if not config.overlap or (found.dest / MANIFEST).is_file():
+        return False
+    return any(p in found.manifest["files"] for p in streamed)
 
 
 def _overlaps(found: _Entry, config: SnapshotCacheConfig, streamed: tuple[str, ...]) -> bool:
     """Whether a restore should follow the pull: a miss, overlap on, a portable snapshot that
     lists a streamed file."""
-    if not config.overlap or (found.dest / MANIFEST).is_file():
-        return False
-    listed = any(p in found.manifest["files"] for p in streamed)
-    return listed and found.manifest.get("tier", "portable") != "process"
+    tier = found.manifest.get("tier", "portable")
+    return _restorer_pulls(found, config, streamed) and tier != "process"
+
+
+def _pull_whole(
+    found: _Entry, config: SnapshotCacheConfig, client: Any, log: Log | None
+) -> str | None:
+    """`_pull_or_hit`; why its pull was refused (one line), or None (the lock is held)."""
+    try:
+        _pull_or_hit(found, config, client, log)
+    except (BadSnapshot, IncompatibleSnapshot) as exc:
+        return one_line(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _refused_copy(found: _Entry) -> Path:
+    """`ROOT/<key>/.refused-<16 hex>/<name>/`, holding only the refused snapshot's manifest.json
+    and manifest.sig, for a restore to refuse and fall back from (the lock is held).
+
+    NOTE: the folder's parent is flock'ed through an fd that is never closed, so the lock lasts
+    as long as this process and its forks may restore from it; copies no process holds (older
+    refusals of this entry) are removed first."""
+    for older in found.entry.glob(f"{_REFUSED}*"):
+        remove_if_unlocked(older)
+    holder = found.entry / f"{_REFUSED}{secrets.token_hex(8)}"
+    holder.mkdir()
+    fcntl.flock(os.open(holder, os.O_RDONLY | os.O_DIRECTORY), fcntl.LOCK_EX)
+    folder = holder / found.where.name
+    folder.mkdir()
+    if found.signature is not None:
+        write_durably(folder / SIGNATURE, found.signature)
+    write_durably(folder / MANIFEST, found.raw)
+    return folder
+
+
+def _say(log: Log | None, line: str) -> None:
+    if log is not None:
+        log(line)
 
 
 def _pull_or_hit(found: _Entry, config: SnapshotCacheConfig, client: Any, log: Log | None):

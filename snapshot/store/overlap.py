@@ -24,6 +24,10 @@ The restore reads `files`, the pull's staging folder (pull_staging.py), which ha
 manifest.json until the pull publishes: nothing half-downloaded ever looks like a snapshot.
 `on_exit`, when given, runs on the pull's thread once the pull has ended, whatever its outcome
 (the cache releases its lock there).
+
+A pull of a `part` (transfer.py) is followed the same way but never publishes: the cache starts
+one for a process snapshot's portable tier once the whole snapshot's pull was refused
+(`refused`: why, one line), and the tier-0 restore that follows it says so.
 """
 
 from __future__ import annotations
@@ -57,11 +61,17 @@ class OverlappedPull:
         num_threads: int,
         log: Log | None = None,
         on_exit: Callable[[], None] | None = None,
+        part: tuple[str, ...] | None = None,
+        refused: str | None = None,
     ) -> None:
+        """`part`: pull only these files, publishing nothing; `refused`: why the whole
+        snapshot's pull was refused (module docstring)."""
         self.uri, self.dest, self.manifest_bytes = uri, Path(dest), manifest_bytes
         self.where = S3Location.parse(uri)
         self.manifest = parse_manifest(self.where, manifest_bytes)
-        self.streamed = tuple(p for p in streamed if p in self.manifest["files"])
+        self.part, self.refused = part, refused
+        self.pulled = sorted(self.manifest["files"] if part is None else part)
+        self.streamed = tuple(p for p in streamed if p in self.pulled)
         sha256 = hashlib.sha256(manifest_bytes).hexdigest()
         self.files = staging_dir_for(self.dest, sha256) / SNAPSHOT_DIR
         self.arrivals = Arrivals(self.where, self.manifest["files"])
@@ -86,7 +96,7 @@ class OverlappedPull:
     # ---- the runtime's Arriving protocol ------------------------------------------------------
     def wait_files(self, figures: dict[str, Any]) -> None:
         """Every file but the streamed ones is verified in `files` (the restore's first read)."""
-        small = sorted(set(self.manifest["files"]) - set(self.streamed))
+        small = sorted(set(self.pulled) - set(self.streamed))
         figures["waited_s"] = round(self.arrivals.wait_for_files(small), 4)
         figures.update(files=len(small), bytes=self._bytes(small), source=self.uri)
 
@@ -94,21 +104,24 @@ class OverlappedPull:
         return self.arrivals.file_waiter(relpath)
 
     def finish(self, figures: dict[str, Any]) -> None:
-        """Stop reading; wait for the pull to publish; its figures, or its error raised."""
+        """Stop reading; wait for the pull to publish (a part: to verify); its figures, or its
+        error raised."""
         self.release()
         self._thread.join()
         if self._error is not None:
             raise self._error
-        total = self._bytes(sorted(self.manifest["files"]))
+        total = self._bytes(self.pulled)
         figures.update(
             source=self.uri,
             overlapped=True,
             bytes=total,
             fetched_s=round(self.fetched_s or 0.0, 4),
-            published_s=round(self.published_s or 0.0, 4),
             gbps=round(total / max(self.fetched_s or 0.0, 1e-9) / 1e9, 3),
-            path=str(self.dest),
         )
+        if self.part is None:
+            figures.update(published_s=round(self.published_s or 0.0, 4), path=str(self.dest))
+        else:
+            figures.update(part=len(self.pulled), path=str(self.files))
 
     def release(self) -> None:
         self._released.set()
@@ -134,8 +147,10 @@ class OverlappedPull:
                 arrivals=self.arrivals,
                 last=self.streamed,
                 before_publish=self._before_publish,
+                part=self.part,
             )
-            self.published_s = time.perf_counter() - self._start
+            if self.part is None:
+                self.published_s = time.perf_counter() - self._start
         except BaseException as exc:  # NOTE: raised again by finish(), and returned by close()
             self._error = exc
             self.arrivals.fail(one_line(f"{type(exc).__name__}: {exc}"))

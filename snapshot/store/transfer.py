@@ -28,6 +28,11 @@ journaled, at the start), the files named in `last` are fetched after every othe
 in file order, and `before_publish` is called once every check has passed, before manifest.json
 is written and the directory installed (the follower stops reading from the staging paths).
 manifest.sig, when the snapshot has one, is written into the staging dir at the start.
+
+A pull of a `part` (some of the manifest's files: a process snapshot's portable tier, restored
+after the whole snapshot's pull was refused) fetches and verifies only those files into the
+staging dir, through the same journal, and publishes nothing: no manifest.json is written, the
+staging dir stays, and a later pull of the whole snapshot resumes from it.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ __all__ = [
     "DEFAULT_NUM_THREADS",
     "fetch_manifest",
     "fetch_ranges",
+    "fetch_signature",
     "pull",
     "push",
 ]
@@ -177,20 +183,22 @@ def pull(
     arrivals: Arrivals | None = None,
     last: Collection[str] = (),
     before_publish: Callable[[], None] | None = None,
+    part: Collection[str] | None = None,
 ) -> Path:
     """Fetch the snapshot at `uri` into `dest`, verified, resumable, published atomically.
 
     `manifest_bytes`: the manifest.json already fetched from `uri` (the cache has it). With a
     snapshot key (`key`, by default the configured one: portable/signature.py) the manifest's
     signature is checked before any of its digests is trusted. `arrivals`, `last` and
-    `before_publish`: for a restore that follows the pull (module docstring).
+    `before_publish`: for a restore that follows the pull (module docstring). `part`: fetch
+    and verify only these files, publish nothing, and return the staging folder they are in.
     """
     where, dest = S3Location.parse(uri), Path(dest).absolute()
     client = client or make_s3_client(endpoint_url, num_threads)
     raw = manifest_bytes if manifest_bytes is not None else fetch_manifest(client, where)
-    signature = _fetch_signature(client, where, raw, configured(key))
+    signature = fetch_signature(client, where, raw, configured(key))
     manifest = parse_manifest(where, raw)
-    if _already_there(dest, raw) and _same_signature(dest, signature):
+    if part is None and _already_there(dest, raw) and _same_signature(dest, signature):
         if log is not None:
             log(f"{dest} already holds {where} (same manifest): nothing to fetch")
         return dest
@@ -203,25 +211,28 @@ def pull(
             ) from None
     with PullStaging(dest, hashlib.sha256(raw).hexdigest()) as staging:
         _write_signature(staging.files, signature)
+        fetched = sorted(manifest["files"] if part is None else part)
         fetch = _Fetch(client, where, manifest, num_threads, log, arrivals, last)
-        progress, num_skipped = fetch.files(staging)
+        progress, num_skipped = fetch.files(staging, fetched)
         # NOTE: every chunk and unchunked file was checked as it arrived; what is left is the
         # whole-file sha256 of chunked files, and the listing (nothing missing, nothing extra)
-        verify_ranges(staging.files, _whole_file_ranges(manifest), num_threads, where)
+        verify_ranges(staging.files, _whole_file_ranges(manifest, fetched), num_threads, where)
         check_listing(staging.files, manifest["files"])
         if before_publish is not None:
             before_publish()
-        write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
-        install_snapshot(staging.files, dest)
-        staging.remove()
+        if part is None:
+            write_durably(staging.files / MANIFEST, raw)  # staging removed any earlier one
+            install_snapshot(staging.files, dest)
+            staging.remove()
     if log is not None:
         resumed = f"; {num_skipped} ranges verified by an earlier run" if num_skipped else ""
+        what = f"{where} into {dest}" if part is None else f"part of {where} into {staging.files}"
         log(
-            f"pulled {where} into {dest}: {len(manifest['files'])} files, "
+            f"pulled {what}: {len(fetched)} files, "
             f"{format_bytes(progress.done_bytes)} fetched in {progress.elapsed_s():.1f} s "
             f"({progress.rate()}){resumed}"
         )
-    return dest
+    return dest if part is None else staging.files
 
 
 def _signature_to_push(root: Path, raw: bytes, key: Any) -> bytes | None:
@@ -243,7 +254,7 @@ def _signature_to_push(root: Path, raw: bytes, key: Any) -> bytes | None:
     return signature_bytes(key, raw)
 
 
-def _fetch_signature(client: Any, where: S3Location, raw: bytes, key: Any) -> bytes | None:
+def fetch_signature(client: Any, where: S3Location, raw: bytes, key: Any) -> bytes | None:
     """The snapshot's manifest.sig (None when it has none), checked against `key` when one is
     configured: BadSnapshot, one line, before anything else is fetched."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -324,12 +335,12 @@ class _Fetch:
         self.client, self.where, self.files_of = client, where, manifest["files"]
         self.num_threads, self.log, self.arrivals, self.last = num_threads, log, arrivals, last
 
-    def files(self, staging: PullStaging) -> tuple[TransferProgress, int]:
-        """Fetch and verify every range not journaled yet; (progress, ranges skipped)."""
+    def files(self, staging: PullStaging, fetched: list[str]) -> tuple[TransferProgress, int]:
+        """Fetch and verify every range of `fetched` not journaled yet (every listed file is
+        made at its size); (progress, ranges skipped)."""
         files = self.files_of
         ranges = _fetch_order(
-            [r for relpath in sorted(files) for r in fetch_ranges(relpath, files[relpath])],
-            self.last,
+            [r for relpath in fetched for r in fetch_ranges(relpath, files[relpath])], self.last
         )
         verified = staging.verified()
         todo = [r for r in ranges if _journal_key(r) not in verified]
@@ -394,13 +405,14 @@ def _journal_key(r: DigestRange) -> tuple[str, int, int, str]:
     return (r.relpath, r.offset, r.length, r.sha256)
 
 
-def _whole_file_ranges(manifest: dict[str, Any]) -> list[DigestRange]:
-    """The whole-file sha256 of each chunked file that records one as well."""
+def _whole_file_ranges(manifest: dict[str, Any], relpaths: list[str]) -> list[DigestRange]:
+    """The whole-file sha256 of each chunked file of `relpaths` that records one as well."""
+    files = manifest["files"]
     return [
         r
-        for relpath, entry in sorted(manifest["files"].items())
-        if "chunks" in entry
-        for r in digest_ranges(relpath, entry)
+        for relpath in relpaths
+        if "chunks" in files[relpath]
+        for r in digest_ranges(relpath, files[relpath])
         if r.whole_file
     ]
 

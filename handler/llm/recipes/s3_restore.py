@@ -13,6 +13,13 @@ object) fails the stage that waited for it, and the restore falls back to a cold
 pull's resumable staging dir and no snapshot. The startup manifest says where the weights came
 from: stage `download_files` (the small files' wait), `stream_weights`'s `download_wait_s` and
 `source`, stage `download` (the pull's own figures), and `info["snapshot_source"]`.
+
+A miss of a process snapshot is pulled whole, then restored from local disk as a hit is. When
+that pull is refused, its portable tier (every file but the process images) is restored while
+it is pulled, the same way, and published nowhere: the startup manifest records the refusal
+first, as a fallback "process → portable" at `download`, then any fallback of that restore.
+With `overlap` off the refused snapshot is restored from its manifest alone (the cache's
+folder for it), which falls back to the same cold init.
 """
 
 from __future__ import annotations
@@ -61,12 +68,21 @@ def restore_following(pull: Any, config: InitConfig, named: Path | None, log: Lo
         )
     finally:
         error = pull.close()
+    if pull.refused is not None:  # NOTE: the whole snapshot's pull, refused before this one ran
+        refused = {"from": "process", "to": "portable", "step": "download"}
+        startup.fallbacks.insert(0, {**refused, "reason": pull.refused})
     startup.info["snapshot_source"] = {
         "uri": pull.uri,
         "overlapped": True,
         "path": str(pull.dest),
-        "pull": "published" if error is None else f"{type(error).__name__}: {error}",
+        "pull": _pull_outcome(pull, error),
     }
     if log is not None and error is not None:
         log(f"the pull of {pull.uri} failed ({error}); a later start resumes it")
     return fn, startup
+
+
+def _pull_outcome(pull: Any, error: BaseException | None) -> str:
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    return "published" if pull.part is None else "portable tier verified, not published"
