@@ -51,7 +51,7 @@ from snapfn.snapshot.portable.compat import LAYOUT_FIELDS, cache_drift, compat_k
 from snapfn.snapshot.portable.format import (
     PROCESS_IMAGES,
     parse_manifest,
-    read_manifest,
+    read_manifest_bytes,
     validate_snapshot,
 )
 from snapfn.snapshot.portable.pagecache import ReadAhead
@@ -235,10 +235,15 @@ def _fallback_function(make_fn, fallback, recorded, refused) -> SnapshotFunction
 
 
 def _recorded_manifest(snapshot_dir: Path, raw: bytes | None) -> dict[str, Any] | None:
-    """The manifest (`raw`, else the folder's), shape-checked, for a fallback to verify a
-    recorded source against."""
+    """The manifest (`raw`, else the folder's), shape-checked and, with a snapshot key
+    configured, signed by it, for a fallback to verify a recorded source against; None
+    otherwise (a manifest the key did not sign names no source to trust)."""
+    from snapfn.snapshot.portable.signature import check_signature, configured
+
     try:
-        return read_manifest(snapshot_dir) if raw is None else parse_manifest(snapshot_dir, raw)
+        raw = read_manifest_bytes(snapshot_dir) if raw is None else raw
+        check_signature(snapshot_dir, configured(), raw)
+        return parse_manifest(snapshot_dir, raw)
     except SnapfnError:
         return None
 

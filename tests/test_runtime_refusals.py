@@ -795,6 +795,20 @@ def test_an_unnamed_fallback_to_the_recorded_source_runs_once_its_hash_matches(m
     assert rewritten["llm"]["memory_plan"] == made.doc()["llm"]["memory_plan"]  # from the source
 
 
+def test_a_manifest_the_configured_key_did_not_sign_names_no_source_to_trust(
+    made, tmp_path, monkeypatch
+):
+    """With a snapshot key configured, an unsigned manifest is refused, and the source it
+    records (intact, its hash matching) is not trusted for the fallback either."""
+    snap = clone(made, tmp_path / "snap")
+    write_edited(made, snap, _damages()["num_pages +1"])
+    monkeypatch.setenv(
+        "SNAPFN_SNAPSHOT_KEY_VALUE", "a shared secret of at least 32 bytes, for tests"
+    )
+    fatal_without_a_named_model(made, snap)
+    answered_by_fallback(made, snap)  # the model named by the user is still trusted
+
+
 def test_the_embedded_model_is_trusted_when_recorded_and_its_hash_matches(
     embedded_snapshot, tmp_path
 ):
