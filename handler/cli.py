@@ -5,11 +5,12 @@ Heavy modules (torch, transformers) are imported inside the run functions, never
 
 Conventions every subcommand gets here: `snapfn --version`; each option's help ends with its
 default (`DefaultsShown`: the value, on/off for a switch, "not set" where the option has none
-and something else decides); a `--device` this machine cannot run (`cuda` without a GPU, or with
-a torch built without CUDA, `cuda:N` past its GPUs) is refused before the command runs, without
-importing torch or touching CUDA (`check_device`); a user's error is one line on stderr, never a
-traceback: a `SnapfnError` (exit 2, its code named) or an `OSError` on a path the user gave
-(exit 1).
+and something else decides), or says "(required)" for an option that must be given; a `--device`
+this machine cannot run (`cuda` without a GPU, or with a torch built without CUDA, `cuda:N` past
+its GPUs) is refused before the command runs, without importing torch or touching CUDA
+(`check_device`); a user's error is one line on stderr, never a traceback: a `SnapfnError` (exit
+2, its code named) or an `OSError` on a path the user gave (exit 1); output cut short by its
+reader (`snapfn … | head`) ends the command quietly (exit 141, as if killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from snapfn.snapshot.errors import BadRequest, SnapfnError
 
 EXIT_USAGE = 2
 EXIT_OS_ERROR = 1
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE's status: stdout's reader went away
 TORCH_CUDA_LINE = re.compile(r"^cuda\s*(?::[^=]+)?=\s*(.+)$", re.M)  # in torch/version.py
 
 
@@ -134,7 +136,8 @@ def _load(name: str, module: str, add: str, run: str) -> tuple[Callable, Callabl
 
 
 class DefaultsShown(argparse.HelpFormatter):
-    """Help that ends each option's text with its default, unless the text says it already."""
+    """Help that ends each option's text with its default, or "(required)" for a required
+    option, unless the text says either already."""
 
     def _format_action(self, action: argparse.Action) -> str:
         if action.option_strings and not action.help and action.help is not argparse.SUPPRESS:
@@ -144,7 +147,8 @@ class DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or "default" in text.lower():
+        said = text.lower()
+        if not action.option_strings or "default" in said or "required" in said:
             return text
         return text + self._default_note(action)
 
@@ -152,6 +156,8 @@ class DefaultsShown(argparse.HelpFormatter):
     def _default_note(action: argparse.Action) -> str:
         if isinstance(action, argparse._HelpAction | argparse._VersionAction):
             return ""
+        if action.required:
+            return " (required)"
         default = action.default
         if isinstance(action, argparse._StoreTrueAction):
             shown = "on" if default else "off"
@@ -227,7 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if isinstance(getattr(args, "device", None), str):  # a function may not need torch's
             check_device(args.device, os.environ, getattr(args, "function", None) is None)
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # NOTE: inside the try: a reader gone is seen here, not at exit
+        return code
+    except BrokenPipeError as exc:
+        if not _stdout_reader_gone():
+            print(f"snapfn {args.command}: error: {exc}", file=sys.stderr)
+            return EXIT_OS_ERROR
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except SnapfnError as exc:
         print(f"snapfn {args.command}: error [{exc.code}]: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -236,6 +250,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OS_ERROR
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it (poll says POLLERR)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # replaced by an object with no descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """stdout pointed at /dev/null, so that the interpreter's last flush has nowhere to fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

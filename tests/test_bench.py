@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -186,6 +187,57 @@ def test_each_restore_is_reported_against_its_floor():
         "restore_cold_snapshot_first_token_vs_disk_floor": 1.1,
     }
     assert floor_ratios(results, {}) == {}
+
+
+def _stream_stages(wait_s: float, own_s: float, overlapped: bool) -> dict[str, Any]:
+    stream = {"name": "stream_weights", "seconds": wait_s}
+    stream["figures"] = {"elapsed_s": own_s, "gbps": round(16.2 / own_s, 1)}
+    beside = [{"name": "start_stream", "seconds": 0.02, "figures": {}}] if overlapped else []
+    return {"startup": {"stages": [*beside, stream]}, "first_token_s": 1.0}
+
+
+def test_the_weights_stream_is_its_own_seconds_and_the_join_its_wait():
+    from snapfn.handler.llm.bench.cli import format_report, ratios
+
+    results = {
+        "restore": _stream_stages(wait_s=0.0001, own_s=0.334, overlapped=True),
+        "restore_cold": _stream_stages(wait_s=2.5, own_s=2.4, overlapped=False),
+    }
+    floors = {"weight_bytes": 16_200_000_000, "h2d_gbps": 55.0, "disk_gbps": 1.5}
+    floors |= {"h2d_floor_s": 0.167, "disk_floor_s": 1.2}
+    got = ratios(results, floors)
+    assert got["restore_stream_vs_h2d_floor"] == 2.0
+    assert got["restore_cold_stream_vs_disk_floor"] == 2.0
+    report = {"model": "m", "device": "cuda", "machine": "x", "floors": floors, "modes": results}
+    table = format_report({**report, "ratios": got})
+    assert "stream 0.334 s (48.5 GB/s), waited 0.000 s" in table
+    assert "stream 2.400 s (6.8 GB/s)" in table and table.count("waited") == 1
+
+
+def test_a_plot_no_mode_can_fill_says_why_it_was_not_written(tmp_path, capsys):
+    import argparse
+
+    from snapfn.handler.llm.bench.cli import _write_outputs
+
+    plot = tmp_path / "waterfall.png"
+    report = {"model": "m", "modes": {"steady": {"mode": "steady", "decode": {}}}}
+    _write_outputs(argparse.Namespace(out=None, plot=plot), report)
+    assert not plot.exists()
+    assert f"snapfn bench: {plot} not written: no mode of this run" in capsys.readouterr().err
+
+
+def test_a_restore_mode_with_no_snapshot_to_restore_says_what_to_add(tmp_path, capsys):
+    from snapfn.handler.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--modes", "restore_drifted,restore_s3", "--workdir", str(tmp_path)]
+    assert main(argv + ["--out", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    for mode in ("restore_drifted", "restore_s3"):
+        assert modes[mode]["skipped"] == (
+            "no snapshot in the workdir: add cold_init to --modes, before this mode"
+        )
+    assert "add cold_init to --modes" in capsys.readouterr().out
 
 
 def test_the_prefix_mode_times_a_hit_against_a_miss(tmp_path):

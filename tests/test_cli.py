@@ -30,13 +30,44 @@ def test_version(capsys):
     assert snapfn_version() not in ("", "unknown")
 
 
-def test_every_option_of_every_command_shows_its_default():
+def test_every_option_of_every_command_shows_its_default_or_that_it_is_required():
     for name, parser in subparsers(build_parser()).items():
         for action in parser._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):
                 continue
-            shown = parser._get_formatter()._format_action(action)
-            assert "default" in shown.lower(), f"snapfn {name}: {shown!r}"
+            shown = parser._get_formatter()._format_action(action).lower()
+            said = "(required" in shown if action.required else "default" in shown
+            assert said or "required unless" in shown, f"snapfn {name}: {shown!r}"
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "says"),
+    [
+        ("init", "--snapshot", "(required)"),
+        ("worker", "--queue-url", "(required)"),
+        ("pin", "--snapshot", "(required)"),
+        ("make-model", "--out", "(required unless --list-presets)"),
+        ("make-model", "--preset", "(default: tiny; with --arch, that model's: "),
+        ("make-model", "--arch", "(default: the preset's model_type, llama without --preset)"),
+    ],
+)
+def test_a_required_or_defaulted_option_never_reads_not_set(command, option, says):
+    parser = subparsers(build_parser())[command]
+    (action,) = [a for a in parser._actions if option in a.option_strings]
+    shown = " ".join(parser._get_formatter()._format_action(action).split())
+    assert says in shown and "not set" not in shown, shown
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """`snapfn make-model --list-presets | head -1`: no error line, SIGPIPE's status."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "snapfn.handler.cli", "make-model", "--list-presets"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader gone before the command writes
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == ""
 
 
 def test_a_switch_reads_on_or_off_and_an_unset_option_not_set():

@@ -254,6 +254,17 @@ def test_snapfn_keeper_serves_without_a_snapshot_until_stopped(tmp_path):
         keeper.device_fields(address, 0)
 
 
+def test_snapfn_keeper_without_an_nvidia_driver_says_so(tmp_path, monkeypatch, capsys):
+    from snapfn.handler.cli import main
+    from snapfn.snapshot.process import doctor
+
+    monkeypatch.setattr(doctor, "_NVIDIA_VERSION", tmp_path / "no-driver")
+    assert main(["keeper", "--socket", str(tmp_path / "k" / "keeper.sock")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snapfn keeper: error [bad_request]: no NVIDIA GPU here (no NVIDIA")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "k").exists()
+
+
 # what a fake keeper answers every request with: invented GPU fields and a CUDA restore "done"
 FAKE_ANSWER = {"ok": True, "fields": {"gpu_name": "FAKE GPU"}, "restore_s": 0.0, "unlock_s": 0.0}
 

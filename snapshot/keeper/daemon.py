@@ -279,6 +279,8 @@ def run(args) -> int:
     address = args.socket or os.environ.get("SNAPFN_PINNED_SOCKET") or default_socket(os.environ)
     files = files_to_pin(Path(args.snapshot)) if args.snapshot is not None else []
     cuda = args.backend == "cuda"
+    if cuda:
+        _check_gpu_here()
     backend = {"copy": "cuda", "page-cache": "page-cache"}[args.hold] if cuda else args.backend
     cache = PinnedCache(backend, args.device)
     images = VerifiedImages.install()
@@ -306,6 +308,19 @@ def run(args) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _check_gpu_here() -> None:
+    """BadRequest when this machine has no NVIDIA GPU to keep warm (no NVIDIA driver loaded,
+    as `snapfn doctor` finds it), before anything CUDA is imported."""
+    from snapfn.snapshot.errors import BadRequest
+    from snapfn.snapshot.process.doctor import nvidia_driver_version
+
+    if nvidia_driver_version() is None:
+        raise BadRequest(
+            "no NVIDIA GPU here (no NVIDIA driver loaded, as `snapfn doctor` says): the keeper"
+            " keeps a GPU's driver warm for tier-1 restores; without a GPU none is needed"
+        )
 
 
 def _hold_images(images: VerifiedImages, snapshot_dir: Path) -> None:

@@ -51,7 +51,7 @@ def diagnose(
 ) -> list[Finding]:
     """Every finding, in the order `format_findings` prints them."""
     criu = check(criu_config)
-    driver = _nvidia_driver_version()
+    driver = nvidia_driver_version()
     findings = [
         Finding("python", True, f"{platform.python_version()} ({sys.executable})"),
         _torch_finding(),
@@ -84,7 +84,7 @@ def _torch_finding() -> Finding:
     return Finding("torch", True, version)
 
 
-def _nvidia_driver_version() -> str | None:
+def nvidia_driver_version() -> str | None:
     """The loaded NVIDIA kernel driver's version, read from /proc (no CUDA call)."""
     try:
         text = _NVIDIA_VERSION.read_text()

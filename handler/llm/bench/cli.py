@@ -28,6 +28,8 @@
                      drafts a step: ms/step, tokens/step, speed-up, acceptance (bench/mtp.py)
 
 `steady`, `restore_s3`, `prefix`, `structured` and `mtp` run only when named in `--modes`.
+Modes run in `--modes`' order; a restore mode restores the snapshot an earlier mode wrote into
+the workdir (`cold_init`'s; `init_process`'s for the `*_process` ones).
 
 Floors: weight bytes / pinned host→device bandwidth (d's floor) and weight bytes / disk read
 bandwidth (e's floor), both measured in this run; each mode is printed as a ratio to its floor.
@@ -89,7 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=d.device)
     p.add_argument(
-        "--modes", default=d.modes, help=f"comma-separated subset of {','.join(ALL_MODES)}"
+        "--modes",
+        default=d.modes,
+        help=f"comma-separated subset of {','.join(ALL_MODES)}, run in that order; a restore"
+        " mode restores what an earlier mode of the same run wrote (cold_init; init_process for"
+        " the *_process ones), or what --workdir holds from an earlier run",
     )
     p.add_argument(
         "--workdir",
@@ -142,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " file pinned (mode restore_process_keeper; the plain restore_process runs with no"
         " keeper). auto: page-cache on CUDA, none on CPU",
     )
+
+
+# why a mode that starts from the run's tier-0 snapshot did not run
+NO_SNAPSHOT = "no snapshot in the workdir: add cold_init to --modes, before this mode"
 
 
 # What `restore_drifted`'s copy of the snapshot says it was made with: only fields outside the
@@ -287,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
         if mode == "restore_drifted":
             if not (workdir / "snapshot" / "manifest.json").exists():
-                results[mode] = {"mode": mode, "skipped": "no snapshot (run cold_init first)"}
+                results[mode] = {"mode": mode, "skipped": NO_SNAPSHOT}
                 continue
             drifted_copy(workdir / "snapshot", workdir / "snapshot_drifted")
             shutil.rmtree(workdir / "cache_drifted", ignore_errors=True)
@@ -343,7 +353,7 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
             continue
         if hf:
             out[f"{mode}_speedup_vs_hf"] = round(hf / r["first_token_s"], 2)
-    stream = _stage_seconds(results.get("restore", {}), "stream_weights")
+    stream = _stream_seconds(results.get("restore", {}))
     if stream and floors:
         out["restore_stream_vs_h2d_floor"] = round(stream / floors["h2d_floor_s"], 2)
     tier1, tier0 = (results.get(m, {}).get("first_token_s") for m in ("restore_process", "restore"))
@@ -361,7 +371,7 @@ def ratios(results: dict[str, Any], floors: dict[str, Any]) -> dict[str, float]:
     ]
     out.update({f"{m}_token_equals_cold_init": True for m in same})
     for mode in ("restore_cold", "restore_cold_snapshot"):
-        cold = _stage_seconds(results.get(mode, {}), "stream_weights")
+        cold = _stream_seconds(results.get(mode, {}))
         if cold and floors:
             out[f"{mode}_stream_vs_disk_floor"] = round(cold / floors["disk_floor_s"], 2)
     return {**out, **floor_ratios(results, floors), **s3_ratios(results)}
@@ -399,7 +409,7 @@ def run_s3_modes(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Push the snapshot, then each of S3_RUNS in a fresh process: the GET floor, the restore
     pulled whole first, the restore overlapped with its pull (each into an empty cache)."""
     if not (workdir / "snapshot" / "manifest.json").exists():
-        return {"restore_s3": {"mode": "restore_s3", "skipped": "no snapshot (run cold_init)"}}
+        return {"restore_s3": {"mode": "restore_s3", "skipped": NO_SNAPSHOT}}
     from snapfn.handler.llm.bench.child import child_command, restore_argv
     from snapfn.snapshot.store.transfer import push
 
@@ -513,11 +523,23 @@ PROCESS_STEPS = (
 )
 
 
+def _stage(result: dict[str, Any], name: str) -> dict[str, Any] | None:
+    stages = result.get("startup", {}).get("stages", [])
+    return next((stage for stage in stages if stage["name"] == name), None)
+
+
 def _stage_seconds(result: dict[str, Any], name: str) -> float | None:
-    for stage in result.get("startup", {}).get("stages", []):
-        if stage["name"] == name:
-            return stage["seconds"]
-    return None
+    stage = _stage(result, name)
+    return None if stage is None else stage["seconds"]
+
+
+def _stream_seconds(result: dict[str, Any]) -> float | None:
+    """The weights' stream's own seconds (its `elapsed_s`): beside the warmup (`start_stream`,
+    the default) the `stream_weights` stage's seconds are only the wait for it at the join."""
+    stage = _stage(result, "stream_weights")
+    if stage is None:
+        return None
+    return stage.get("figures", {}).get("elapsed_s", stage["seconds"])
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -548,11 +570,13 @@ def _notes(r: dict[str, Any]) -> str:
         parts.append(
             " ".join(f"{n.removeprefix('worker.')} {t:.3f}" for n, t in steps if t is not None)
         )
-    stream = _stage_seconds(r, "stream_weights")
+    stream = _stream_seconds(r)
     if stream is not None:
-        st = next(s for s in r["startup"]["stages"] if s["name"] == "stream_weights")
-        gbps = st["figures"].get("gbps")
-        parts.append(f"stream {stream:.3f} s" + (f" ({gbps} GB/s)" if gbps is not None else ""))
+        gbps = _stage(r, "stream_weights").get("figures", {}).get("gbps")
+        note = f"stream {stream:.3f} s" + (f" ({gbps} GB/s)" if gbps is not None else "")
+        if _stage(r, "start_stream") is not None:  # beside the warmup: the join's wait too
+            note += f", waited {_stage_seconds(r, 'stream_weights'):.3f} s"
+        parts.append(note)
     if r.get("mode") == "steady" and r.get("prefill"):
         p = r["prefill"]
         parts.append(
@@ -611,10 +635,16 @@ def _write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
         from snapfn.handler.llm.recipes.waterfall import plot_waterfall
 
         staged = {m: r["startup"] for m, r in report["modes"].items() if "startup" in r}
-        if staged:
-            plot_waterfall(
-                list(staged.values()),
-                args.plot,
-                title=f"snapfn bench: {report['model']}",
-                labels=list(staged),
+        if not staged:
+            print(
+                f"snapfn bench: {args.plot} not written: no mode of this run recorded startup"
+                " stages (the init and restore modes do)",
+                file=sys.stderr,
             )
+            return
+        plot_waterfall(
+            list(staged.values()),
+            args.plot,
+            title=f"snapfn bench: {report['model']}",
+            labels=list(staged),
+        )

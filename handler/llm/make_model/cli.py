@@ -68,11 +68,30 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MakeModelArgs()
-    parser.add_argument("--out", type=Path, default=d.out, help="model dir to create")
-    parser.add_argument("--arch", choices=list_archs(), default=d.arch, help="model_type")
-    parser.add_argument("--preset", choices=list_presets(), default=d.preset)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=d.out,
+        help="model dir to create (required unless --list-presets)",
+    )
+    parser.add_argument(
+        "--arch",
+        choices=list_archs(),
+        default=d.arch,
+        help="model_type; without --preset it picks that model's preset (default: the preset's"
+        " model_type, llama without --preset)",
+    )
+    llama_preset = DEFAULT_PRESET_OF_ARCH["llama"]
+    others = ", ".join(f"{a}: {p}" for a, p in DEFAULT_PRESET_OF_ARCH.items() if a != "llama")
+    parser.add_argument(
+        "--preset",
+        choices=list_presets(),
+        default=d.preset,
+        help="the model's shape, listed with its sizes by --list-presets (default:"
+        f" {llama_preset}; with --arch, that model's: {others})",
+    )
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype)
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed, help="the weights' RNG seed")
     parser.add_argument("--num-layers", type=int, default=d.num_layers, help="override depth")
     parser.add_argument(
         "--experts", type=int, default=d.experts, help="override routed experts per MoE layer"
