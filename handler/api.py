@@ -46,6 +46,13 @@ Errors: an exception raised by a handler becomes a `FunctionError` carrying Lamb
 `BadRequest` (the caller's event is wrong: HTTP 400); a result that is not JSON is a
 `FunctionError` of type `Runtime.MarshalError`. Any Exception (or SystemExit) from a handler comes
 back as one of those two, so a worker never dies of it.
+
+Time limit: a handler has until its context's deadline (`Context.deadline`: the invocation's
+timeout). `call_handler_in_time` runs it on a thread of its own and, once the deadline passes
+without an answer, raises `HandlerTimedOut`: a `FunctionError` in Lambda's shape for a function
+that timed out (`{"errorType": "Sandbox.Timedout", "errorMessage": "Task timed out after 1.00
+seconds"}`). A Python thread cannot be stopped, so the handler may still be running: the process
+that ran it is no longer one to call again (the runtime stops, `handler/function/runtime.py`).
 """
 
 from __future__ import annotations
@@ -54,10 +61,12 @@ import importlib
 import json
 import math
 import sys
+import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -101,7 +110,8 @@ class Context:
     def new(cls, function_name: str, timeout_s: float, request_id: str | None = None) -> Context:
         """A context for one invocation: a fresh uuid4 request id unless one is given.
 
-        `timeout_s=0` is a deadline already reached: the handler runs and sees 0 ms left.
+        `timeout_s=0` is a deadline already reached: the handler sees 0 ms left (and, called
+        with `call_handler_in_time`, times out at once).
         """
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise BadRequest(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s}")
@@ -330,6 +340,23 @@ class FunctionError(SnapfnError):
         )
 
 
+class HandlerTimedOut(FunctionError):
+    """The handler did not answer within `limit_s`, its invocation's time limit: Lambda's
+    error for a function that timed out. The handler may still be running."""
+
+    TYPE = "Sandbox.Timedout"
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(
+            {
+                "errorType": self.TYPE,
+                "errorMessage": f"Task timed out after {limit_s:.2f} seconds",
+                "stackTrace": [],
+            }
+        )
+        self.limit_s = limit_s
+
+
 def call_handler(handler: Handler, event: Any, context: Context) -> Any:
     """Call `handler(event, context)`; its errors come back as FunctionError (or BadRequest)."""
     if not isinstance(event, dict):
@@ -344,6 +371,26 @@ def call_handler(handler: Handler, event: Any, context: Context) -> Any:
         raise FunctionError.from_exception(exc) from exc
     _check_json(result)
     return result
+
+
+def call_handler_in_time(handler: Handler, event: Any, context: Context) -> Any:
+    """`call_handler` on a thread of its own, waited for until `context.deadline`; past it,
+    `HandlerTimedOut`. NOTE: the thread cannot be stopped: one that overran is left running
+    (a daemon thread, so that it never holds up the process's exit)."""
+    limit_s = max(0.0, context.deadline - time.monotonic())
+    answer: Future = Future()
+
+    def run() -> None:
+        answer.set_running_or_notify_cancel()
+        try:
+            answer.set_result(call_handler(handler, event, context))
+        except BaseException as exc:  # call_handler's own errors, carried to the caller
+            answer.set_exception(exc)
+
+    threading.Thread(target=run, name="snapfn-handler", daemon=True).start()
+    if not wait([answer], timeout=limit_s).done:
+        raise HandlerTimedOut(limit_s)
+    return answer.result()
 
 
 def _check_json(result: Any) -> None:

@@ -18,7 +18,10 @@ and filled, verified, then the after-restore hooks in registration order. It the
 {"op": "invoke", "event", "timeout_s", "request_id"} with the handler's JSON result, or the
 Lambda-shaped error of FunctionError, and {"op": "health"} with a call on the health event.
 A call whose worker exits before it answers (the function ended its process) raises a
-FunctionError `Runtime.ExitError`, as Lambda reports a runtime that exited.
+FunctionError `Runtime.ExitError`, as Lambda reports a runtime that exited; one the worker has
+not answered by the invocation's deadline raises `HandlerTimedOut` (Lambda's
+`Sandbox.Timedout`, as for a tier-0 handler), and the runtime then stops and kills the worker,
+whose handler may still be running.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapfn.handler.api import Context, FunctionError, call_handler
+from snapfn.handler.api import Context, FunctionError, HandlerTimedOut, call_handler
 from snapfn.handler.function.user_function import USER_FUNCTION, UserFunction
 from snapfn.snapshot.cuda.stack_limit import StackLimit
 from snapfn.snapshot.errors import BadRequest, RestoreFailed, SnapfnError
@@ -274,26 +277,22 @@ class RemoteHandler:
         self.client = client
 
     def __call__(self, event: dict, context: Context) -> Any:
-        timeout_s = context.get_remaining_time_in_millis() / 1000
+        """The handler's answer by `context`'s deadline; past it, `HandlerTimedOut`."""
+        timeout_s = max(0.0, context.deadline - time.monotonic())
         invoke = {"op": "invoke", "event": event, "timeout_s": timeout_s}
         return self._answer(
-            self.client.call({**invoke, "request_id": context.aws_request_id}, timeout_s + 5),
+            self.client.call({**invoke, "request_id": context.aws_request_id}, timeout_s),
             timeout_s,
         )
 
     def health(self, timeout_s: float = 30.0) -> Any:
-        """A call of the handler on its declared health event, in the restored worker."""
-        return self._answer(self.client.call({"op": "health"}, timeout_s + 5), timeout_s)
+        """A call of the handler on its declared health event, in the restored worker, answered
+        within `timeout_s` (else `HandlerTimedOut`)."""
+        return self._answer(self.client.call({"op": "health"}, timeout_s), timeout_s)
 
     def _answer(self, message: dict[str, Any] | None, timeout_s: float) -> Any:
         if message is None:
-            raise FunctionError(
-                {
-                    "errorType": "Runtime.Timeout",
-                    "errorMessage": f"no answer from the function within {timeout_s:.0f} s",
-                    "stackTrace": [],
-                }
-            )
+            raise HandlerTimedOut(timeout_s)
         if message["event"] == "result":
             return message["value"]
         if "error" in message:

@@ -27,9 +27,21 @@ Bring-up by kind:
 
 Any failure leaves readiness FAILED with a one-line reason, recorded in `startup` too; `invoke`
 then raises InitFailed. A handler's exception comes back as FunctionError (`api.py`).
-A runtime that was up and can no longer serve (its restored worker process or a rank died, or
-it was closed) is FAILED too, with `stopped` set: `invoke` then raises `RuntimeStopped` (an
-InitFailed), and the front doors say "stopped", not "failed to start".
+A runtime that was up and can no longer serve (its restored worker process or a rank died, a
+function's handler overran its time limit, or it was closed) is FAILED too, with `stopped` set
+(`wait_stopped()` returns then): `invoke` then raises `RuntimeStopped` (an InitFailed), and the
+front doors say "stopped", not "failed to start". The front doors replace such a runtime: a
+`snapfn serve` worker exits and gunicorn starts another (`http/serve.py`), `snapfn worker`
+drains and exits non-zero (`queue/cli.py`).
+
+Time limit (kind="function"): a call has until its deadline (`invoke`'s `timeout_s`, else the
+target's). Tier 0 runs the handler on a thread of its own (`api.call_handler_in_time`), tier 1
+waits that long for the restored worker's answer; past it the caller gets `HandlerTimedOut`
+(Lambda's `Sandbox.Timedout`, "Task timed out after N.NN seconds") and the runtime stops with
+"the handler overran its N s limit": the handler may still be running (a Python thread cannot
+be stopped; a restored worker is killed), so nothing more is called in this runtime, as Lambda
+replaces the execution environment of a function that timed out. The LLM's generations keep
+to their deadline themselves (cancelled at it, `llm/handler.py`).
 
 Fallback sources (snapshot/runtime.py): an LLM's cold fallback reads the model the target
 names (`model_dir`), else the source the snapshot records once its content hash matches
@@ -54,7 +66,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapfn.handler.api import Context, Handler, LoadedFunction, call_handler
+from snapfn.handler.api import (
+    Context,
+    Handler,
+    HandlerTimedOut,
+    LoadedFunction,
+    call_handler,
+    call_handler_in_time,
+)
 from snapfn.handler.function.target import NotReady, ServeTarget
 from snapfn.snapshot.errors import BadRequest, InitFailed, RestoreFailed, SnapfnError
 from snapfn.snapshot.runtime import holds_files
@@ -86,6 +105,7 @@ class WorkerRuntime:
         self.startup: StartupManifest | None = None
         self.fatal: NoTrustedSource | None = None  # see the module docstring
         self.stopped = False  # FAILED after it was up (see the module docstring)
+        self._stopped_event = threading.Event()  # set with `stopped`
         self.function_name = target.function if target.kind == "function" else "llm"
         self.llm: LLMService | None = None
         self._log = log
@@ -111,6 +131,10 @@ class WorkerRuntime:
 
     def wait_ready(self, timeout_s: float | None = None) -> Readiness:
         return self.readiness.wait_until_settled(timeout_s)
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Block until the runtime stopped after it was up (or the timeout); whether it has."""
+        return self._stopped_event.wait(timeout_s)
 
     def _start(self) -> None:
         lines: list[str] = []
@@ -218,11 +242,26 @@ class WorkerRuntime:
         )
 
     def _lose(self, reason: str, line: str) -> None:
-        """FAILED with `reason`; `stopped` when it had been up (else the start fails too)."""
+        """FAILED with `reason`; `stopped` when it had been up (else the start fails too). A
+        runtime FAILED already keeps its first reason."""
+        if self.readiness.state is Readiness.FAILED:
+            return
         self.stopped = self.readiness.state is Readiness.UP
         if self._log is not None:
             self._log(f"{self.function_name} stopped: {line}" if self.stopped else line)
         self.readiness.set(Readiness.FAILED, reason)
+        if self.stopped:
+            self._stopped_event.set()
+
+    def _overran(self, limit_s: float) -> None:
+        """A handler overran its time limit and may still be running: stop, and kill a
+        restored worker (see the module docstring)."""
+        reason = f"the handler overran its {round(limit_s, 2):g} s limit"
+        self._lose(reason, f"{reason}; it may still be running, so nothing more is called here")
+        with self._lock:
+            remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
 
     # ---- kind="function" -----------------------------------------------------------------------
     def _start_function(self, log: Log) -> None:
@@ -360,8 +399,10 @@ class WorkerRuntime:
     ) -> Any:
         """Call the handler with a fresh Context; waits (within the deadline) while starting.
 
-        Raises BadRequest (event not an object, bad timeout_s), FunctionError (the handler raised: Lambda's
-        error shape in `.error`), InitFailed (the start failed), NotReady (still starting).
+        Raises BadRequest (event not an object, bad timeout_s), FunctionError (the handler raised:
+        Lambda's error shape in `.error`; `HandlerTimedOut` once the deadline passed, which stops
+        the runtime), InitFailed (the start failed; `RuntimeStopped` once stopped), NotReady
+        (still starting).
         """
         if not isinstance(event, dict):
             raise BadRequest(f"the event must be a JSON object, got {type(event).__name__}")
@@ -371,20 +412,33 @@ class WorkerRuntime:
         handler = self._handler
         if handler is None:  # closed since the check
             raise NotReady(f"{self.function_name} was closed")
-        return call_handler(handler, event, context)
+        if self._function is None:  # the LLM's, or a restored worker's: they keep the deadline
+            return self._in_time(lambda: call_handler(handler, event, context))
+        return self._in_time(lambda: call_handler_in_time(handler, event, context))
 
     def health_generate(self, timeout_s: float = 30.0) -> Any:
         """A real call through the whole path: llm, one 1-token generation through the service;
         function, the handler called on its declared health event (`api.health_event`, else
-        `{}`), in the restored worker for tier 1. Raises what the call raised."""
+        `{}`), in the restored worker for tier 1, within `timeout_s` as any call. Raises what
+        the call raised."""
         self._check_up()
         if self._llm_handler is not None:
             return self._llm_handler.health_check(timeout_s)
-        if self._remote is not None:
-            return {"ok": True, "result": self._remote.health(timeout_s)}
+        remote, handler = self._remote, self._handler
+        if remote is not None:
+            return {"ok": True, "result": self._in_time(lambda: remote.health(timeout_s))}
         event = self._function.health_event if self._function is not None else {}
         context = Context.new(self.function_name, timeout_s)
-        return {"ok": True, "result": call_handler(self._handler, event, context)}
+        result = self._in_time(lambda: call_handler_in_time(handler, event, context))
+        return {"ok": True, "result": result}
+
+    def _in_time(self, call: Callable[[], Any]) -> Any:
+        """`call()`; one that overran its time limit stops the runtime, then raises."""
+        try:
+            return call()
+        except HandlerTimedOut as exc:
+            self._overran(exc.limit_s)
+            raise
 
     def _check_up(self, wait_s: float = 0.0) -> None:
         if not self._started or self._closed:
@@ -408,6 +462,8 @@ class WorkerRuntime:
             if self.readiness.state is Readiness.UP or not self._started:
                 self.stopped = self.readiness.state is Readiness.UP
                 self.readiness.set(Readiness.FAILED, "closed")
+                if self.stopped:
+                    self._stopped_event.set()
 
     def _release(self) -> None:
         if self._remote is not None:

@@ -23,7 +23,12 @@ reason for `failed_start_exit_s`, logs the reason in one line, then exits with g
 boot-error code: the arbiter stops every worker and `snapfn serve` exits with that code (3), for
 an orchestrator to restart it, rather than serving 503 for good. A worker that was up (booted,
 its runtime up) and then exits, whatever its code, is replaced by another, as gunicorn replaces
-any dead worker: the arbiter is `arbiter.SnapfnArbiter`, which tells the two apart.
+any dead worker: the arbiter is `arbiter.SnapfnArbiter`, which tells the two apart. A worker
+whose runtime stopped after it was up (`runtime.stopped`: its restored worker process or a rank
+died, or a function's handler overran its time limit) logs why in one line, answers 503
+"stopped" for `STOPPED_EXIT_S` (the request in flight gets its answer), then stops as on
+SIGTERM (requests in flight finish, up to gunicorn's `graceful_timeout`): gunicorn starts
+another worker, which starts (or restores) again.
 A request's headers and body must arrive within `receive_timeout_s` (`receive_deadline.py`).
 
 Metrics: the master makes a folder for prometheus_client's multiprocess mode (or takes
@@ -44,6 +49,7 @@ import os
 import runpy
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -69,6 +75,7 @@ CONF_FILE = Path(__file__).with_name("gunicorn.conf.py")
 EMBEDDED_MODEL_NAME = "snapfn-embedded"
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 WORKER_BOOT_ERROR = 3  # gunicorn's: the arbiter halts on it from a worker never up
+STOPPED_EXIT_S = 1.0  # a worker whose runtime stopped answers 503 "stopped" this long, then exits
 # ServeConfig field → the gunicorn setting it sets (`SnapfnServer.load_config`)
 FLAG_SETTINGS = {
     "host": "bind",
@@ -209,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: before anything imports prometheus_client (the target's modules may): it picks
     # its multiprocess mode from the environment once, at import
     metrics_dir, made = multiprocess_metrics_dir(os.environ)
+    master_pid = os.getpid()
     try:
         target = serve_target(args)
         if config.model_name is None:
@@ -217,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
         given = frozenset(FLAG_SETTINGS[n] for n in FLAG_SETTINGS if getattr(args, n) is not None)
         return _serve(SnapfnServer(target, config, metrics_dir, os.environ, given))
     finally:
-        if made:
+        # NOTE: a worker leaving through sys.exit() passes here too: the folder is the master's
+        if made and os.getpid() == master_pid:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
@@ -377,7 +386,8 @@ class SnapfnServer(BaseApplication):
 
     def watch_start(self, worker: Any) -> None:
         """In a worker gunicorn has booted (its app loaded): wait for the runtime's start on
-        a thread, which marks the worker up (`arbiter.UpMark`) or exits (`_exit_start_failed`)."""
+        a thread, which marks the worker up (`arbiter.UpMark`) and, should the runtime stop
+        later, stops the worker (`_exit_runtime_stopped`), or exits (`_exit_start_failed`)."""
         watch = threading.Thread(
             target=self._settle_start,
             args=(worker, logging.getLogger("snapfn")),
@@ -393,8 +403,25 @@ class SnapfnServer(BaseApplication):
             mark = getattr(worker, "up_mark", None)  # None: a worker class without one
             if mark is not None:
                 mark.set()
+            self.runtime.wait_stopped()
+            if not self._closing.is_set():  # closed as the worker stops: nothing to do
+                self._exit_runtime_stopped(logger)
         elif not self._closing.is_set():  # closed as the worker stops: not a failed start
             self._exit_start_failed(logger)
+
+    def _exit_runtime_stopped(self, logger: logging.Logger) -> None:
+        """In a worker whose runtime stopped after it was up: answer 503 "stopped" a while,
+        then stop as on SIGTERM, for gunicorn to start another worker (see the module doc)."""
+        logger.error(
+            "[%d] the runtime stopped (%s); this worker exits in %g s and gunicorn starts "
+            "another, which starts again",
+            os.getpid(),
+            self.runtime.readiness.reason,
+            STOPPED_EXIT_S,
+        )
+        if self._closing.wait(STOPPED_EXIT_S):
+            return  # stopping already
+        os.kill(os.getpid(), signal.SIGTERM)  # gunicorn's graceful stop of this worker
 
     def _exit_start_failed(self, logger: logging.Logger) -> None:
         """In a worker whose start failed: answer /health with the reason a while, then exit

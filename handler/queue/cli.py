@@ -16,7 +16,12 @@ One message is one job (wire format and result document: `jobs`). The worker:
 - is idempotent by job id: a job whose result exists (or that this worker wrote) is deleted
   without running; S3 results are written create-only, so a redelivery never replaces one;
 - on SIGTERM stops receiving, lets held jobs finish (up to `drain_timeout_s`), gives back the
-  rest (visibility 0) and exits 0.
+  rest (visibility 0) and exits 0;
+- once its runtime stops after it was up (a function's handler overran its time limit and may
+  still be running, a restored worker process died), drains the same way and exits 2 naming
+  the reason (`RuntimeStopped`), for its supervisor (ECS, Kubernetes) to start a fresh one. The
+  job that overran was given back like any failed job (visible again after `retry_delay_s`,
+  counted by the redrive policy); those refused meanwhile too.
 
 `handle_sqs_batch(event, context, runner=...)` runs the same jobs for an SQS event (`Records`,
 as Lambda delivers it) and returns `{"batchItemFailures": [{"itemIdentifier": messageId}]}`:
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -99,7 +105,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not _wait_ready(runtime, worker, config.startup_timeout_s):
             return 0  # stopped while starting
-        return worker.run()
+        threading.Thread(
+            target=_stop_when_runtime_stops,
+            args=(runtime, worker),
+            name="snapfn-runtime-watch",
+            daemon=True,
+        ).start()
+        code = worker.run()
+        if runtime.stopped:  # NOTE: read before the close below, which stops it too
+            raise _runtime_stopped(runtime)
+        return code
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -112,6 +127,23 @@ def _start_runtime(args: argparse.Namespace) -> Any:
     runtime = WorkerRuntime(serve_target(args), log=stderr_log)
     runtime.start(background=True)
     return runtime
+
+
+def _stop_when_runtime_stops(runtime: Any, worker: QueueWorker) -> None:
+    """Once the runtime stopped (it serves nothing more): stop the worker, as SIGTERM does."""
+    runtime.wait_stopped()
+    if worker.stopping:
+        return  # stopping already (SIGTERM), or closed after the drain
+    stderr_log(f"the runtime stopped ({runtime.readiness.reason}): draining, then exiting")
+    worker.stop()
+
+
+def _runtime_stopped(runtime: Any) -> InitFailed:
+    from snapfn.handler.function.runtime import RuntimeStopped
+
+    return RuntimeStopped(
+        f"{runtime.function_name} stopped: {runtime.readiness.reason}; start a fresh worker"
+    )
 
 
 def _wait_ready(runtime: Any, worker: QueueWorker, timeout_s: float) -> bool:
