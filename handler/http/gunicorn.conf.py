@@ -12,7 +12,8 @@ Hooks, each run with `server` = the arbiter (`arbiter.SnapfnArbiter`) or `worker
   is done. NOTE: CUDA is first touched here, after fork, never in the master.
 - `post_worker_init`: in the worker, its app loaded: watch the runtime's start, then mark the
   worker up (the arbiter then replaces it if it exits) or, the start failed, exit with the
-  boot-error code (the server stops).
+  boot-error code (the server stops); a runtime that stops after it was up stops the worker
+  (gunicorn starts another).
 - `worker_exit`: close the runtime (stop the engine loop, release the model).
 - `child_exit`: in the master, mark the worker's live metrics dead (multiprocess mode).
 - `when_ready`: print the listening URL (the real port when `--port 0`).
