@@ -7,7 +7,9 @@ Contract:
 - `Generation.body()` runs every choice to the end and returns the full response object;
   `Generation.events()` yields server-sent events, one chunk per engine output, `[DONE]` last.
   A failure after the headers went out is sent as an `error` event (the request's own, e.g. a
-  grammar it failed, as `invalid_request_error`), then `[DONE]`: never a dropped stream.
+  grammar it failed, as `invalid_request_error`), then `[DONE]`: never a dropped stream. A
+  grammar that does not compile, or fails while generating, is an `ApiError` (`invalid_value`)
+  naming the field that sent it, whole or as that event.
 - Completions' `echo`: each choice's prompt (its text as sent, or its token ids decoded) is
   attached to the choice with its first output, which carries the prompt's logprobs.
 - `close()` cancels every unfinished choice, which frees its KV pages; it is idempotent.
@@ -27,8 +29,10 @@ from typing import Any
 from snapfn.handler.http.metrics import HttpMetrics
 from snapfn.handler.http.openai import shapes
 from snapfn.handler.http.openai.parse import choice_params
-from snapfn.handler.http.openai.request import GenerationRequest
+from snapfn.handler.http.openai.request import ApiError, GenerationRequest
 from snapfn.handler.http.openai.shapes import TokenText
+from snapfn.handler.llm.structured.compiler import FIELDS
+from snapfn.handler.llm.structured.spec import InvalidGuide
 from snapfn.snapshot.errors import BadRequest
 
 log = logging.getLogger("snapfn.http")
@@ -78,17 +82,26 @@ class Generation:
                 for j in range(n):
                     params = choice_params(self.request, k * n + j, len(ids), max_input)
                     streams.append(llm.submit(ids, params))
-        except BaseException:
+        except BaseException as exc:
             for stream in streams:
                 stream.cancel()
+            if isinstance(exc, InvalidGuide):  # a grammar that does not compile
+                raise ApiError(str(exc), param=exc.param, code="invalid_value") from None
             raise
         return streams
+
+    def _guide_failed(self, exc: BadRequest) -> ApiError:
+        """A choice's own failure mid-generation (its grammar past the library's limits) as the
+        400 naming the field that sent the grammar."""
+        guide = self.request.params.guide
+        param = FIELDS[guide.kind][0] if guide is not None else None
+        return ApiError(str(exc), param=param, code="invalid_value")
 
     def outputs(self) -> Iterator[tuple[int, Any]]:
         """(choice index, RequestOutput) in choice order; records latency and token metrics."""
         m, ep, last = self._metrics, self.endpoint, None
         for index, stream in enumerate(self.streams):
-            for out in stream:
+            for out in _outputs_of(stream, self._guide_failed):
                 now = time.perf_counter()
                 if last is None:
                     m.ttft_seconds.labels(ep).observe(
@@ -151,7 +164,8 @@ class Generation:
             yield "data: [DONE]\n\n"
         except BadRequest as exc:  # the request's own (a grammar it failed): as a 400 says it
             param = getattr(exc, "param", None)
-            yield _sse(shapes.error_body(str(exc), "invalid_request_error", param, code=exc.code))
+            code = getattr(exc, "api_code", None) or exc.code
+            yield _sse(shapes.error_body(str(exc), "invalid_request_error", param, code=code))
             yield "data: [DONE]\n\n"  # vLLM's stream ends so too: clients wait for it
         except Exception as exc:  # headers are sent: the error goes out as an event
             log.exception("generation %s failed mid-stream", self.meta.id)
@@ -191,6 +205,19 @@ class EventStream:
     def close(self) -> None:
         self._events.close()
         self._generation.close()
+
+
+def _outputs_of(stream: Any, failed: Any) -> Iterator[Any]:
+    """`stream`'s outputs; a request's own failure (a `BadRequest` without a field) through
+    `failed`, which names the field."""
+    try:
+        yield from stream
+    except ApiError:
+        raise
+    except BadRequest as exc:
+        if getattr(exc, "param", None) is not None:
+            raise
+        raise failed(exc) from None
 
 
 def _sse(obj: dict[str, Any]) -> str:

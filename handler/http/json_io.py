@@ -1,8 +1,9 @@
 """JSON in and out of the HTTP front door, errors included.
 
 Contract:
-- `read_json_body()` is the request's body as strict JSON (no `NaN`/`Infinity`); an empty or
-  malformed body is an `ApiError` 400 (`invalid_json`), a string that is not valid Unicode (a
+- `read_json_body()` is the request's body as strict JSON (no `NaN`/`Infinity`, no integer of
+  more than `MAX_INT_DIGITS` digits); an empty or malformed body is an `ApiError` 400
+  (`invalid_json`), a string that is not valid Unicode (a
   lone surrogate such as `"\\ud800"`, bytes that are not UTF-8) a 400 `invalid_unicode` naming
   where it is. A body over the app's `MAX_CONTENT_LENGTH` is a 413, with a `Content-Length`
   or sent chunked (read up to one byte past the limit, never cut and parsed). Before the 413
@@ -45,6 +46,7 @@ from snapfn.snapshot.errors import BadRequest, InitFailed
 log = logging.getLogger("snapfn.http")
 SURROGATE = re.compile("[\ud800-\udfff]")  # what no valid Unicode string holds
 READ_CHUNK_BYTES = 1 << 16
+MAX_INT_DIGITS = 4300  # a JSON integer longer is refused (Python's own bound on int("…"))
 LINGER_FACTOR = 4  # a refused body's rest is read and dropped up to this many limits
 # what a server's body stream raises for a body it cannot read: gunicorn's framing errors, its
 # NoMoreData (an OSError) for a body cut short, werkzeug's dev server's OSError / ValueError
@@ -119,7 +121,7 @@ def read_json_body() -> Any:
     if not data.strip():
         raise ApiError("the request body is empty: send a JSON object", code="invalid_json")
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
+        value = json.loads(data, parse_constant=_reject_constant, parse_int=_bounded_int)
     except UnicodeDecodeError as exc:
         raise ApiError(
             f"the body is not UTF-8 ({exc.reason} at byte {exc.start})", code="invalid_unicode"
@@ -190,6 +192,17 @@ def _drop_the_rest() -> bool:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _bounded_int(text: str) -> int:
+    """A JSON integer; one of more than `MAX_INT_DIGITS` digits, far past any field's range,
+    is refused in the client's terms (Python's own error names an interpreter setting)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(
+            f"an integer of {len(text.lstrip('-'))} digits, more than the {MAX_INT_DIGITS} "
+            "any field accepts"
+        )
+    return int(text)
 
 
 def _invalid_unicode_place(value: Any) -> str | None:

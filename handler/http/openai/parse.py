@@ -13,6 +13,8 @@ Contract:
   longer than `tokenizer.max_prompt_chars(max_input_len)` cannot fit, so a 4 MB prompt costs a
   length check, not an encoding), then, where that bound is loose (a long context), by a
   prefix of 8 characters per allowed token that already holds too many, then by their tokens.
+  With a tokenizer, prompt token ids and `logit_bias` keys outside its vocabulary are a 400
+  (`out_of_range`) naming `prompt` or `logit_bias`.
 - `choice_params(request, index, prompt_len, max_input_len)` is the engine's `SamplingParams` for
   one choice; with a `seed`, choice `i` samples with `seed + i`.
 
@@ -159,7 +161,28 @@ def tokenize(request: GenerationRequest, tokenizer: Any, max_input_len: int) -> 
         if not ids:
             raise ApiError("the prompt is empty", param=param, code="invalid_value")
         check_token_count(len(ids), max_input_len, param)
+    if tokenizer is not None:
+        check_vocabulary(prompts, request.params.logit_bias, tokenizer.vocab_size, param)
     return prompts
+
+
+def check_vocabulary(
+    prompts: list[list[int]], logit_bias: tuple[tuple[int, float], ...], vocab: int, param: str
+) -> None:
+    """Refuse prompt token ids and `logit_bias` keys outside the vocabulary [0, `vocab`)."""
+    given = (
+        (param, [t for ids in prompts for t in ids]),
+        ("logit_bias", [t for t, _ in logit_bias]),
+    )
+    for name, ids in given:
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ApiError(
+                f"'{name}' holds token ids out of range [0, {vocab}) (this model's "
+                f"vocabulary): {bad[:8]}",
+                param=name,
+                code="out_of_range",
+            )
 
 
 # a prefix this many characters per allowed token long is encoded first: typical text holds

@@ -8,7 +8,8 @@
 Contract: `tokenize_body(body, limits, tokenizer, max_input_len)` and
 `detokenize_body(body, limits, tokenizer, max_input_len)` return the response body or raise
 `ApiError`, as the generation endpoints do: the body validated by its model in `schema`
-(unknown fields ignored and logged), `model` the served one or left out, a text refused unencoded
+(unknown fields ignored and logged; `prompt` and `messages` both given a 400), `model` the
+served one or left out, a text refused unencoded
 when it cannot fit `max_input_len` tokens (400 `context_length_exceeded`, the bound the
 generation endpoints use, so a 4 MB body costs no encoding), a chat rendered by the model's
 chat template, token ids outside the vocabulary or more of them than the model's length a 400.
@@ -38,6 +39,10 @@ def tokenize_body(body: Any, limits: Limits, tokenizer: Any, max_input_len: int)
     )
 
     chat = isinstance(body, dict) and body.get("messages") is not None  # null: left out
+    if chat and body.get("prompt") is not None:
+        raise ApiError(
+            "send either 'prompt' or 'messages', not both", param="prompt", code="invalid_value"
+        )
     model = TokenizeChatRequest if chat else TokenizeCompletionRequest
     fields, unknown = validate_body(model, body)
     warn_unknown("/tokenize", unknown)

@@ -27,7 +27,9 @@ from snapfn.snapshot.errors import BadRequest
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than 1 MiB is refused
-MAX_CHOICES = 4096
+# llguidance's parser holds at most 2000 items in a row (`LLParserLimits.max_items_in_row`):
+# one per choice and one more, so a longer list would compile and then fail at its first token
+MAX_CHOICES = 1999
 DESCRIPTIONS = {
     "json_schema": "the JSON schema",
     "json_object": "the JSON object grammar",
