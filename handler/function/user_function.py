@@ -164,7 +164,9 @@ class UserFunction:
                 figures.update(restored_files=0, dropped=self.cache_drift)
                 return
             src = Path(snapshot_dir) / "caches"
-            figures["restored_files"] = compile_caches.restore_caches(src, self.cache_dir)
+            figures["restored_files"] = compile_caches.restore_caches(
+                src, self.cache_dir, manifest["files"]
+            )
 
         return [
             ("restore_caches", restore_caches),
@@ -203,7 +205,9 @@ def restore_image_caches(
         return 0
     check_listing(Path(snapshot_dir), manifest["files"])  # nothing unlisted is copied either
     verify_files(snapshot_dir, manifest, missing)
-    return compile_caches.restore_caches(Path(snapshot_dir) / "caches", Path(cache_dir))
+    return compile_caches.restore_caches(
+        Path(snapshot_dir) / "caches", Path(cache_dir), manifest["files"]
+    )
 
 
 DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")  # what a snapshot's recorded device may be

@@ -11,6 +11,9 @@
   `chat_template` (a string, or a list of `{name, template}` of which "default" is used). It is
   rendered in jinja2's immutable sandbox with transformers' helpers (`raise_exception`, `tojson`,
   `strftime_now`, loop controls, `{% generation %}`), so templates from the Hub run unchanged.
+  Compiling a template evaluates none of its expressions (jinja folds constant ones while
+  compiling: a snapshot's `{{ 'a' * 10**10 }}` would run at load), and a `*` or `**` that would
+  make a value of more than `MAX_TEMPLATE_VALUE_ITEMS` items or bits is refused as it renders.
   Render the result with `encode(prompt, add_special_tokens=False)`: the template writes bos.
 - eos ids merged from `tokenizer_config.json`, `generation_config.json` and `config.json`.
 
@@ -36,7 +39,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.compiler import CodeGenerator
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer as BackendTokenizer
 
 from snapfn.snapshot.errors import BadRequest, CheckpointError
@@ -52,6 +56,12 @@ SPECIAL_TOKEN_KEYS = (
 )
 REPLACEMENT_CHAR = "\ufffd"  # what decoding an incomplete UTF-8 sequence yields
 SURROGATE = re.compile("[\ud800-\udfff]")  # in no valid Unicode text
+# the most items (characters, list entries) one `*` of a chat template makes, and the most bits
+# one `**` does: far past any prompt, far below an allocation that hurts
+MAX_TEMPLATE_VALUE_ITEMS = 1 << 24
+# tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja:
+# the largest on the Hub hold a few MB of added tokens
+MAX_CONFIG_FILE_BYTES = 64 << 20
 
 
 class Tokenizer:
@@ -157,6 +167,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise BadRequest(f"chat template refused the conversation: {exc}") from exc
+        except (ArithmeticError, TypeError, ValueError) as exc:  # `{{ 1 / 0 }}`, `10.0 ** 999`
+            raise BadRequest(
+                f"chat template failed on the conversation: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _optional_id(self, key: str) -> int | None:
         token = self.special_tokens.get(key)
@@ -266,10 +280,56 @@ def _tojson(
     )
 
 
+class _UnfoldedCodeGenerator(CodeGenerator):
+    """jinja's compiler, evaluating no expression while it compiles (literal text aside)."""
+
+    def _output_child_to_const(self, node: jinja2.nodes.Expr, frame: Any, finalize: Any) -> str:
+        if isinstance(node, jinja2.nodes.TemplateData):
+            return super()._output_child_to_const(node, frame, finalize)
+        raise jinja2.nodes.Impossible()
+
+    def visit_EvalContextModifier(self, node: jinja2.nodes.EvalContextModifier, frame: Any) -> None:
+        for keyword in node.options:  # `{% autoescape EXPR %}`: EXPR evaluated as it renders
+            self.writeline(f"context.eval_ctx.{keyword.key} = ")
+            self.visit(keyword.value, frame)
+        frame.eval_ctx.volatile = True
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, compiling without evaluating and bounding `*` and `**`."""
+
+    code_generator_class = _UnfoldedCodeGenerator
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            _check_repeat(left, right)
+        elif _is_int(left) and _is_int(right) and right > 0:
+            bits = right * max(abs(left).bit_length() - 1, 0)
+            if bits > MAX_TEMPLATE_VALUE_ITEMS:
+                raise SecurityError(f"{left} ** {right} would be a number of {bits} bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_repeat(left: Any, right: Any) -> None:
+    for seq, times in ((left, right), (right, left)):
+        if isinstance(seq, str | list | tuple) and _is_int(times):
+            items = len(seq) * times
+            if items > MAX_TEMPLATE_VALUE_ITEMS:
+                raise SecurityError(f"a repetition of {items} items is more than allowed")
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox set up like transformers' (untrusted Hub code)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    env = _ChatTemplateSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        optimized=False,
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -280,11 +340,21 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise CheckpointError(f"chat template does not compile: {exc} (line {exc.lineno})") from exc
 
 
+def _read_text(path: Path, max_bytes: int) -> str:
+    """The UTF-8 text of the file at `path`; CheckpointError when it is larger than `max_bytes`
+    (what reading it would hold in memory: a snapshot's files may be as large as they are listed)."""
+    with open(path, "rb") as file:
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise CheckpointError(f"{path}: more than the {max_bytes} bytes such a file may have")
+    return data.decode("utf-8")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(_read_text(path, MAX_CONFIG_FILE_BYTES))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
@@ -311,7 +381,7 @@ def _special_tokens(config: Mapping[str, Any], legacy_map: Mapping[str, Any]) ->
 def _find_chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():  # transformers 5 writes it; it wins over tokenizer_config
-        return jinja_file.read_text(encoding="utf-8")
+        return _read_text(jinja_file, MAX_CONFIG_FILE_BYTES)
     template = config.get("chat_template")
     if template is None or isinstance(template, str):
         return template

@@ -8,15 +8,20 @@ out of a portable snapshot, so that a restore compiles nothing.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from snapfn.snapshot.errors import BadSnapshot, bad_snapshot
 from snapfn.snapshot.imports import import_for_startup
+from snapfn.snapshot.portable.format import MANIFEST
 
 # cache name → environment variable that points the library at it
 COMPILE_CACHES = {
@@ -119,24 +124,131 @@ def save_caches(cache_dir: Path, dest: Path) -> dict[str, int]:
     return saved
 
 
-def restore_caches(src: Path, cache_dir: Path) -> int:
+def restore_caches(src: Path, cache_dir: Path, listed: dict[str, Any] | None = None) -> int:
     """Copy a snapshot's caches into the local cache dir (before any kernel import): the files
     it lacks, the number copied.
+
+    Only regular files are copied, each opened without following a link and without blocking
+    (BadSnapshot, one line, for a symlink, FIFO, socket or device found there: the caches are
+    code Triton and inductor load). With `listed` (the manifest's "files", their digests
+    checked by the validation before), each file copied is hashed as it is copied and installed
+    only when those bytes are the listed ones: a file changed or added since the validation is
+    refused, never planted.
 
     NOTE: a file already there is never written over: caches are keyed by content, and a
     running process (a restored worker) may have it mapped, which a rewrite would corrupt.
     """
+    if src.is_symlink():
+        raise _refused(src, "caches", "is a symlink")
     if not src.is_dir():
         return 0
     count = 0
     for name, path in cache_dirs(cache_dir).items():
-        for file in sorted(p for p in (src / name).rglob("*") if p.is_file()):
-            dest = path / file.relative_to(src / name)
+        for relpath in _regular_files(src, name):
+            dest = path / relpath
             if dest.exists():
                 continue
+            entry = None if listed is None else _listed_entry(src, listed, f"{name}/{relpath}")
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-            shutil.copy2(file, tmp)
-            os.replace(tmp, dest)  # NOTE: a reader never sees half a file
+            try:
+                _copy_checked(src, f"{name}/{relpath}", tmp, entry)
+                os.replace(tmp, dest)  # NOTE: a reader never sees half a file
+            finally:
+                tmp.unlink(missing_ok=True)
             count += 1
     return count
+
+
+def _regular_files(src: Path, name: str) -> list[str]:
+    """The files under `src/name`, relative to it, sorted; BadSnapshot for anything but a
+    regular file or a directory (links are not followed)."""
+    top = src / name
+    if top.is_symlink() or (top.exists() and not top.is_dir()):
+        raise _refused(src, f"caches/{name}", "is not a directory")
+    found: list[str] = []
+    pending = [(top, "")] if top.is_dir() else []
+    while pending:
+        folder, prefix = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                relpath = prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), relpath + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    found.append(relpath)
+                else:
+                    raise _refused(src, f"caches/{name}/{relpath}", "is not a regular file")
+    return sorted(found)
+
+
+def _listed_entry(src: Path, listed: dict[str, Any], relpath: str) -> dict[str, Any]:
+    entry = listed.get(f"caches/{relpath}")
+    if not isinstance(entry, dict):
+        raise _refused(src, f"caches/{relpath}", f"is not listed in {MANIFEST}")
+    return entry
+
+
+def _copy_checked(src: Path, relpath: str, tmp: Path, entry: dict[str, Any] | None) -> None:
+    """`src/caches/relpath` (a regular file, opened without following a link or blocking)
+    copied to `tmp`, its bytes checked against `entry`'s size and digests when one is given."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(src / relpath, flags)
+    except OSError as exc:
+        raise _refused(src, f"caches/{relpath}", f"cannot be opened ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _refused(src, f"caches/{relpath}", "is not a regular file")
+        with open(tmp, "wb") as out:
+            size, digests, whole = _copy_hashed(fd, out, _chunk_bytes(entry), entry)
+        os.chmod(tmp, stat.S_IMODE(info.st_mode) & 0o755)
+        os.utime(tmp, ns=(info.st_atime_ns, info.st_mtime_ns))
+    finally:
+        os.close(fd)
+    if entry is not None and not _matches(entry, size, digests, whole):
+        raise _refused(src, f"caches/{relpath}", f"does not hold the bytes {MANIFEST} lists")
+
+
+def _copy_hashed(
+    fd: int, out: Any, chunk_bytes: int, entry: dict[str, Any] | None
+) -> tuple[int, list[str], str]:
+    """Copy `fd` to `out`: (bytes, sha256 of each `chunk_bytes` slice, sha256 of all); at most
+    one byte past `entry`'s size is read (a file still growing is refused, not followed)."""
+    limit = entry["size"] + 1 if entry is not None else None
+    size, digests, digest, whole = 0, [], hashlib.sha256(), hashlib.sha256()
+    while limit is None or size < limit:
+        want = min(1 << 20, chunk_bytes - size % chunk_bytes)
+        block = os.read(fd, want if limit is None else min(want, limit - size))
+        if not block:
+            break
+        out.write(block)
+        digest.update(block)
+        whole.update(block)
+        size += len(block)
+        if size % chunk_bytes == 0:
+            digests.append(digest.hexdigest())
+            digest = hashlib.sha256()
+    if size % chunk_bytes:
+        digests.append(digest.hexdigest())
+    return size, digests, whole.hexdigest()
+
+
+def _chunk_bytes(entry: dict[str, Any] | None) -> int:
+    if entry is not None and "chunks" in entry:
+        return entry["chunk_bytes"]
+    return 1 << 62  # the whole file in one digest
+
+
+def _matches(entry: dict[str, Any], size: int, digests: list[str], whole: str) -> bool:
+    if size != entry.get("size"):
+        return False
+    if "chunks" in entry:
+        expected = list(entry["chunks"])
+        return digests == expected and entry.get("sha256") in (None, whole)
+    return whole == entry.get("sha256")
+
+
+def _refused(src: Path, relpath: str, why: str) -> BadSnapshot:
+    return bad_snapshot(src.parent, f"{relpath!r} {why}")

@@ -179,21 +179,37 @@ def load_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse JSON text (UTF-8 when bytes) nested at most `max_depth` containers deep.
 
     ValueError (its message one line, saying what is wrong) otherwise: invalid UTF-8, invalid
-    JSON, or nesting deeper than that — the parser's own recursion limit included, so a deeply
+    JSON, an object naming a key twice (parsers disagree on which one counts: a file or tensor
+    listed twice would be read one way and checked another), or nesting deeper than that — the parser's own recursion limit included, so a deeply
     nested document is refused rather than raising RecursionError. Size is the caller's bound
     (it read the bytes).
     """
     try:
         text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_object_of_unique_keys)
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
     except RecursionError:
         raise ValueError(f"nested more than {max_depth} levels deep") from None
+    except _DuplicateKey as e:
+        raise ValueError(str(e)) from None
     except ValueError as e:  # JSONDecodeError
         raise ValueError(one_line(f"not valid JSON ({e})")) from None
     if _depth_exceeds(doc, max_depth):
         raise ValueError(f"nested more than {max_depth} levels deep")
+    return doc
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _object_of_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _DuplicateKey(f"an object names the key {_r(twice, 80)} twice")
     return doc
 
 
