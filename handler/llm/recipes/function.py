@@ -585,7 +585,10 @@ class LLMFunction:
             middle = [("stream_weights", self.stage_stream_weights), *agree, kv_pool]
             middle += [("warmup", self.stage_warmup)]
         return [
-            ("restore_caches", lambda f: self.stage_restore_caches(f, snapshot_dir, section)),
+            (
+                "restore_caches",
+                lambda f: self.stage_restore_caches(f, snapshot_dir, section, manifest["files"]),
+            ),
             ("build_model", lambda f: self.stage_build_model(f, snapshot_dir / "model")),
             *middle,
             ("capture_graphs", lambda f: self.stage_capture_graphs(f, restoring=True)),
@@ -620,12 +623,20 @@ class LLMFunction:
         self.stage_runtime_env(figures)
 
     def stage_restore_caches(
-        self, figures: Figures, snapshot_dir: Path, section: dict[str, Any]
+        self,
+        figures: Figures,
+        snapshot_dir: Path,
+        section: dict[str, Any],
+        listed: dict[str, Any] | None = None,
     ) -> None:
+        """The snapshot's compile caches into the local cache dir; with `listed` (the manifest's
+        files), each copied file's bytes checked against its entry as it is copied."""
         if self.rank > 0:  # one cache folder on the machine: rank 0 restores it
             figures["restored_cache_files"] = "by rank 0"
         elif self.cache_drift is None:
-            caches = compile_caches.restore_caches(snapshot_dir / "caches", self.config.cache_dir)
+            caches = compile_caches.restore_caches(
+                snapshot_dir / "caches", self.config.cache_dir, listed
+            )
             figures["restored_cache_files"] = caches
         if self.cache_drift is None:  # the init's kernel configs (made for this GPU) again
             from snapfn.handler.llm.kernels.triton.tuning import pin_choices
