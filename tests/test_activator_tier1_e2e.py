@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -26,15 +27,26 @@ def activator(criu_config, tmp_path_factory):
         ["--snapshot", str(root / "snap"), "--model-name", "embedded", "--idle-timeout", "1"],
         tmp_path_factory.mktemp("activator"),
     )
+    a.root = root
     yield a
     a.stop()
 
 
-def workers() -> list[int]:
+def workers(root: Path) -> list[int]:
+    """The checkpointable workers of this module's snapshot (restored ones keep the init's
+    command line, which names its cache folder under `root`), not other tests' on the machine."""
     done = subprocess.run(
         ["pgrep", "-f", "snapfn.snapshot.process.worker"], capture_output=True, text=True
     )
-    return [int(p) for p in done.stdout.split()]
+    mine = []
+    for pid in map(int, done.stdout.split()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone since
+            continue
+        if str(root).encode() in cmdline:
+            mine.append(pid)
+    return mine
 
 
 def complete(url: str) -> requests.Response:
@@ -50,13 +62,15 @@ def test_each_cold_start_restores_the_process_image_and_idle_stops_it(activator)
     outcome = (cold["kind"], cold["tier"], cold["ok"])
     assert outcome == ("restore", "process", True), cold["fallbacks"]
     assert "criu_restore" in [s["name"] for s in cold["stages"]]
-    assert len(workers()) == 1  # the restored worker serving the instance
+    assert len(workers(activator.root)) == 1  # the restored worker serving the instance
 
     activator.wait_for_instances(0)
     deadline = time.monotonic() + 10
-    while workers() and time.monotonic() < deadline:  # it exits once its channel closes
+    while (
+        workers(activator.root) and time.monotonic() < deadline
+    ):  # it exits once its channel closes
         time.sleep(0.05)
-    assert workers() == []
+    assert workers(activator.root) == []
 
     second = complete(activator.url)
     assert second.status_code == 200
