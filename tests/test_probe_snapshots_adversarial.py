@@ -262,3 +262,29 @@ def test_the_llm_restore_checks_its_caches_against_the_manifest(made, tmp_path, 
         assert seen == [read_manifest(snap)["files"]]
     finally:
         fn.release()
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("num_hidden_layers", 20000, "builds 20000 layers, the weights hold"),
+        ("vocab_size", 1 << 40, "makes an embedding of"),
+        ("hidden_size", 1 << 20, "makes an embedding of"),
+    ],
+)
+def test_a_config_json_naming_a_vast_model_is_refused_before_it_is_built(
+    made, tmp_path, field, value, says
+):
+    """The snapshot's model/config.json is checked against its layout table before the model
+    is built: a vast one is refused at once (20000 layers took seconds and a GB to build)."""
+    snap = clone(made, tmp_path / "snap")
+    config = snap / "model" / "config.json"
+    doc = json.loads(config.read_bytes())
+    doc[field] = value
+    config.unlink()  # a hard link of the original: replaced, not edited
+    config.write_text(json.dumps(doc))
+    _relisted(snap, "model/config.json")
+    started = time.monotonic()
+    fallback = answered_by_fallback(made, snap)
+    assert time.monotonic() - started < 30
+    assert fallback["step"] == "build_model" and says in fallback["reason"], fallback

@@ -53,6 +53,7 @@ from snapfn.handler.llm.init_config import InitConfig
 from snapfn.handler.llm.recipes.section import (
     CheckedSection,
     check_against_model,
+    check_config_against_layout,
     check_section,
 )
 from snapfn.handler.llm.recipes.snapshot_files import (
@@ -693,6 +694,7 @@ class LLMFunction:
             raise RestoreFailed(f"the snapshot's model/config.json is {exc}") from None
         # the MTP layers the init built: those its weights held (the layout's parameters)
         self._model_config = as_held(ModelConfig.from_hf(doc), self._checked.layout.tensors)
+        check_config_against_layout(self._model_config, self._checked.layout.tensors, self.parallel)
         self.model = build_model(
             self._model_config, self.config.engine_options(parallel=self.parallel)
         )

@@ -139,6 +139,32 @@ def _checked_choices(value: Any) -> list[dict[str, str]]:
         raise _refuse(str(exc)) from None
 
 
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
+
+
+def check_config_against_layout(model_config: Any, tensors: dict[str, Any], parallel: Any) -> None:
+    """The snapshot's model/config.json against its checked layout table, before any model is
+    built from it: as many layers as the weights hold, and an embedding of
+    the hidden size and this rank's rows of the vocabulary. NOTE: a config.json naming 20000
+    layers, or a vast vocabulary, would otherwise be built (seconds to hours of allocation)
+    before `check_against_model` refused it."""
+    from snapfn.handler.llm.models.tensor_parallel import vocab_rows
+
+    # NOTE: MTP layers are `mtp.{j}.…` in a layout (`as_held` counted them already)
+    held = len({m.group(1) for name in tensors if (m := _LAYER.match(name))})
+    wanted = model_config.num_layers
+    if held != wanted:
+        raise _refuse(f"its model/config.json builds {wanted} layers, the weights hold {held}")
+    embedding = tensors.get("model.embed_tokens.weight")
+    shape = list(getattr(embedding, "shape", ()))
+    rows = vocab_rows(model_config.vocab_size, parallel)[1]
+    if shape != [rows, model_config.hidden_size]:
+        raise _refuse(
+            f"its model/config.json makes an embedding of {[rows, model_config.hidden_size]}, "
+            f"the weights hold {shape}"
+        )
+
+
 def check_against_model(checked: CheckedSection, model_config: Any, model: Any) -> None:
     """The section against the model built from the snapshot's model/config.json."""
     from snapfn.handler.llm.engine.kv_pool import bytes_per_page
