@@ -25,6 +25,8 @@ from typing import Any
 
 from gunicorn.arbiter import Arbiter
 
+from snapfn.snapshot.portable.staging import pid_alive
+
 
 class UpMark:
     """One byte of memory shared by the arbiter and the worker it forks: the worker sets it once
@@ -64,7 +66,7 @@ class SnapfnArbiter(Arbiter):
         finally:
             self.WORKERS.update(hidden)
         for pid, worker in hidden.items():
-            if not _alive(pid):
+            if not pid_alive(pid):
                 self._replace(pid, worker, "its exit status reaped by gunicorn")
 
     def _reap_if_boot_error_code(self, pid: int, worker: Any) -> bool:
@@ -90,14 +92,3 @@ class SnapfnArbiter(Arbiter):
         )
         worker.tmp.close()
         self.cfg.child_exit(self, worker)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` is still a process (a reaped worker's pid is none, until it is reused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -62,7 +62,7 @@ def remove_stale_temp_dirs(dest: str | os.PathLike[str]) -> list[Path]:
         if not candidate.name.startswith(prefix):
             continue
         match = _TEMP_SUFFIX.fullmatch(candidate.name[len(prefix) :])
-        if match and not _pid_alive(int(match.group(1))) and remove_if_unlocked(candidate):
+        if match and not pid_alive(int(match.group(1))) and remove_if_unlocked(candidate):
             removed.append(candidate)
     return removed
 
@@ -97,7 +97,9 @@ def remove_if_unlocked(path: Path) -> bool:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` may still be a process (True for a pid no process can have, and for one
+    another user's process holds)."""
     if pid <= 0:
         return True  # not a pid a writer could have: leave the directory alone
     try:
