@@ -104,8 +104,7 @@ class WorkerRuntime:
         self.readiness = ReadinessState()
         self.startup: StartupManifest | None = None
         self.fatal: NoTrustedSource | None = None  # see the module docstring
-        self.stopped = False  # FAILED after it was up (see the module docstring)
-        self._stopped_event = threading.Event()  # set with `stopped`
+        self._stopped = threading.Event()  # FAILED after it was up (`stopped`)
         self.function_name = target.function if target.kind == "function" else "llm"
         self.llm: LLMService | None = None
         self._log = log
@@ -132,9 +131,14 @@ class WorkerRuntime:
     def wait_ready(self, timeout_s: float | None = None) -> Readiness:
         return self.readiness.wait_until_settled(timeout_s)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the runtime is FAILED after it was up (see the module docstring)."""
+        return self._stopped.is_set()
+
     def wait_stopped(self, timeout_s: float | None = None) -> bool:
         """Block until the runtime stopped after it was up (or the timeout); whether it has."""
-        return self._stopped_event.wait(timeout_s)
+        return self._stopped.wait(timeout_s)
 
     def _start(self) -> None:
         lines: list[str] = []
@@ -246,12 +250,16 @@ class WorkerRuntime:
         runtime FAILED already keeps its first reason."""
         if self.readiness.state is Readiness.FAILED:
             return
-        self.stopped = self.readiness.state is Readiness.UP
         if self._log is not None:
-            self._log(f"{self.function_name} stopped: {line}" if self.stopped else line)
+            up = self.readiness.state is Readiness.UP
+            self._log(f"{self.function_name} stopped: {line}" if up else line)
+        self._settle_failed(reason)
+
+    def _settle_failed(self, reason: str) -> None:
+        """Readiness FAILED with `reason`, and `stopped` when it was UP."""
+        if self.readiness.state is Readiness.UP:
+            self._stopped.set()
         self.readiness.set(Readiness.FAILED, reason)
-        if self.stopped:
-            self._stopped_event.set()
 
     def _overran(self, limit_s: float) -> None:
         """A handler overran its time limit and may still be running: stop, and kill a
@@ -460,10 +468,7 @@ class WorkerRuntime:
             # NOTE: a start in flight settles readiness itself when it ends; a failed start
             # keeps its reason.
             if self.readiness.state is Readiness.UP or not self._started:
-                self.stopped = self.readiness.state is Readiness.UP
-                self.readiness.set(Readiness.FAILED, "closed")
-                if self.stopped:
-                    self._stopped_event.set()
+                self._settle_failed("closed")
 
     def _release(self) -> None:
         if self._remote is not None:
