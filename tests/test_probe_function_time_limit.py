@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from test_probe_serve_edges import pid_when_up, serve_function
+from test_probe_serve_edges import init_function_snapshot, pid_when_up, serve_function
 
 from snapfn.handler.api import Context, FunctionError, HandlerTimedOut
 from snapfn.handler.function.host import RemoteHandler
@@ -195,15 +195,7 @@ def test_a_restored_worker_silent_past_the_deadline_is_the_same_timeout_error():
 @pytest.fixture
 def tier1_snapshot(tmp_path, criu_config):
     """A process snapshot of RUNAWAY (`snapfn init --function`): (function folder, snapshot)."""
-    folder = tmp_path / "fn"
-    folder.mkdir()
-    (folder / "edge_fn.py").write_text(RUNAWAY)
-    snapshot = tmp_path / "snapshot"
-    argv = [sys.executable, "-m", "snapfn.handler.cli", "init", "--function", "edge_fn:handler"]
-    argv += ["--function-dir", str(folder), "--snapshot", str(snapshot)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "snapshot (process)" in done.stdout, done.stderr[-2000:]
-    return folder, snapshot
+    return init_function_snapshot(tmp_path, RUNAWAY)
 
 
 def test_a_tier1_handler_past_its_deadline_stops_the_runtime_and_its_worker(tier1_snapshot):

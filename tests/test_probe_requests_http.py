@@ -1,10 +1,13 @@
 """Odd requests at the HTTP front door (`handler/http/`), on the embedded model: each is a 4xx in
-OpenAI's error shape naming what to fix, or served, and never grows the server's state."""
+OpenAI's error shape naming what to fix, or served, and never grows the server's state.
+Adversarial ones at the OpenAI endpoints (`handler/http/openai/`, `generation.py`,
+`json_io.py`): a 400 whose `param` names the field to fix and whose `code` is the API's, never a
+5xx nor an interpreter's own wording."""
 
 from __future__ import annotations
 
 import pytest
-from test_http import completion, llm_runtime
+from test_http import completion, llm_runtime, sse
 
 from snapfn.handler.http.app import create_app
 from snapfn.handler.http.serve_config import ServeConfig
@@ -70,3 +73,69 @@ def test_a_stream_whose_grammar_fails_ends_with_its_error_then_done(client):
     )
     followed = completion(client, prompt="hi", max_tokens=2)
     assert followed.status_code == 200
+
+
+def error_of(r, status: int = 400) -> dict:
+    assert r.status_code == status, r.get_data(as_text=True)[:300]
+    return r.json["error"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [1, 2, 10**9]}, "prompt"),
+        ({"prompt": [[1], [2**70]]}, "prompt"),
+        ({"prompt": "hi", "logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"prompt": [5], "logit_bias": {"3": 1, "4096": -1}}, "logit_bias"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_name_their_field(client, body, param):
+    error = error_of(completion(client, max_tokens=1, **body))
+    assert error["param"] == param and error["code"] == "out_of_range", error
+    assert "out of range [0, 4096)" in error["message"]
+
+
+def test_a_grammar_that_does_not_compile_is_an_invalid_value(client):
+    error = error_of(completion(client, prompt="hi", max_tokens=1, guided_regex="(("))
+    assert error["param"] == "guided_regex" and error["code"] == "invalid_value", error
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    error = error_of(completion(client, prompt="hi", max_tokens=1, response_format=schema))
+    assert error["param"] == "response_format" and error["code"] == "invalid_value", error
+
+
+def test_a_grammar_that_fails_at_its_first_token_names_its_field(client):
+    """A regex that compiles but is past the library's lexer limits fails while generating: a
+    400 naming the field, whole or streamed."""
+    body = {"prompt": "hi", "max_tokens": 4, "guided_regex": "a{1000000}"}
+    error = error_of(completion(client, **body))
+    assert error["param"] == "guided_regex" and error["code"] == "invalid_value", error
+    events = sse(completion(client, stream=True, **body).data)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["param"] == "guided_regex" and error["code"] == "invalid_value", error
+
+
+def test_an_integer_too_long_to_convert_is_refused_in_the_clients_terms(client):
+    body = '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"
+    r = client.post("/v1/completions", data=body, content_type="application/json")
+    error = error_of(r)
+    assert error["code"] == "invalid_json" and "5000 digits" in error["message"], error
+    assert "sys." not in error["message"]
+
+
+def test_tokenize_refuses_a_prompt_and_messages_together(client):
+    body = {"prompt": "hello", "messages": [{"role": "user", "content": "x"}]}
+    error = error_of(client.post("/tokenize", json=body))
+    assert error["param"] == "prompt" and "not both" in error["message"], error
+
+
+def test_guided_choice_is_refused_past_the_parsers_row_limit(client):
+    """llguidance's parser rows hold 2000 items, one per choice and one more: a longer list
+    is refused up front, not failed at its first token with advice about grammars."""
+    served = completion(
+        client, prompt="hi", max_tokens=4, guided_choice=[f"c{i}" for i in range(1999)]
+    )
+    assert served.status_code == 200 and served.json["choices"][0]["finish_reason"] == "stop"
+    r = completion(client, prompt="hi", max_tokens=4, guided_choice=[f"c{i}" for i in range(2000)])
+    error = error_of(r)
+    assert error["param"] == "guided_choice" and "1999" in error["message"], error

@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from contextlib import closing
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -256,16 +257,23 @@ def test_an_up_worker_reaped_by_gunicorn_itself_is_replaced_not_a_halt(monkeypat
 
 
 # ---- a tier-1 function worker that stops after it was up ------------------------------------
-@pytest.fixture
-def tier1_runtime(tmp_path, criu_config):
+def init_function_snapshot(tmp_path: Path, source: str) -> tuple[Path, Path]:
+    """`source` as `edge_fn.py`, snapshotted with `snapfn init --function` at tier 1:
+    (function folder, snapshot)."""
     folder = tmp_path / "fn"
     folder.mkdir()
-    (folder / "edge_fn.py").write_text(EXITING)
+    (folder / "edge_fn.py").write_text(source)
     snapshot = tmp_path / "snapshot"
     argv = [sys.executable, "-m", "snapfn.handler.cli", "init", "--function", "edge_fn:handler"]
     argv += ["--function-dir", str(folder), "--snapshot", str(snapshot)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "snapshot (process)" in done.stdout, done.stderr[-2000:]
+    return folder, snapshot
+
+
+@pytest.fixture
+def tier1_runtime(tmp_path, criu_config):
+    folder, snapshot = init_function_snapshot(tmp_path, EXITING)
     lines: list[str] = []
     target = ServeTarget(
         kind="function", function="edge_fn:handler", function_dir=folder, snapshot_dir=snapshot
