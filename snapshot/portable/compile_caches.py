@@ -8,7 +8,6 @@ out of a portable snapshot, so that a restore compiles nothing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import stat
@@ -21,6 +20,7 @@ from typing import Any
 
 from snapfn.snapshot.errors import BadSnapshot, bad_snapshot
 from snapfn.snapshot.imports import import_for_startup
+from snapfn.snapshot.portable.digests import digest_ranges, sha256_fd
 from snapfn.snapshot.portable.format import MANIFEST
 
 # cache name → environment variable that points the library at it
@@ -191,7 +191,8 @@ def _listed_entry(src: Path, listed: dict[str, Any], relpath: str) -> dict[str, 
 
 def _copy_checked(src: Path, relpath: str, tmp: Path, entry: dict[str, Any] | None) -> None:
     """`src/caches/relpath` (a regular file, opened without following a link or blocking)
-    copied to `tmp`, its bytes checked against `entry`'s size and digests when one is given."""
+    copied to `tmp`, the copy's bytes checked against `entry`'s size and digests when one is
+    given (at most one byte past its size is read: a file still growing is refused)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(src / relpath, flags)
@@ -201,53 +202,28 @@ def _copy_checked(src: Path, relpath: str, tmp: Path, entry: dict[str, Any] | No
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _refused(src, f"caches/{relpath}", "is not a regular file")
+        limit = sys.maxsize if entry is None else entry["size"] + 1
         with open(tmp, "wb") as out:
-            size, digests, whole = _copy_hashed(fd, out, _chunk_bytes(entry), entry)
+            while limit > 0 and (block := os.read(fd, min(1 << 20, limit))):
+                out.write(block)
+                limit -= len(block)
         os.chmod(tmp, stat.S_IMODE(info.st_mode) & 0o755)
         os.utime(tmp, ns=(info.st_atime_ns, info.st_mtime_ns))
     finally:
         os.close(fd)
-    if entry is not None and not _matches(entry, size, digests, whole):
+    if entry is not None and not _holds(tmp, relpath, entry):
         raise _refused(src, f"caches/{relpath}", f"does not hold the bytes {MANIFEST} lists")
 
 
-def _copy_hashed(
-    fd: int, out: Any, chunk_bytes: int, entry: dict[str, Any] | None
-) -> tuple[int, list[str], str]:
-    """Copy `fd` to `out`: (bytes, sha256 of each `chunk_bytes` slice, sha256 of all); at most
-    one byte past `entry`'s size is read (a file still growing is refused, not followed)."""
-    limit = entry["size"] + 1 if entry is not None else None
-    size, digests, digest, whole = 0, [], hashlib.sha256(), hashlib.sha256()
-    while limit is None or size < limit:
-        want = min(1 << 20, chunk_bytes - size % chunk_bytes)
-        block = os.read(fd, want if limit is None else min(want, limit - size))
-        if not block:
-            break
-        out.write(block)
-        digest.update(block)
-        whole.update(block)
-        size += len(block)
-        if size % chunk_bytes == 0:
-            digests.append(digest.hexdigest())
-            digest = hashlib.sha256()
-    if size % chunk_bytes:
-        digests.append(digest.hexdigest())
-    return size, digests, whole.hexdigest()
-
-
-def _chunk_bytes(entry: dict[str, Any] | None) -> int:
-    if entry is not None and "chunks" in entry:
-        return entry["chunk_bytes"]
-    return 1 << 62  # the whole file in one digest
-
-
-def _matches(entry: dict[str, Any], size: int, digests: list[str], whole: str) -> bool:
-    if size != entry.get("size"):
+def _holds(copy: Path, relpath: str, entry: dict[str, Any]) -> bool:
+    """Whether `copy` (a private copy: nobody else writes it) is `entry`'s size and digests."""
+    if copy.stat().st_size != entry["size"]:
         return False
-    if "chunks" in entry:
-        expected = list(entry["chunks"])
-        return digests == expected and entry.get("sha256") in (None, whole)
-    return whole == entry.get("sha256")
+    fd = os.open(copy, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return all(sha256_fd(fd, r) == r.sha256 for r in digest_ranges(relpath, entry))
+    finally:
+        os.close(fd)
 
 
 def _refused(src: Path, relpath: str, why: str) -> BadSnapshot:
